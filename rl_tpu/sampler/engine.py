@@ -1,0 +1,260 @@
+"""The native sampler: batched, KV-cached generation for Hugging Face causal LMs with bucketed shapes.
+
+One call to :meth:`Sampler.generate`:
+
+1. repeats each prompt ``n`` times (prompt-major), sorts the rows by length and cuts them into batches of at most
+   ``max_batch_size`` rows;
+2. per batch, left-pads the prompts to the smallest prompt bucket that fits, pads the batch to a power of two
+   (repeating a real row), and allocates a static KV cache of ``prompt_bucket + gen_bucket`` positions;
+3. runs the prompt once (prefill), then one token per step (decode), choosing tokens with
+   :func:`~rl_tpu.sampler.processing.choose_tokens`;
+4. stops when every row has met an EOS/stop token or ``max_new_tokens``; when half the rows or more are finished
+   the batch shrinks to the next power of two (the finished rows' cache rows are dropped).
+
+So a compiled (XLA/TPU) forward sees only shapes ``(batch_bucket, prompt_bucket)`` for prefill and
+``(batch_bucket, 1)`` against a cache of ``prompt_bucket + gen_bucket`` for decode; :attr:`Sampler.shapes_seen`
+records them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import StaticCache
+
+from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
+from rl_tpu.sampler.processing import choose_tokens
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _check_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(sorted({int(b) for b in buckets}))
+    if not out or out[0] < 1:
+        raise SamplerError(f"{name}={tuple(buckets)!r}: give one or more positive lengths")
+    return out
+
+
+class Sampler:
+    """Generate completions and their log-probs from a Hugging Face causal LM.
+
+    Args:
+        model: a ``transformers`` causal LM (``AutoModelForCausalLM``); put into eval mode.
+        pad_token_id: token written at padded positions (never attended to).
+        eos_token_ids: tokens that end a completion (in addition to ``SamplingParams.stop_token_ids``).
+        prompt_buckets: allowed padded prompt lengths; a prompt longer than the largest is refused.
+        gen_buckets: allowed generation lengths (KV cache room); ``max_new_tokens`` above the largest is refused.
+        max_batch_size: most rows per forward pass (rows beyond are run in further batches); ``None``: no limit.
+        device: device for the inputs and the cache; ``None``: the model's device.
+        shrink_finished: drop finished rows (halving the batch bucket) during decoding; saves compute, adds at
+            most ``log2(max batch)`` batch shapes.
+
+    Attributes:
+        shapes_seen: set of ``(batch, query_length, cache_length)`` the model's forward was called with.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Iterable[int],
+        prompt_buckets: Sequence[int] = (32, 64, 128, 256, 512),
+        gen_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
+        max_batch_size: int | None = None,
+        device: torch.device | str | None = None,
+        shrink_finished: bool = True,
+    ) -> None:
+        self.model = model.eval()
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.prompt_buckets = _check_buckets("prompt_buckets", prompt_buckets)
+        self.gen_buckets = _check_buckets("gen_buckets", gen_buckets)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise SamplerError(f"max_batch_size={max_batch_size!r}: give a positive row count or None")
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.shrink_finished = shrink_finished
+        self.shapes_seen: set[tuple[int, int, int]] = set()
+        self.config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # Parameters and persistent buffers by every name they have (tied weights appear under both names).
+        self._tensors = model.state_dict(keep_vars=True)
+
+    # ----------------------------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def load_state_dict(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into the model in place (weight sync); names are the model's ``state_dict`` keys.
+
+        The parameters keep their storage, so anything holding them (a compiled graph, this sampler) stays
+        valid; dtype and device are converted on copy.
+
+        Raises:
+            SamplerError: a name the model does not have, or a shape that differs from the model's.
+        """
+        for name, src in named_tensors:
+            dst = self._tensors.get(name)
+            if dst is None:
+                raise SamplerError(
+                    f"load_state_dict: the model has no tensor named {name!r}; send the rollout model's "
+                    f"state_dict names (e.g. {next(iter(self._tensors))!r})"
+                )
+            if tuple(dst.shape) != tuple(src.shape):
+                raise SamplerError(
+                    f"load_state_dict: {name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}; "
+                    "send weights of the same architecture"
+                )
+            dst.copy_(src)
+
+    # ------------------------------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[SampleOutput]:
+        """Sample ``params.n`` completions for each prompt.
+
+        Args:
+            prompts: token-id lists, unpadded, each non-empty and at most ``max(prompt_buckets)`` long.
+            params: sampling settings.
+
+        Returns:
+            ``len(prompts) * params.n`` outputs in prompt-major order (prompt 0's samples, then prompt 1's, ...).
+
+        Raises:
+            SamplerError: an empty or too long prompt, a token id outside the vocabulary, or ``max_new_tokens``
+                above the largest generation bucket or past the model's context length.
+        """
+        self._check(prompts, params)
+        rows = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # prompt-major
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths share a prompt bucket
+        step = self.max_batch_size or len(rows)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+        outputs: list[SampleOutput | None] = [None] * len(rows)
+        with torch.inference_mode():
+            for start in range(0, len(rows), step):
+                idx = order[start : start + step]
+                for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
+                    outputs[i] = out
+        return outputs  # type: ignore[return-value]
+
+    def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise SamplerError(f"params is a {type(params).__name__}: pass rl_tpu.sampler.SamplingParams")
+        longest = self.prompt_buckets[-1]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise SamplerError(f"prompt {i} is empty: give at least one token")
+            if len(p) > longest:
+                raise SamplerError(
+                    f"prompt {i} has {len(p)} tokens, more than the largest prompt bucket ({longest}): "
+                    "shorten or filter it, or pass larger prompt_buckets"
+                )
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise SamplerError(
+                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab_size}): "
+                    "tokenize with the model's own tokenizer"
+                )
+        if params.max_new_tokens > self.gen_buckets[-1]:
+            raise SamplerError(
+                f"max_new_tokens={params.max_new_tokens} is more than the largest generation bucket "
+                f"({self.gen_buckets[-1]}): lower it or pass larger gen_buckets"
+            )
+        ctx = getattr(self.config, "max_position_embeddings", None)
+        need = max((len(p) for p in prompts), default=0) + params.max_new_tokens
+        if ctx is not None and need > ctx:
+            raise SamplerError(
+                f"prompt + max_new_tokens = {need} tokens is past the model's context length ({ctx}): "
+                "lower max_new_tokens or shorten the prompts"
+            )
+
+    def _bucket(self, buckets: tuple[int, ...], length: int) -> int:
+        return next(b for b in buckets if b >= length)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """``ids``/``pos`` ``(batch, q)``, ``mask`` ``(batch, cache_len)`` -> last-position logits ``(batch, vocab)``."""
+        self.shapes_seen.add((ids.shape[0], ids.shape[1], mask.shape[1]))
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]  # (batch, vocab)
+
+    def _generate_batch(
+        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+    ) -> list[SampleOutput]:
+        dev = self.device
+        n_real = len(rows)
+        batch = _next_pow2(n_real)
+        if self.max_batch_size is not None:
+            batch = min(batch, self.max_batch_size)
+        rows = rows + [rows[0]] * (batch - n_real)  # filler rows: results dropped
+        prompt_len = self._bucket(self.prompt_buckets, max(len(r) for r in rows))
+        cache_len = prompt_len + self._bucket(self.gen_buckets, params.max_new_tokens)
+        max_new = params.max_new_tokens
+
+        # Left-padded prompts; the mask covers the whole cache: 1 = a real token (future slots are hidden by
+        # causality until written).
+        ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)  # (batch, prompt)
+        mask = torch.ones((batch, cache_len), dtype=torch.long)  # (batch, cache)
+        for i, r in enumerate(rows):
+            ids[i, prompt_len - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, : prompt_len - len(r)] = 0
+        ids, mask = ids.to(dev), mask.to(dev)
+        real_len = mask[:, :prompt_len].sum(-1)  # (batch,) prompt tokens per row
+        pos = (mask[:, :prompt_len].cumsum(-1) - 1).clamp(min=0)  # (batch, prompt) positions from 0 per row
+
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long,
+                                device=dev)
+        out_tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)  # (rows, new)
+        out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new)
+        out_len = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens generated per row
+        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)  # ended on a stop token
+        row_ids = torch.arange(batch, device=dev)  # current batch row -> output row
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        done[n_real:] = True  # filler rows never write
+
+        cache = StaticCache(config=self.config, max_cache_len=cache_len)
+        logits = self._forward(ids, mask, pos, cache)  # (batch, vocab)
+        sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
+        for t in range(max_new):
+            tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,)
+            alive = ~done
+            out_tokens[row_ids, t] = torch.where(alive, tok, self.pad_token_id)
+            out_logp[row_ids, t] = torch.where(alive, logp, 0.0)
+            out_len[row_ids] += alive.long()
+            hit = alive & torch.isin(tok, stop_ids)
+            stopped[row_ids] |= hit
+            done |= hit
+            n_alive = int((~done).sum())
+            if n_alive == 0 or t == max_new - 1:
+                break
+            if self.shrink_finished and n_alive <= done.shape[0] // 2:
+                keep = self._shrink(done, n_alive)
+                cache.reorder_cache(keep)
+                for layer in cache.layers:  # reorder_cache re-sizes the tensors, not this bookkeeping field
+                    if hasattr(layer, "max_batch_size"):
+                        layer.max_batch_size = keep.shape[0]
+                tok, done, row_ids, mask, real_len = tok[keep], done[keep], row_ids[keep], mask[keep], real_len[keep]
+            # the token chosen at step t sits at position real_len + t of its row
+            logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache)  # (batch, vocab)
+
+        return [self._output(out_tokens[i], out_logp[i], int(out_len[i]), bool(stopped[i])) for i in range(n_real)]
+
+    @staticmethod
+    def _shrink(done: torch.Tensor, n_alive: int) -> torch.Tensor:
+        """Rows to keep: the unfinished ones, topped up with finished ones to a power of two. ``(new_batch,)``."""
+        new_batch = _next_pow2(n_alive)
+        alive_idx = (~done).nonzero().squeeze(-1)
+        fill_idx = done.nonzero().squeeze(-1)[: new_batch - n_alive]
+        return torch.cat([alive_idx, fill_idx])
+
+    @staticmethod
+    def _output(tokens: torch.Tensor, logp: torch.Tensor, length: int, stopped: bool) -> SampleOutput:
+        return SampleOutput(
+            token_ids=tokens[:length].tolist(),
+            logprobs=logp[:length].tolist(),
+            finish_reason="stop" if stopped else "length",
+        )
