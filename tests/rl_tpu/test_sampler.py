@@ -1,0 +1,242 @@
+"""The native sampler on tiny random Llama models: log-probs, buckets, sampling settings, weight updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rl_tpu.sampler import Sampler, SamplerError, SamplingParams, choose_tokens
+
+torch.set_num_threads(1)
+
+VOCAB, PAD, EOS = 97, 0, 1
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+def make(model: LlamaForCausalLM, **kw) -> Sampler:
+    return Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], **kw)
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of a separate, unpadded, cache-free forward, gathered at ``tokens``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (new, vocab)
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=24, seed=1),
+        SamplingParams(n=2, temperature=1.3, max_new_tokens=24, seed=2),
+        SamplingParams(temperature=0.0, max_new_tokens=24),
+    ],
+    ids=["t0.7-topk-topp", "t1.3", "greedy"],
+)
+def test_logprobs_equal_a_forward_pass(model, params: SamplingParams) -> None:
+    prompts = random_prompts([5, 19, 40, 11])
+    outs = make(model).generate(prompts, params)
+    assert len(outs) == len(prompts) * params.n
+    for i, out in enumerate(outs):
+        prompt = prompts[i // params.n]  # prompt-major order
+        assert len(out.logprobs) == len(out.token_ids) >= 1
+        ref = reference_logprobs(model, prompt, out.token_ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_matches_hf_generate(model) -> None:
+    prompts = random_prompts([3, 8, 30, 64, 65])
+    outs = make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))
+    for prompt, out in zip(prompts, outs):
+        hf = model.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=EOS
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == hf
+
+
+def test_buckets_bound_the_shapes(model) -> None:
+    sampler = make(model, prompt_buckets=(16, 32, 64), gen_buckets=(8, 16), max_batch_size=8)
+    lengths = list(range(1, 65, 3))  # 22 different prompt lengths
+    for i, batch_size in enumerate([1, 3, 5, 8, 11]):
+        prompts = random_prompts([lengths[(i * 7 + j) % len(lengths)] for j in range(batch_size)], seed=i)
+        for new in (3, 9, 16):
+            sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=i))
+    for batch, q, cache in sampler.shapes_seen:
+        assert batch in (1, 2, 4, 8)
+        assert q == 1 or q in (16, 32, 64)
+        assert cache in {p + g for p in (16, 32, 64) for g in (8, 16)}
+        assert q == 1 or cache - q in (8, 16)
+    # prefill: batch x prompt bucket x gen bucket; decode: batch x cache length
+    assert len(sampler.shapes_seen) <= 4 * 3 * 2 * 2
+
+
+def test_n_samples_are_prompt_major(model) -> None:
+    prompts = random_prompts([4, 9, 6])
+    outs = make(model).generate(prompts, SamplingParams(n=4, temperature=0, max_new_tokens=8))
+    assert len(outs) == 12
+    singles = make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    for i, out in enumerate(outs):
+        assert out.token_ids == singles[i // 4].token_ids
+    sampled = make(model).generate(prompts, SamplingParams(n=4, temperature=1.5, max_new_tokens=8, seed=0))
+    assert len({tuple(o.token_ids) for o in sampled[:4]}) > 1  # the n samples of one prompt differ
+
+
+def test_stop_tokens_and_eos_end_completions(model) -> None:
+    prompts = random_prompts([7, 12, 3, 25, 9, 14])
+    stop = list(range(3, 60))  # most of the vocabulary: rows stop early, at different steps
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, stop_token_ids=stop, seed=5)
+    outs = make(model).generate(prompts, params)
+    ends = set(stop) | {EOS}
+    for out in outs:
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] in ends
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 16
+        assert not ends & set(out.token_ids[:-1]), "a completion went on past a stop token"
+    assert sum(o.finish_reason == "stop" for o in outs) >= 6
+    # EOS alone (no stop list): a sampler whose EOS is the first greedy token stops at once
+    first = make(model).generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=5))[0].token_ids[0]
+    out = Sampler(model, pad_token_id=PAD, eos_token_ids=[first]).generate(
+        prompts[:1], SamplingParams(temperature=0, max_new_tokens=5)
+    )[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_shrinking_the_batch_keeps_results(model) -> None:
+    """Greedy with stop tokens: rows finish at different steps; dropping them must not change any row."""
+    prompts = random_prompts([5, 9, 13, 17, 21, 25, 29, 33], seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=list(range(3, 40)))
+    shrinking = make(model)
+    a = shrinking.generate(prompts, params)
+    b = make(model, shrink_finished=False).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    assert len({o.token_ids.__len__() for o in a}) > 1
+    assert min(batch for batch, q, _ in shrinking.shapes_seen if q == 1) < 8, "the batch never shrank"
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(model) -> None:
+    prompts = random_prompts([6, 20, 33])
+    greedy = make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    top1 = make(model).generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12, seed=9))
+    nucleus = make(model).generate(prompts, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=12, seed=9))
+    assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+    assert [o.token_ids for o in nucleus] == [o.token_ids for o in greedy]
+
+
+def test_seed_reproducibility(model) -> None:
+    prompts = random_prompts([6, 20, 33])
+    p = dict(n=2, temperature=1.0, top_p=0.95, max_new_tokens=16)
+    a = make(model).generate(prompts, SamplingParams(seed=11, **p))
+    b = make(model).generate(prompts, SamplingParams(seed=11, **p))
+    c = make(model).generate(prompts, SamplingParams(seed=12, **p))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_max_new_tokens_honoured(model) -> None:
+    prompts = random_prompts([6, 20])
+    for new in (1, 5, 17):
+        for out in make(model).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)):
+            assert 1 <= len(out.token_ids) <= new
+            assert (len(out.token_ids) == new) == (out.finish_reason == "length")
+
+
+def test_batches_larger_than_max_batch_size(model) -> None:
+    prompts = random_prompts([4, 50, 7, 30, 12])
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10)
+    whole = make(model).generate(prompts, params)
+    chunked = make(model, max_batch_size=3)
+    parts = chunked.generate(prompts, params)
+    assert [o.token_ids for o in parts] == [o.token_ids for o in whole]
+    assert max(batch for batch, _, _ in chunked.shapes_seen) <= 3
+
+
+def test_load_state_dict_updates_weights_in_place() -> None:
+    target, other = tiny_llama(seed=0), tiny_llama(seed=1)
+    prompts = random_prompts([8, 15])
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    sampler = make(target)
+    before = sampler.generate(prompts, params)
+    ptr = target.model.embed_tokens.weight.data_ptr()
+    sampler.load_state_dict(other.state_dict().items())
+    assert target.model.embed_tokens.weight.data_ptr() == ptr  # same storage
+    after = sampler.generate(prompts, params)
+    want = make(other).generate(prompts, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in want]
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    with pytest.raises(SamplerError, match="no tensor named 'nope'"):
+        sampler.load_state_dict([("nope", torch.zeros(1))])
+    with pytest.raises(SamplerError, match="lm_head.weight.*shape"):
+        sampler.load_state_dict([("lm_head.weight", torch.zeros(3, 3))])
+
+
+def test_bad_input_is_refused_with_the_fix(model) -> None:
+    sampler = make(model, prompt_buckets=(8, 16), gen_buckets=(8,))
+    ok = SamplingParams(max_new_tokens=4)
+    with pytest.raises(SamplerError, match="prompt 1 has 17 tokens.*prompt_buckets"):
+        sampler.generate([[5] * 3, [5] * 17], ok)
+    with pytest.raises(SamplerError, match="prompt 0 is empty"):
+        sampler.generate([[]], ok)
+    with pytest.raises(SamplerError, match=f"token id {VOCAB}"):
+        sampler.generate([[3, VOCAB]], ok)
+    with pytest.raises(SamplerError, match="max_new_tokens=9.*gen_buckets"):
+        sampler.generate([[3]], SamplingParams(max_new_tokens=9))
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=0)):
+        with pytest.raises(SamplerError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_choose_tokens_draws_from_the_truncated_distribution() -> None:
+    """Empirical frequencies match top-k then top-p renormalised probabilities (HF/vLLM order)."""
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, logp = choose_tokens(logits, temperature=0.9, top_k=5, top_p=0.8, generator=g)
+    probs = torch.softmax(logits[0] / 0.9, -1)
+    topk = probs[:5] / probs[:5].sum()
+    keep = (topk.cumsum(0) - topk) < 0.8
+    want = torch.zeros(8)
+    want[:5] = torch.where(keep, topk, torch.zeros(5))
+    want /= want.sum()
+    freq = torch.bincount(tokens, minlength=8).float() / tokens.numel()
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+    # the log-prob is the untruncated tempered one
+    torch.testing.assert_close(logp, probs.log()[tokens], atol=1e-6, rtol=0)
+
+
+def test_choose_tokens_wide_nucleus_falls_back_to_full_sort() -> None:
+    """Top-p over a flat 5000-token vocabulary: the nucleus is wider than the partial-sort candidates."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 5000, generator=g) * 0.1
+    tokens, _ = choose_tokens(logits, temperature=1.0, top_k=-1, top_p=0.5, generator=g)
+    probs = torch.softmax(logits, -1)
+    sp, si = probs.sort(-1, descending=True)
+    nucleus_size = ((sp.cumsum(-1) - sp) < 0.5).sum(-1)  # (64,)
+    assert int(nucleus_size.min()) > 1024
+    rank = (si == tokens[:, None]).float().argmax(-1)  # position of the drawn token in the sorted order
+    assert bool((rank < nucleus_size).all())
+    assert int(rank.max()) > 1024  # draws reach beyond the partial-sort candidates
