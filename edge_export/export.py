@@ -1,0 +1,274 @@
+"""Export pipeline: convert into a temporary file beside the output, verify it, then move it into place.
+
+An existing output is never left half-written: the file is built as ``.<name>.tmp-<pid><suffix>`` in the output's
+folder, verified there, and ``os.replace``d onto the output only when verification passes (or is switched off).
+The JSON report is written beside the output as ``<output>.report.json`` in every case, including failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from edge_export import bench as bench_lib
+from edge_export import convert, verify as verify_lib
+from edge_export.errors import BAD_SOURCE, VERIFICATION_FAILED, ExportError
+from edge_export.quantize import recipe_name
+from edge_export.sources import inspect_checkpoint
+
+DEFAULT_PROMPT = "The capital of France is"
+LM_SUFFIXES = (".tflite", ".litertlm")
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What an export produced: the installed file, its report path and the report itself."""
+
+    output: str
+    report_path: str
+    report: dict
+
+
+def report_path_for(output: str) -> str:
+    return f"{output}.report.json"
+
+
+def _versions() -> dict:
+    names = ("litert-torch", "ai-edge-litert", "ai-edge-quantizer", "torch", "transformers")
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def _check_output(output: str, suffixes: tuple[str, ...]) -> Path:
+    path = Path(output)
+    if path.suffix not in suffixes:
+        raise ExportError(
+            BAD_SOURCE, f"output '{output}' must end in {' or '.join(suffixes)} (the file format is chosen by it)"
+        )
+    if path.is_dir():
+        raise ExportError(BAD_SOURCE, f"output '{output}' is a folder; give a file path such as {output}/model.tflite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _say(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[litert] {message}", flush=True)
+
+
+def _finish(report: dict, tmp_file: str, output: Path, quiet: bool) -> ExportResult:
+    """Write the report; install the file if verification passed or was skipped, else raise."""
+    report_path = report_path_for(str(output))
+    verification = report.get("verification")
+    if verification is not None and not verification["passed"]:
+        report["installed"] = False
+        _write_json(report_path, report)
+        os.unlink(tmp_file)
+        raise ExportError(
+            VERIFICATION_FAILED,
+            f"verification failed for {output} ({report['quantization']}): {'; '.join(verification['failures'])}; "
+            f"the file was not written (report: {report_path}); raise --tolerance or try a milder --quantize",
+        )
+    os.replace(tmp_file, output)
+    report["installed"] = True
+    _write_json(report_path, report)
+    _say(f"wrote {output} ({report['file_bytes'] / 2**20:.2f} MiB) and {report_path}", quiet)
+    return ExportResult(str(output), report_path, report)
+
+
+def export_checkpoint(
+    checkpoint_dir: str,
+    output: str,
+    *,
+    quantize: str = "none",
+    prefill_lengths: tuple[int, ...] = (32,),
+    cache_length: int = 256,
+    verify: bool = True,
+    prompt: str = DEFAULT_PROMPT,
+    verify_steps: int = 8,
+    tolerance: float | None = None,
+    num_threads: int = 1,
+    benchmark: bool = False,
+    quiet: bool = False,
+) -> ExportResult:
+    """Export an HF causal-LM folder (e.g. a ``verl train`` checkpoint) to ``.litertlm`` or ``.tflite``.
+
+    Args:
+        checkpoint_dir: folder with config.json, safetensors weights and tokenizer files.
+        output: ``*.litertlm`` (bundle with tokenizer) or ``*.tflite`` (``prefill_<N>`` + ``decode``, external KV).
+        quantize: ``none|dynamic-int8|weight-int8|dynamic-int4`` (``edge_export.quantize.RECIPES``).
+        prefill_lengths: token counts of the ``prefill_<N>`` signatures.
+        cache_length: KV-cache length in tokens (prompt + generated).
+        verify: greedy-decode ``verify_steps`` tokens after ``prompt`` with the LiteRT runtime and compare logits
+            and tokens with PyTorch; on failure nothing is installed and ``ExportError(VERIFICATION_FAILED)`` says
+            by how much.
+        tolerance: relative logits error bound overriding ``verify.TOLERANCES[quantize]``.
+        num_threads: CPU threads for the LiteRT runtime and PyTorch during verification/benchmark.
+        benchmark: also time prefill and decode ms/token, LiteRT vs PyTorch eager.
+    Returns:
+        ExportResult with the installed path and the report (also saved as ``<output>.report.json``).
+    Raises:
+        ExportError: bad folder, unknown quantization, conversion failure kinds, missing runtime op, failed check.
+    """
+    recipe_name(quantize)  # fail on a bad name before minutes of conversion
+    if min(prefill_lengths, default=0) < 1 or cache_length <= max(prefill_lengths):
+        raise ExportError(
+            BAD_SOURCE,
+            f"--prefill-lengths {list(prefill_lengths)} must be positive and below --cache-length {cache_length}",
+        )
+    out = _check_output(output, LM_SUFFIXES)
+    workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
+    tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        checkpoint = inspect_checkpoint(checkpoint_dir, os.path.join(workdir, "staged"))
+        for note in checkpoint.notes:
+            _say(f"note: {note}", quiet)
+        _say(f"exporting {checkpoint.model_type} from {checkpoint_dir} with litert-torch export_hf ...", quiet)
+        start = time.perf_counter()
+        convert.export_causal_lm(
+            checkpoint, tmp_file, workdir, bundle=out.suffix == ".litertlm", quantization=quantize,
+            prefill_lengths=list(prefill_lengths), cache_length=cache_length,
+        )
+        report = {
+            "source": str(checkpoint_dir), "output": str(out), "kind": "causal-lm", "format": out.suffix[1:],
+            "model_type": checkpoint.model_type, "quantization": quantize, "recipe": recipe_name(quantize),
+            "prefill_lengths": list(prefill_lengths), "cache_length": cache_length,
+            "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
+            "notes": checkpoint.notes, "versions": _versions(), "verification": None, "benchmark": None,
+        }
+        if verify or benchmark:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            torch.set_num_threads(num_threads)
+            model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
+            steps = max(1, min(verify_steps, cache_length - 1))
+            prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps):] or [0]
+        if verify:
+            _say(f"verifying {steps} greedy steps with the LiteRT runtime against PyTorch ...", quiet)
+            bound = verify_lib.TOLERANCES[quantize]
+            if tolerance is not None:
+                bound = dataclasses.replace(bound, relative_error=tolerance)
+            result = verify_lib.verify_causal_lm(tmp_file, model, prompt_ids, steps, bound, num_threads)
+            result["prompt"] = prompt
+            result["litert_text"] = tokenizer.decode(result["litert_tokens"])
+            report["verification"] = result
+            _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
+        if benchmark and (report["verification"] is None or report["verification"]["passed"]):
+            _say("benchmarking LiteRT vs PyTorch eager ...", quiet)
+            report["benchmark"] = bench_lib.bench_causal_lm(tmp_file, prompt_ids, model, num_threads=num_threads)
+            _say("benchmark\n" + verify_lib.format_table(bench_rows(report["benchmark"])), quiet)
+        return _finish(report, tmp_file, out, quiet)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if os.path.exists(tmp_file):
+            os.unlink(tmp_file)
+
+
+def export_module(
+    module: torch.nn.Module,
+    sample_inputs: tuple[torch.Tensor, ...],
+    output: str,
+    *,
+    quantize: str = "none",
+    dynamic_shapes=None,
+    verify: bool = True,
+    tolerance: float | None = None,
+    num_threads: int = 1,
+    benchmark: bool = False,
+    name: str = "module",
+    quiet: bool = False,
+) -> ExportResult:
+    """Export a plain ``nn.Module`` to a one-signature ``.tflite`` via ``litert_torch.convert``.
+
+    Args:
+        sample_inputs: positional tensors; shapes/dtypes are frozen into the file (int64 runs as int32).
+        dynamic_shapes: ``torch.export`` dynamic shapes, if any (often not lowerable: ``ExportError(DYNAMIC_DIM)``).
+        Others as in ``export_checkpoint``; verification compares outputs on ``sample_inputs``.
+    Raises:
+        ExportError: unknown quantization, conversion failure kinds, missing runtime op, failed check.
+    """
+    recipe_name(quantize)
+    out = _check_output(output, (".tflite",))
+    workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
+    tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    torch.set_num_threads(num_threads)
+    try:
+        with torch.no_grad():
+            notes = convert.int64_notes(sample_inputs, module.eval()(*sample_inputs))
+        for note in notes:
+            _say(f"note: {note}", quiet)
+        _say(f"converting {name} with litert_torch.convert ...", quiet)
+        start = time.perf_counter()
+        convert.export_plain_module(
+            module, tuple(sample_inputs), tmp_file, workdir, quantization=quantize, dynamic_shapes=dynamic_shapes,
+            name=name,
+        )
+        report = {
+            "source": name, "output": str(out), "kind": "module", "format": "tflite", "quantization": quantize,
+            "recipe": recipe_name(quantize),
+            "inputs": [f"{'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}" for t in sample_inputs],
+            "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
+            "notes": notes, "versions": _versions(), "verification": None, "benchmark": None,
+        }
+        if verify:
+            _say("verifying with the LiteRT runtime against PyTorch ...", quiet)
+            bound = verify_lib.TOLERANCES[quantize]
+            if tolerance is not None:
+                bound = dataclasses.replace(bound, relative_error=tolerance)
+            report["verification"] = verify_lib.verify_module(tmp_file, module, sample_inputs, bound, num_threads)
+            _say("verification\n" + verify_lib.format_table(_verification_rows(report["verification"])), quiet)
+        if benchmark and (report["verification"] is None or report["verification"]["passed"]):
+            report["benchmark"] = bench_lib.bench_module(tmp_file, sample_inputs, module, num_threads)
+            _say("benchmark\n" + verify_lib.format_table(bench_rows(report["benchmark"])), quiet)
+        return _finish(report, tmp_file, out, quiet)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if os.path.exists(tmp_file):
+            os.unlink(tmp_file)
+
+
+def _verification_rows(result: dict) -> list[tuple[str, str]]:
+    rows = [
+        ("max abs error", f"{result['max_abs_error']:.4g}"),
+        ("relative error", f"{result['relative_error']:.3g} (bound {result['tolerance']['relative_error']:.3g})"),
+    ]
+    if "greedy_agreed_steps" in result:
+        rows.append(("greedy agreement", f"{result['greedy_agreed_steps']}/{result['steps']} steps"))
+        rows.append(("top-1 agreement", f"{result['top1_agreement']:.0%}"))
+    rows.append(("result", "PASS" if result["passed"] else "FAIL: " + "; ".join(result["failures"])))
+    return rows
+
+
+def bench_rows(result: dict) -> list[tuple[str, str]]:
+    rows = [("file size", f"{result['file_bytes'] / 2**20:.2f} MiB"), ("threads", str(result["threads"]))]
+    for key, label in (
+        ("litert_ms", "LiteRT ms/call"), ("torch_ms", "PyTorch ms/call"), ("litert_over_torch", "LiteRT / PyTorch"),
+        ("litert_prefill_ms", "LiteRT prefill ms"), ("torch_prefill_ms", "PyTorch prefill ms"),
+        ("litert_decode_ms_per_token", "LiteRT decode ms/token"),
+        ("torch_decode_ms_per_token", "PyTorch decode ms/token"),
+        ("decode_litert_over_torch", "decode LiteRT / PyTorch"),
+    ):
+        if key in result:
+            rows.append((label, f"{result[key]:.3f}"))
+    return rows
