@@ -1,0 +1,435 @@
+"""A local Ray cluster whose nodes look like the hosts of real TPU slices (for dry runs).
+
+One head node (CPUs only, dashboard and job server on 127.0.0.1) plus one Ray node per
+slice host, each started with the environment GKE gives a TPU host (``TPU_ACCELERATOR_TYPE``,
+``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_TOPOLOGY``, ``TPU_WORKER_HOSTNAMES``) and
+``--resources '{"TPU": chips_per_host}'``. Ray 2.60 then adds by itself the slice-name
+resource, ``TPU-<pod type>-head`` on worker 0, ``accelerator_type:TPU-<GEN>`` and the
+``ray.io/tpu-*`` node labels, so ``ray.util.tpu.slice_placement_group`` and whole-chip actor
+requests schedule exactly as on a real slice. No chip is touched: the ``TPU`` resource is only
+a scheduling token here.
+
+Every node is a ``ray start --block`` child of ours, in its own process session and tagged with
+a unique ``RL_TPU_FAKE_CLUSTER`` environment marker that all Ray processes it spawns inherit.
+The pids, their start times and the marker go to a JSON state file; :func:`stop` ends exactly
+those processes (never ``ray stop``, which would end every Ray process on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import psutil
+
+from rl_tpu.topology import SliceTopology, host_env, host_resources, parse_slice
+
+from .errors import ClusterError
+
+MARKER_ENV = "RL_TPU_FAKE_CLUSTER"
+STATE_ENV = "RL_TPU_CLUSTER_STATE"
+DEFAULT_STATE_FILE = Path.home() / ".cache" / "rl-tpu" / "fake-cluster.json"
+# Ray variables a user's shell may carry that would point our nodes at another cluster.
+_SCRUB_ENV = ("RAY_ADDRESS", "RAY_NAMESPACE", "RAY_JOB_ID", "TPU_VISIBLE_CHIPS",
+              "TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_TOPOLOGY",
+              "TPU_WORKER_HOSTNAMES")
+
+
+def default_state_file() -> Path:
+    """``$RL_TPU_CLUSTER_STATE`` or ``~/.cache/rl-tpu/fake-cluster.json``."""
+    return Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE)
+
+
+@dataclass
+class NodeRecord:
+    """One ``ray start --block`` process we started."""
+
+    role: str  # "head" or "<slice name>/<worker id>"
+    pid: int
+    create_time: float  # psutil create_time, guards against pid reuse
+    log: str
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class FakeCluster:
+    """What ``cluster up`` started; saved as JSON in the state file."""
+
+    address: str  # GCS address for ray.init, "127.0.0.1:<port>"
+    dashboard_url: str  # for ray job submit / JobSubmissionClient
+    temp_dir: str
+    marker: str
+    slices: list[dict]  # {"name", "accelerator_type", "topology", "hosts", "chips_per_host"}
+    nodes: list[NodeRecord]
+    started_at: float
+    ready_s: float = 0.0
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "FakeCluster":
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["nodes"] = [NodeRecord(**n) for n in raw["nodes"]]
+            return cls(**raw)
+        except FileNotFoundError:
+            raise ClusterError(
+                f"no fake cluster state at {path}: start one with "
+                f"`rl-tpu cluster up --fake-slice v6e-16` (or pass the --state-file it used)"
+            ) from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise ClusterError(f"fake cluster state file {path} is unreadable ({e}); "
+                               f"delete it after checking no cluster of yours is running") from None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Variables a client of this cluster should set (printed by ``cluster up``)."""
+        return {"RAY_ADDRESS": self.dashboard_url, "RAY_AUTH_MODE": "disabled"}
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def _alive(rec: NodeRecord) -> psutil.Process | None:
+    try:
+        p = psutil.Process(rec.pid)
+        if abs(p.create_time() - rec.create_time) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+            return p
+    except psutil.Error:
+        pass
+    return None
+
+
+def _tagged_processes(marker: str) -> list[psutil.Process]:
+    """Processes that carry our marker in their environment (same user only)."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(MARKER_ENV) == marker:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _node_command(ports: dict[str, int], *, head: bool, gcs: str, temp_dir: str, num_cpus: int,
+                  resources: dict[str, float], object_store_bytes: int,
+                  dashboard_port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+           "--node-ip-address", "127.0.0.1",
+           "--num-cpus", str(num_cpus), "--num-gpus", "0",
+           "--resources", json.dumps(resources),
+           "--object-store-memory", str(object_store_bytes),
+           "--node-manager-port", str(ports["node_manager"]),
+           "--object-manager-port", str(ports["object_manager"]),
+           "--metrics-export-port", str(ports["metrics"]),
+           "--dashboard-agent-listen-port", str(ports["agent_http"]),
+           "--dashboard-agent-grpc-port", str(ports["agent_grpc"]),
+           "--runtime-env-agent-port", str(ports["runtime_env"]),
+           "--disable-usage-stats", "--log-style", "record"]
+    if head:
+        cmd += ["--head", "--port", gcs.rsplit(":", 1)[1], "--temp-dir", temp_dir,
+                "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                "--dashboard-port", str(dashboard_port),
+                "--ray-client-server-port", str(ports["client"])]
+    else:
+        # A temp dir per node: nodes sharing one pick socket names by a racy "does it exist"
+        # check, and two raylets starting together then collide ("bind: Address already in use").
+        cmd += ["--address", gcs, "--temp-dir", temp_dir]
+    return cmd
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path, role: str,
+           resources: dict[str, float]) -> NodeRecord:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return NodeRecord(role=role, pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+                      log=str(log), resources=resources)
+
+
+def _tail(path: str, n: int = 5) -> str:
+    try:
+        lines = [l for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
+        return " | ".join(lines[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_port(port: int, deadline: float, rec: NodeRecord) -> None:
+    while time.monotonic() < deadline:
+        if _alive(rec) is None:
+            raise ClusterError(f"Ray head node exited while starting; log {rec.log}: {_tail(rec.log)}")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise ClusterError(f"Ray head did not open port {port} in time; see {rec.log}")
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def list_alive_nodes(dashboard_url: str) -> list[dict]:
+    """Alive Ray nodes as the state API reports them (node_id, resources_total, labels)."""
+    from ray.util.state import list_nodes
+
+    nodes = list_nodes(address=dashboard_url, detail=True, timeout=10, raise_on_missing_output=False)
+    return [n if isinstance(n, dict) else asdict(n) for n in nodes if _get(n, "state") == "ALIVE"]
+
+
+def _get(n, key):
+    return n.get(key) if isinstance(n, dict) else getattr(n, key)
+
+
+def start(
+    fake_slices: Sequence[str | SliceTopology],
+    *,
+    cpus_per_host: int = 2,
+    head_cpus: int = 2,
+    object_store_mb: int = 256,
+    state_file: Path | None = None,
+    timeout_s: float = 180.0,
+) -> FakeCluster:
+    """Start a head node plus one Ray node per host of each fake slice, and wait until ready.
+
+    Args:
+        fake_slices: accelerator types (``"v6e-16"``, ``"v4-16"``; ``"v6e-16:4x4"`` to give a
+            topology) or parsed slices. Two entries make two slices (e.g. rollout and trainer).
+        cpus_per_host: logical CPUs each slice host offers to Ray (not a real limit).
+        head_cpus: logical CPUs of the head node (drivers and CPU-only actors go there).
+        object_store_mb: object store size per node, MiB.
+        state_file: where to record the pids (default :func:`default_state_file`).
+        timeout_s: give up (and stop what was started) after this many seconds.
+
+    Returns:
+        The running cluster; ``ready_s`` is the seconds from the first ``ray start`` to every
+        node alive with its TPU resources and the job server answering.
+
+    Raises:
+        TopologyError: a bad slice type or topology.
+        ClusterError: a cluster already recorded in ``state_file`` is alive, or a node failed
+            to start (the message carries the end of its log).
+    """
+    state_file = Path(state_file or default_state_file())
+    if state_file.exists():
+        old = FakeCluster.load(state_file)
+        if any(_alive(n) for n in old.nodes):
+            raise ClusterError(
+                f"a fake cluster is already up at {old.dashboard_url} (state {state_file}); "
+                f"run `rl-tpu cluster down` first or pass another --state-file"
+            )
+    specs = []
+    for s in fake_slices:
+        if isinstance(s, SliceTopology):
+            specs.append(s)
+        else:
+            atype, _, topo = str(s).partition(":")
+            specs.append(parse_slice(atype, topo or None))
+    if not specs:
+        raise ClusterError("no --fake-slice given: name at least one, e.g. --fake-slice v6e-16")
+    if cpus_per_host < 1 or head_cpus < 1 or object_store_mb < 80:
+        raise ClusterError(
+            f"--hosts-cpus {cpus_per_host}, --head-cpus {head_cpus} must be >= 1 and "
+            f"--object-store-mb {object_store_mb} >= 80 (Ray's minimum is 75 MiB)"
+        )
+
+    marker = uuid.uuid4().hex[:12]
+    temp_dir = tempfile.mkdtemp(prefix="rlt-")  # short: Ray's socket paths live under it
+    names = [f"fake-{s.accelerator_type}-{i}-{marker[:4]}" for i, s in enumerate(specs)]
+    keys = ["node_manager", "object_manager", "metrics", "agent_http", "agent_grpc", "runtime_env", "client"]
+    n_nodes = 1 + sum(s.hosts for s in specs)
+    flat = _free_ports(len(keys) * n_nodes + 2)
+    gcs_port, dash_port, flat = flat[0], flat[1], flat[2:]
+    node_ports = [dict(zip(keys, flat[i * len(keys):(i + 1) * len(keys)])) for i in range(n_nodes)]
+    gcs = f"127.0.0.1:{gcs_port}"
+
+    base_env = {k: v for k, v in os.environ.items() if k not in _SCRUB_ENV}
+    base_env.update({MARKER_ENV: marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+    # Job drivers run through a shell with the raylet's PATH: put this environment first so
+    # `verl`, `python` in an entrypoint are ours even when the venv was not activated.
+    bindir = str(Path(sys.executable).parent)
+    base_env["PATH"] = bindir + os.pathsep + base_env.get("PATH", "")
+    cluster = FakeCluster(
+        address=gcs, dashboard_url=f"http://127.0.0.1:{dash_port}", temp_dir=temp_dir, marker=marker,
+        slices=[{"name": n, "accelerator_type": s.accelerator_type, "topology": s.topology,
+                 "hosts": s.hosts, "chips_per_host": s.chips_per_host} for n, s in zip(names, specs)],
+        nodes=[], started_at=time.time(),
+    )
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    store = object_store_mb * 1024 * 1024
+    try:
+        head_cmd = _node_command(node_ports[0], head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
+                                 resources={}, object_store_bytes=store, dashboard_port=dash_port)
+        cluster.nodes.append(_spawn(head_cmd, base_env, Path(temp_dir) / "head.log", "head", {}))
+        cluster.save(state_file)
+        _wait_port(gcs_port, deadline, cluster.nodes[0])
+
+        i = 1
+        for name, spec in zip(names, specs):
+            hostnames = ["127.0.0.1"] * spec.hosts
+            for w in range(spec.hosts):
+                env = dict(base_env, **host_env(spec, w, name, hostnames))
+                expect = host_resources(spec, w, name)
+                cmd = _node_command(node_ports[i], head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{i}",
+                                    num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
+                                    object_store_bytes=store)
+                cluster.nodes.append(_spawn(cmd, env, Path(temp_dir) / f"{name}-w{w}.log", f"{name}/{w}", expect))
+                i += 1
+        cluster.save(state_file)
+        _wait_ready(cluster, deadline)
+    except BaseException:
+        stop(cluster=cluster, state_file=state_file)
+        raise
+    cluster.ready_s = time.monotonic() - t0
+    cluster.save(state_file)
+    return cluster
+
+
+def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
+    """Until every node is alive with the TPU resources of its host and the job API answers."""
+    want = len(cluster.nodes)
+    last = "no answer from the dashboard yet"
+    while time.monotonic() < deadline:
+        for rec in cluster.nodes:
+            if _alive(rec) is None:
+                raise ClusterError(f"Ray node {rec.role} exited while starting; log {rec.log}: {_tail(rec.log)}")
+        if _http_ok(cluster.dashboard_url + "/api/version"):
+            try:
+                nodes = list_alive_nodes(cluster.dashboard_url)
+            except Exception as e:  # the state API answers only once the GCS has all agents
+                last = f"state API: {e.__class__.__name__}"
+                nodes = []
+            have = {k for n in nodes for k in (_get(n, "resources_total") or {})}
+            missing = [k for rec in cluster.nodes for k in rec.resources if k not in have]
+            if len(nodes) >= want and not missing and _http_ok(cluster.dashboard_url + "/api/jobs/"):
+                return
+            last = f"{len(nodes)}/{want} nodes alive, missing resources {missing[:3]}"
+        time.sleep(0.5)
+    raise ClusterError(f"fake cluster not ready in time ({last}); node logs are in {cluster.temp_dir}")
+
+
+def stop(state_file: Path | None = None, cluster: FakeCluster | None = None,
+         grace_s: float = 10.0) -> list[int]:
+    """Stop exactly the processes a fake cluster started, then delete its state file.
+
+    The recorded ``ray start`` pids (checked against their start times), their descendants and
+    any process carrying this cluster's ``RL_TPU_FAKE_CLUSTER`` marker get SIGTERM, then SIGKILL
+    after ``grace_s``. Nothing else is signalled.
+
+    Returns:
+        The pids that were signalled.
+
+    Raises:
+        ClusterError: no state file (and no ``cluster`` given).
+    """
+    state_file = Path(state_file or default_state_file())
+    if cluster is None:
+        cluster = FakeCluster.load(state_file)
+    procs: dict[int, psutil.Process] = {}
+    for rec in cluster.nodes:
+        p = _alive(rec)
+        if p is not None:
+            procs[p.pid] = p
+            try:
+                for c in p.children(recursive=True):
+                    procs[c.pid] = c
+            except psutil.Error:
+                pass
+    for p in _tagged_processes(cluster.marker):
+        procs.setdefault(p.pid, p)
+    # Workers first would make the head log noise; ask the `ray start --block` parents to stop
+    # their nodes cleanly, then everything that is left.
+    for rec in reversed(cluster.nodes):
+        if rec.pid in procs:
+            try:
+                procs[rec.pid].send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    # Stragglers Ray forked after we looked (worker processes) carry the marker too.
+    late = [p for p in _tagged_processes(cluster.marker) if p.pid not in procs]
+    for p in late:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(late, timeout=5)
+    try:
+        state_file.unlink()
+    except FileNotFoundError:
+        pass
+    return sorted(list(procs) + [p.pid for p in late])
+
+
+def status(state_file: Path | None = None) -> dict:
+    """The recorded cluster, which of its processes are alive, and Ray's view of its nodes.
+
+    Returns:
+        ``{"address", "dashboard_url", "slices", "processes": [{"role", "pid", "alive"}],
+        "nodes": [{"node_id", "tpu", "slice", "worker_id", "resources"}] or None when the
+        dashboard does not answer}``.
+
+    Raises:
+        ClusterError: no state file.
+    """
+    cluster = FakeCluster.load(Path(state_file or default_state_file()))
+    procs = [{"role": r.role, "pid": r.pid, "alive": _alive(r) is not None} for r in cluster.nodes]
+    nodes = None
+    if _http_ok(cluster.dashboard_url + "/api/version"):
+        try:
+            nodes = [
+                {
+                    "node_id": _get(n, "node_id"),
+                    "tpu": (_get(n, "resources_total") or {}).get("TPU", 0),
+                    "slice": (_get(n, "labels") or {}).get("ray.io/tpu-slice-name", ""),
+                    "worker_id": (_get(n, "labels") or {}).get("ray.io/tpu-worker-id", ""),
+                    "resources": _get(n, "resources_total"),
+                }
+                for n in list_alive_nodes(cluster.dashboard_url)
+            ]
+        except Exception:
+            nodes = None
+    return {"address": cluster.address, "dashboard_url": cluster.dashboard_url,
+            "slices": cluster.slices, "temp_dir": cluster.temp_dir, "ready_s": cluster.ready_s,
+            "processes": procs, "nodes": nodes}

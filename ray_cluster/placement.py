@@ -1,0 +1,304 @@
+"""Placement of VeRL's resource pools on TPU slices, through Ray's own ``ray.util.tpu``.
+
+A slice is reserved with :class:`ray.util.tpu.SlicePlacementGroup`: one bundle per host holding
+all of that host's chips; on a multi-host slice Ray first claims worker 0's
+``TPU-<pod type>-head`` resource and pins every bundle to that slice's ``ray.io/tpu-slice-name``
+label, so the bundles are gang-scheduled on one slice and never straddle two. What this module
+adds on top:
+
+- checks before asking Ray: the type and topology (``rl_tpu.topology``), whether the cluster has
+  such a slice at all (from ``ray.cluster_resources()``) — a placement group for a slice that
+  does not exist would wait forever — and a timeout on ``ready()`` with a message that says why;
+- whole-chip actor requests (1, 2, 4 or 8 chips, at most one host) turned into ``.options()``;
+- the rollout/trainer layout: both on one slice (colocated, VeRL's hybrid engine) or each on
+  its own slice.
+
+Ray must already be initialised (``ray.init(address=...)``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_tpu.topology import SliceTopology, TopologyError, check_chip_request, parse_slice
+
+from .errors import ClusterError
+
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+
+
+def cluster_slices(resources: dict[str, float] | None = None) -> dict[str, int]:
+    """TPU slices a Ray cluster has, by Ray pod type: ``{"v6e-16": 1, "v4-16": 2}``.
+
+    Multi-host and single-host slices alike are counted by their worker-0
+    ``TPU-<pod type>-head`` resource. ``resources`` defaults to ``ray.cluster_resources()``.
+    """
+    resources = ray.cluster_resources() if resources is None else resources
+    out = {}
+    for key, value in resources.items():
+        if key.startswith("TPU-") and key.endswith("-head"):
+            out[key[4:-5]] = int(value)
+    return out
+
+
+def _check_cluster_has(spec: SliceTopology, count: int) -> None:
+    total = ray.cluster_resources()
+    have = cluster_slices(total).get(spec.pod_type, 0)
+    if have >= count:
+        return
+    inventory = ", ".join(f"{n}x {t}" for t, n in sorted(cluster_slices(total).items())) or "no TPU slices"
+    raise ClusterError(
+        f"slice {spec.accelerator_type} ({spec.topology}, {spec.hosts} hosts x {spec.chips_per_host} chips) "
+        f"x{count} requested but this cluster has {have} (it has {inventory}, "
+        f"{int(total.get('TPU', 0))} TPU chips in all); ask for a slice it has, or add one "
+        f"(locally: rl-tpu cluster up --fake-slice {spec.accelerator_type})"
+    )
+
+
+def _node_labels() -> dict[str, dict[str, str]]:
+    return {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")}
+
+
+@dataclass
+class SlicePlacement:
+    """A reserved TPU slice: one placement-group bundle per host, each with all its chips.
+
+    Attributes:
+        spec: the slice shape.
+        handle: Ray's ``SlicePlacementGroup``.
+        cpus_per_bundle: CPUs reserved with each host's chips (for the actors' processes).
+        slice_name: the Ray slice (``TPU_NAME``) the bundles landed on, once ready.
+    """
+
+    spec: SliceTopology
+    handle: "ray.util.tpu.SlicePlacementGroup"
+    cpus_per_bundle: float
+    slice_name: str | None = None
+    _used: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def placement_group(self):
+        return self.handle.placement_group
+
+    @property
+    def num_bundles(self) -> int:
+        """One per host."""
+        return self.handle.num_bundles
+
+    def ready(self, timeout_s: float = 60.0) -> "SlicePlacement":
+        """Wait until every bundle is placed.
+
+        Raises:
+            ClusterError: not placed within ``timeout_s`` (the slice exists but is busy, or
+                its hosts lack the CPUs asked per bundle); the reservation is released.
+        """
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
+        if not ready:
+            self.shutdown()
+            raise ClusterError(
+                f"slice {self.spec.accelerator_type} was not placed within {timeout_s:.0f} s: it exists "
+                f"but its chips or {self.cpus_per_bundle:g} CPUs per host are taken (available: "
+                f"TPU {ray.available_resources().get('TPU', 0):g}, CPU "
+                f"{ray.available_resources().get('CPU', 0):g}); free them, ask fewer CPUs per host, or wait longer"
+            )
+        # Ray suggests releasing the head reservation now; we keep it until shutdown() so a
+        # second request for this slice fails at the head ("no free slice") instead of
+        # grabbing the head and then waiting on chips that are taken.
+        labels = [_node_labels().get(n, {}) for n in self.bundle_node_ids()]
+        names = {l.get("ray.io/tpu-slice-name") for l in labels}
+        self.slice_name = names.pop() if len(names) == 1 else None
+        return self
+
+    def bundle_node_ids(self) -> list[str]:
+        """Ray node id of each bundle (host order), once placed."""
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.placement_group)
+        where = table.get("bundles_to_node_id", {})
+        return [where.get(i) for i in range(self.num_bundles)]
+
+    def actor_options(self, bundle_index: int, chips: float, num_cpus: float = 0.0) -> dict:
+        """``.options(**...)`` for an actor that owns ``chips`` whole chips of host ``bundle_index``.
+
+        Args:
+            bundle_index: host index within the slice, 0..num_bundles-1.
+            chips: 1, 2, 4 or 8 whole chips, at most one host's worth.
+            num_cpus: CPUs for the actor, taken from the bundle's ``cpus_per_bundle``.
+
+        Raises:
+            TopologyError: a fractional or odd chip count, or more than a host has.
+            ClusterError: ``bundle_index`` out of range, or the host's chips already handed out.
+        """
+        n = check_chip_request(chips, self.spec)
+        if not 0 <= bundle_index < self.num_bundles:
+            raise ClusterError(f"bundle index {bundle_index} outside slice {self.spec.accelerator_type} "
+                               f"(0..{self.num_bundles - 1}, one per host)")
+        used = self._used.get(bundle_index, 0)
+        if used + n > self.spec.chips_per_host:
+            raise ClusterError(
+                f"host {bundle_index} of {self.spec.accelerator_type} has {self.spec.chips_per_host - used} "
+                f"chips left, {n} asked; use another host or fewer chips per actor"
+            )
+        self._used[bundle_index] = used + n
+        return {
+            "num_cpus": num_cpus,
+            "resources": {"TPU": n},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True,
+            ),
+        }
+
+    def worker_options(self, chips_per_worker: float, num_cpus: float = 0.0) -> list[dict]:
+        """Options for a full set of workers: ``chips_per_host / chips_per_worker`` per host,
+        host-major (rank r sits on host ``r // per_host``).
+
+        Raises:
+            TopologyError: a chip count that is not a whole-chip request or does not divide a host.
+        """
+        n = check_chip_request(chips_per_worker, self.spec)
+        if self.spec.chips_per_host % n:
+            raise TopologyError(
+                f"{n} chips per worker does not divide the {self.spec.chips_per_host} chips of a "
+                f"{self.spec.accelerator_type} host; use one of "
+                f"{tuple(c for c in (1, 2, 4, 8) if self.spec.chips_per_host % c == 0)}"
+            )
+        per_host = self.spec.chips_per_host // n
+        return [self.actor_options(h, n, num_cpus) for h in range(self.num_bundles) for _ in range(per_host)]
+
+    def shutdown(self) -> None:
+        """Release the reservation (idempotent)."""
+        self.handle.shutdown()
+
+
+def reserve_slice(
+    accelerator_type: str,
+    topology: str | None = None,
+    *,
+    cpus_per_host: float = 1.0,
+    name: str = "",
+    timeout_s: float = 60.0,
+    wait: bool = True,
+    _count: int = 1,
+) -> SlicePlacement:
+    """Reserve one TPU slice with Ray's ``slice_placement_group``.
+
+    Args:
+        accelerator_type: e.g. ``"v6e-16"``, ``"v4-16"``, ``"v5litepod-8"``.
+        topology: optional chip grid; default the type's standard one.
+        cpus_per_host: CPUs reserved in each host's bundle next to its chips.
+        name: placement group name (for ``ray list placement-groups``).
+        timeout_s: how long to wait for the slice (head reservation and bundles).
+        wait: False returns before the bundles are placed (call ``.ready()``).
+
+    Returns:
+        The placement, ready unless ``wait`` is False.
+
+    Raises:
+        TopologyError: bad type or topology.
+        ClusterError: the cluster has no such slice (checked first, so nothing waits forever),
+            or it stays busy past ``timeout_s``.
+    """
+    from ray.util.tpu import SlicePlacementGroup
+
+    spec = parse_slice(accelerator_type, topology)
+    if cpus_per_host < 0:
+        raise ClusterError(f"cpus_per_host {cpus_per_host} is negative; use 0 or more")
+    _check_cluster_has(spec, _count)
+    start = time.monotonic()
+    try:
+        handle = SlicePlacementGroup(
+            topology=spec.topology,
+            accelerator_version=spec.generation,
+            resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host},
+            chips_per_vm=spec.chips_per_host,
+            name=name,
+            head_reservation_timeout_s=timeout_s,
+            # Single-host slices get no slice-name pin from Ray; pin them to the pod type so
+            # a v6e-8 request never lands on, say, a v4-8 host with as many chips.
+            bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts,
+        )
+    except TimeoutError:
+        raise ClusterError(
+            f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
+            f"cluster is reserved by other placement groups; release them or wait longer"
+        ) from None
+    placement = SlicePlacement(spec=spec, handle=handle, cpus_per_bundle=cpus_per_host)
+    if wait:
+        placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
+    return placement
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where VeRL's trainer (actor/ref/critic) and rollout workers go.
+
+    Attributes:
+        trainer_slice: accelerator type (``"v6e-16"`` or ``"v6e-16:4x4"``) for the trainer.
+        rollout_slice: accelerator type for the rollout; None = same type as the trainer.
+        colocate: True puts both on one slice (VeRL hybrid engine); False reserves two slices.
+        chips_per_worker: whole chips per worker actor (1, 2, 4 or 8).
+        cpus_per_host: CPUs reserved per host bundle.
+    """
+
+    trainer_slice: str
+    rollout_slice: str | None = None
+    colocate: bool = True
+    chips_per_worker: int = 1
+    cpus_per_host: float = 1.0
+
+    def specs(self) -> dict[str, SliceTopology]:
+        """Parsed slices by pool name (``trainer``, ``rollout``)."""
+        t_type, _, t_topo = self.trainer_slice.partition(":")
+        trainer = parse_slice(t_type, t_topo or None)
+        if self.colocate:
+            if self.rollout_slice and parse_slice(*_split(self.rollout_slice)) != trainer:
+                raise ClusterError(
+                    f"colocate=True puts rollout and trainer on one slice, but rollout_slice "
+                    f"{self.rollout_slice!r} differs from trainer_slice {self.trainer_slice!r}; "
+                    f"drop rollout_slice or set colocate=False"
+                )
+            return {"trainer": trainer, "rollout": trainer}
+        rollout = parse_slice(*_split(self.rollout_slice)) if self.rollout_slice else trainer
+        return {"trainer": trainer, "rollout": rollout}
+
+
+def _split(text: str) -> tuple[str, str | None]:
+    a, _, t = text.partition(":")
+    return a, (t or None)
+
+
+def place_pools(layout: PoolLayout, timeout_s: float = 60.0) -> dict[str, SlicePlacement]:
+    """Reserve the slices of ``layout``: ``{"trainer": ..., "rollout": ...}`` (the same object
+    when colocated).
+
+    Raises:
+        TopologyError: bad slice or chip count. ClusterError: the slices are not in the cluster
+        (all of them are checked before anything is reserved) or stay busy.
+    """
+    specs = layout.specs()
+    for spec in specs.values():
+        check_chip_request(layout.chips_per_worker, spec)
+    if layout.colocate:
+        p = reserve_slice(specs["trainer"].accelerator_type, specs["trainer"].topology,
+                          cpus_per_host=layout.cpus_per_host, name="rl-tpu-colocated", timeout_s=timeout_s)
+        return {"trainer": p, "rollout": p}
+    same = specs["trainer"].pod_type == specs["rollout"].pod_type
+    _check_cluster_has(specs["trainer"], 2 if same else 1)
+    _check_cluster_has(specs["rollout"], 2 if same else 1)
+    out: dict[str, SlicePlacement] = {}
+    try:
+        for pool in ("trainer", "rollout"):
+            s = specs[pool]
+            out[pool] = reserve_slice(s.accelerator_type, s.topology, cpus_per_host=layout.cpus_per_host,
+                                      name=f"rl-tpu-{pool}", timeout_s=timeout_s, _count=2 if same else 1)
+    except BaseException:
+        for p in out.values():
+            p.shutdown()
+        raise
+    return out
