@@ -228,15 +228,18 @@ def test_choose_tokens_draws_from_the_truncated_distribution() -> None:
     torch.testing.assert_close(logp, probs.log()[tokens], atol=1e-6, rtol=0)
 
 
-def test_choose_tokens_wide_nucleus_falls_back_to_full_sort() -> None:
-    """Top-p over a flat 5000-token vocabulary: the nucleus is wider than the partial-sort candidates."""
+def test_choose_tokens_top_p_draws_stay_in_each_rows_nucleus() -> None:
+    """Top-p over a 5000-token vocabulary with rows from peaked to flat: nuclei of a few, hundreds and thousands
+    of tokens (past the partial-sort candidates, so the full-sort fallback runs) in one batch."""
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(64, 5000, generator=g) * 0.1
+    scales = torch.linspace(0.05, 6.0, 48)[:, None]
+    logits = (torch.randn(48, 5000, generator=g) * scales).repeat(20, 1)  # each row drawn 20 times
     tokens, _ = choose_tokens(logits, temperature=1.0, top_k=-1, top_p=0.5, generator=g)
     probs = torch.softmax(logits, -1)
     sp, si = probs.sort(-1, descending=True)
-    nucleus_size = ((sp.cumsum(-1) - sp) < 0.5).sum(-1)  # (64,)
-    assert int(nucleus_size.min()) > 1024
+    nucleus_size = ((sp.cumsum(-1) - sp) < 0.5).sum(-1)  # (rows,)
+    assert int(nucleus_size.min()) < 64 and int(nucleus_size.max()) > 1024
+    assert bool(((nucleus_size > 64) & (nucleus_size < 1024)).any())
     rank = (si == tokens[:, None]).float().argmax(-1)  # position of the drawn token in the sorted order
-    assert bool((rank < nucleus_size).all())
+    assert bool((rank < nucleus_size).all()), "a draw fell outside its row's nucleus"
     assert int(rank.max()) > 1024  # draws reach beyond the partial-sort candidates
