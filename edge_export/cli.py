@@ -153,8 +153,20 @@ def _run_bench(args) -> int:
             prompt_ids = AutoTokenizer.from_pretrained(args.source)(args.prompt or DEFAULT_PROMPT)["input_ids"]
         result = bench_lib.bench_causal_lm(args.file, prompt_ids, model, steps=args.steps, num_threads=args.threads)
     else:
-        sample, _ = _module_inputs(args.input, args.source or args.file)
         module = load_factory(args.source) if args.source else None
+        if args.input:
+            sample, _ = _module_inputs(args.input, args.source or args.file)
+        else:  # the file fixes its input shapes: sample from them
+            from edge_export.runtime import TFLiteModule
+
+            lite = TFLiteModule(args.file)
+            details = lite.runner.get_input_details()
+            generator = torch.Generator().manual_seed(0)
+            sample = tuple(
+                torch.randn(tuple(details[n]["shape"]), generator=generator).numpy().astype(details[n]["dtype"])
+                for n in lite.input_names
+            )
+            sample = tuple(torch.from_numpy(a) for a in sample)
         result = bench_lib.bench_module(args.file, sample, module, num_threads=args.threads)
     print(f"{args.file}\n" + format_table(bench_rows(result)))
     return 0

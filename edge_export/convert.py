@@ -58,7 +58,8 @@ def export_causal_lm(
     """
     recipe = recipe_name(quantization)
     _tf_alias.install()
-    from litert_torch.generative.export_hf import export as export_hf
+    with quiet_stdout(True):  # transformers prints "[ERROR] ... not documented" lines for litert's model files
+        from litert_torch.generative.export_hf import export as export_hf
 
     out_dir = os.path.join(workdir, "export_hf")
     try:

@@ -145,10 +145,11 @@ def export_checkpoint(
             _say(f"note: {note}", quiet)
         _say(f"exporting {checkpoint.model_type} from {checkpoint_dir} with litert-torch export_hf ...", quiet)
         start = time.perf_counter()
-        convert.export_causal_lm(
-            checkpoint, tmp_file, workdir, bundle=out.suffix == ".litertlm", quantization=quantize,
-            prefill_lengths=list(prefill_lengths), cache_length=cache_length,
-        )
+        with convert.quiet_stdout(quiet):
+            convert.export_causal_lm(
+                checkpoint, tmp_file, workdir, bundle=out.suffix == ".litertlm", quantization=quantize,
+                prefill_lengths=list(prefill_lengths), cache_length=cache_length,
+            )
         report = {
             "source": str(checkpoint_dir), "output": str(out), "kind": "causal-lm", "format": out.suffix[1:],
             "model_type": checkpoint.model_type, "quantization": quantize, "recipe": recipe_name(quantize),
@@ -220,10 +221,11 @@ def export_module(
             _say(f"note: {note}", quiet)
         _say(f"converting {name} with litert_torch.convert ...", quiet)
         start = time.perf_counter()
-        convert.export_plain_module(
-            module, tuple(sample_inputs), tmp_file, workdir, quantization=quantize, dynamic_shapes=dynamic_shapes,
-            name=name,
-        )
+        with convert.quiet_stdout(quiet):
+            convert.export_plain_module(
+                module, tuple(sample_inputs), tmp_file, workdir, quantization=quantize,
+                dynamic_shapes=dynamic_shapes, name=name,
+            )
         report = {
             "source": name, "output": str(out), "kind": "module", "format": "tflite", "quantization": quantize,
             "recipe": recipe_name(quantize),

@@ -63,6 +63,8 @@ def test_bench_module_and_cli_bench(capsys, mlp_fp32):
     assert result["litert_ms"] > 0 and result["torch_ms"] > 0 and result["file_bytes"] == os.path.getsize(path)
     code, stdout, _ = run_cli(capsys, "bench", path, "--source", "edge_export_factories:mlp", "--input", "4x16:float32")
     assert code == 0 and "LiteRT / PyTorch" in stdout
+    code, stdout, _ = run_cli(capsys, "bench", path)  # no source: LiteRT only, inputs from the file's shapes
+    assert code == 0 and "LiteRT ms/call" in stdout and "PyTorch" not in stdout
 
 
 def test_failed_verification_keeps_existing_output(tmp_path, capsys):
