@@ -1,0 +1,94 @@
+"""Reward functions with VeRL's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature.
+
+- ``reasoning_gym/<task>``: the answer is extracted from ``<answer>...</answer>`` (reasoning-gym's own
+  ``extract_answer``) and scored by the task's own ``score_answer`` on the exact entry, rebuilt from the seed
+  and index in ``extra_info`` — the score is reasoning-gym's, in [0, 1].
+- ``openai/gsm8k``: numeric equality of the extracted answer with the ``####`` ground truth (1.0 or 0.0).
+
+A completion with no ``<answer>`` tags falls back to its last number, so an untrained model that answers
+plainly is still scored on correctness.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from typing import Any
+
+from verl_backend.errors import BadInputError
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def extract_final_answer(solution_str: str) -> str | None:
+    """The text inside the last ``<answer>`` tags, else the last number in ``solution_str``, else ``None``."""
+    from reasoning_gym.utils import extract_answer
+
+    tagged = extract_answer(solution_str)
+    if tagged is not None:
+        return tagged
+    numbers = _NUMBER.findall(solution_str)
+    return numbers[-1].rstrip(".").replace(",", "") if numbers else None
+
+
+@functools.lru_cache(maxsize=32)
+def _dataset(task: str, seed: int, size: int, task_config: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(task_config or "{}"))
+
+
+def _to_float(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except (ValueError, AttributeError):
+        return None
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **kwargs
+) -> float:
+    """Score one response in [0, 1].
+
+    Args:
+        data_source: ``"reasoning_gym/<task>"`` or ``"openai/gsm8k"``.
+        solution_str: the decoded response (no prompt).
+        ground_truth: the expected answer string.
+        extra_info: for reasoning-gym rows, ``task``, ``seed``, ``size``, ``index`` and ``task_config`` as
+            written by :func:`verl_backend.data.reasoning_gym_to_parquet`.
+
+    Raises:
+        BadInputError: an unknown ``data_source`` or a reasoning-gym row without its ``extra_info`` keys.
+    """
+    answer = extract_final_answer(solution_str)
+    if data_source.startswith("reasoning_gym/"):
+        info = extra_info or {}
+        missing = [k for k in ("task", "seed", "size", "index") if k not in info]
+        if missing:
+            raise BadInputError(
+                f"reasoning-gym row for {data_source} lacks extra_info {missing}; regenerate the parquet with "
+                "verl_backend.data.reasoning_gym_to_parquet"
+            )
+        dataset = _dataset(info["task"], int(info["seed"]), int(info["size"]), info.get("task_config") or "{}")
+        entry = dataset[int(info["index"])]
+        if str(entry["answer"]) != str(ground_truth):
+            raise BadInputError(
+                f"{data_source} row {info['index']}: ground_truth {ground_truth!r} does not match the rebuilt "
+                f"entry {entry['answer']!r}; the parquet was written with another reasoning-gym version or config"
+            )
+        if answer is None:
+            return 0.0
+        score = float(dataset.score_answer(answer, entry))
+    elif data_source in ("openai/gsm8k", "gsm8k"):
+        got, want = _to_float(answer) if answer is not None else None, _to_float(ground_truth)
+        score = 1.0 if got is not None and want is not None and math.isclose(got, want, abs_tol=1e-6) else 0.0
+    else:
+        raise BadInputError(
+            f"no reward function for data_source {data_source!r}; use 'reasoning_gym/<task>' or 'openai/gsm8k', "
+            "or set reward.custom_reward_function.path to your own compute_score"
+        )
+    if not math.isfinite(score):
+        raise BadInputError(f"reward for {data_source} is {score} (not finite) for answer {answer!r}")
+    return score

@@ -1,0 +1,74 @@
+"""Backend defaults: the VeRL keys a user should not have to know, per ``--backend``.
+
+They are Hydra overrides applied *before* the user's ``--config`` file and command-line overrides, so anything
+here can be overridden with VeRL's own keys.
+"""
+
+from __future__ import annotations
+
+# fp32 everywhere on CPU: there is no bf16 matmul hardware on most CPUs (emulated bf16 is slower), and the
+# rollout's log-probs then match the trainer's.
+_FP32_MP = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+
+COMMON: dict[str, str] = {
+    "actor_rollout_ref.rollout.name": "native",
+    "actor_rollout_ref.rollout.mode": "async",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+    "actor_rollout_ref.rollout.data_parallel_size": "1",
+    "actor_rollout_ref.rollout.max_num_seqs": "64",
+    # Our server loads real weights from the model path, then receives every update from the trainer.
+    "actor_rollout_ref.rollout.load_format": "auto",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": "256",
+    "actor_rollout_ref.actor.strategy": "fsdp2",
+    "critic.strategy": "fsdp2",
+    # FlashAttention2 is VeRL's default and exists only on CUDA.
+    "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+    "+critic.model.override_config.attn_implementation": "sdpa",
+    # remove-padding needs flash-attn's varlen kernels.
+    "actor_rollout_ref.model.use_remove_padding": "false",
+    "critic.model.use_remove_padding": "false",
+    "trainer.nnodes": "1",
+    # VeRL starts 8 agent-loop and 8 reward workers and 8 data-loader processes by default: each imports
+    # torch + VeRL (~0.5 GiB, ~15 s); one of each serves a single-host job.
+    "actor_rollout_ref.rollout.agent.num_workers": "1",
+    "reward.num_workers": "1",
+    "data.dataloader_num_workers": "0",
+    "reward.custom_reward_function.path": "pkg://verl_backend.data.rewards",
+    "reward.custom_reward_function.name": "compute_score",
+    "trainer.logger": "[console,file,tensorboard]",
+    "actor_rollout_ref.actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]",
+}
+
+BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
+    "cpu": {
+        **COMMON,
+        "trainer.device": "cpu",
+        "trainer.n_gpus_per_node": "1",
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision": _FP32_MP,
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision": _FP32_MP,
+        "+critic.model.fsdp_config.mixed_precision": _FP32_MP,
+        "actor_rollout_ref.actor.use_torch_compile": "false",
+        "actor_rollout_ref.ref.use_torch_compile": "false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing": "false",
+        "critic.model.enable_gradient_checkpointing": "false",
+    },
+    "tpu": {
+        **COMMON,
+        "trainer.device": "tpu",
+        # One worker process per chip (whole chips: Ray refuses fractional TPU requests).
+        "trainer.n_gpus_per_node": "4",
+        "actor_rollout_ref.rollout.dtype": "bfloat16",
+        "actor_rollout_ref.actor.use_torch_compile": "false",
+    },
+    "cuda": {
+        "trainer.device": "cuda",
+        "actor_rollout_ref.rollout.name": "native",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+        "actor_rollout_ref.rollout.load_format": "auto",
+        "actor_rollout_ref.actor.strategy": "fsdp2",
+        "critic.strategy": "fsdp2",
+        "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+        "+critic.model.override_config.attn_implementation": "sdpa",
+    },
+}

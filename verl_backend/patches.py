@@ -1,0 +1,101 @@
+"""Narrow patches of VeRL 0.9.1 functions that assume CUDA. Each names the function, the version and why.
+
+Applied by the plugin in every process; each is idempotent and leaves CUDA behaviour unchanged.
+"""
+
+from __future__ import annotations
+
+import verl
+
+PATCHED_VERSION = "0.9.1"
+_applied = False
+
+
+def _check_resource_available(self) -> None:
+    """Replacement for ``verl.single_controller.ray.base.ResourcePoolManager._check_resource_available``.
+
+    VeRL 0.9.1 counts only ``GPU``/``NPU`` resources, so on CPU or TPU it always reports
+    "Total available GPUs 0". This counts the current platform's Ray resource (``CPU``, ``TPU``, ``GPU``) and
+    raises one clear error when the cluster is too small, instead of a placement group that waits forever.
+    """
+    import ray
+    from verl.plugin.platform import get_platform
+
+    resource = get_platform().ray_resource_name()
+    per_node = ray._private.state.available_resources_per_node()
+    available = sum(float(info.get(resource, 0)) for info in per_node.values())
+    required = sum(n for nodes in self.resource_pool_spec.values() for n in nodes)
+    if available < required:
+        raise ValueError(
+            f"the Ray cluster has {available:g} {resource} available but the resource pools need {required} "
+            f"(trainer.nnodes x trainer.n_gpus_per_node); lower them or add {resource} to the cluster"
+        )
+
+
+def _dedupe_backend(backend: str | None) -> str | None:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: one backend per device type, first one wins."""
+    if not backend or ":" not in backend:
+        return backend
+    seen: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.partition(":")
+        seen.setdefault(device.strip(), name.strip())
+    return ",".join(f"{d}:{n}" for d, n in seen.items())
+
+
+def _make_init_pg_ray(original):
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        """Patched ``verl.utils.distributed.initialize_global_process_group_ray`` (VeRL 0.9.1).
+
+        VeRL builds ``f"cpu:gloo,{device}:{backend}"``, which is ``"cpu:gloo,cpu:gloo"`` on the CPU platform and
+        torch rejects duplicate device types. We pass the de-duplicated string.
+        """
+        if backend is None:
+            from verl.utils.device import get_device_name, get_nccl_backend
+
+            backend = f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+        return original(timeout_second=timeout_second, backend=_dedupe_backend(backend))
+
+    initialize_global_process_group_ray.__wrapped__ = original
+    return initialize_global_process_group_ray
+
+
+def _cpu_offload_policy_without_pinning(original_cls):
+    def CPUOffloadPolicy(pin_memory: bool = True, **kwargs):  # noqa: N802 - stands in for the class
+        """Patched ``CPUOffloadPolicy`` inside ``verl.workers.engine.fsdp.transformer_impl`` (VeRL 0.9.1).
+
+        VeRL gives the reference model ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator and
+        raises "Cannot access accelerator device when none is available" on the CPU platform, where the
+        parameters already live in host memory. Pinning is dropped there.
+        """
+        return original_cls(pin_memory=False, **kwargs)
+
+    return CPUOffloadPolicy
+
+
+def apply() -> None:
+    """Apply every patch once (VeRL must be the pinned version)."""
+    global _applied
+    if _applied:
+        return
+    if verl.__version__ != PATCHED_VERSION:
+        raise RuntimeError(f"rl-tpu patches target verl=={PATCHED_VERSION}, found {verl.__version__}; pin verl")
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    ResourcePoolManager._check_resource_available = _check_resource_available
+
+    import verl.checkpoint_engine.base as ckpt_base
+    import verl.utils.distributed as vdist
+    import verl.workers.engine_workers as engine_workers
+
+    from verl.utils.device import get_device_name
+    from verl.workers.engine.fsdp import transformer_impl
+
+    if get_device_name() == "cpu":
+        transformer_impl.CPUOffloadPolicy = _cpu_offload_policy_without_pinning(transformer_impl.CPUOffloadPolicy)
+
+    patched = _make_init_pg_ray(vdist.initialize_global_process_group_ray)
+    # Rebind where VeRL imported the function by name, too.
+    for module in (vdist, engine_workers, ckpt_base):
+        module.initialize_global_process_group_ray = patched
+    _applied = True

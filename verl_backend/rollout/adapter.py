@@ -1,0 +1,82 @@
+"""``NativeServerAdapter``: the rollout object VeRL builds inside each trainer worker (``BaseRollout``).
+
+VeRL's colocated weight sync (``checkpoint_engine.backend=naive``) calls
+``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. Here the leader
+rank of each replica packs the full tensors into buckets (:func:`rl_tpu.collectives.pack_bucket`), puts each
+bucket in the Ray object store and hands the reference to its replica's server; the other ranks only drain the
+generator (which is collective under FSDP). No NCCL, no shared device memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Generator
+
+import ray
+import torch
+from verl.workers.rollout.base import BaseRollout
+
+from verl_backend.rollout import server_actor_name
+
+
+class NativeServerAdapter(BaseRollout):
+    """Weight-sync side of the native rollout, living in the trainer worker process."""
+
+    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+        super().__init__(config, model_config, device_mesh, *args, **kwargs)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size
+        tp *= self.config.pipeline_model_parallel_size
+        self.replica_rank = rank // tp
+        self.is_leader = rank % tp == 0
+        self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        self._server = None
+        self.last_sync: dict[str, float] = {}
+
+    def _server_handle(self):
+        if self._server is None:
+            self._server = ray.get_actor(server_actor_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]):
+        return None
+
+    async def release(self):
+        return None
+
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], wire_format: str = "named_tensors", **kwargs: Any):
+        """Send ``(name, tensor)`` pairs to this replica's server in buckets of
+        ``checkpoint_engine.update_weights_bucket_megabytes`` MiB; returns when the server has loaded them.
+
+        Records ``last_sync = {"bytes", "seconds", "buckets"}``.
+
+        Raises:
+            ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
+        """
+        from rl_tpu.collectives import iter_buckets, pack_bucket
+
+        if wire_format != "named_tensors":
+            raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
+        global_steps = kwargs.get("global_steps")
+        start, sent, n = time.perf_counter(), 0, 0
+        pending = []
+
+        def cpu_full(it):
+            for name, t in it:
+                if hasattr(t, "full_tensor"):
+                    t = t.full_tensor()
+                yield name, t.detach().to("cpu")
+
+        if not self.is_leader:
+            for _ in cpu_full(weights):
+                pass
+            return
+        server = self._server_handle()
+        buckets = list(iter_buckets(cpu_full(weights), self.bucket_bytes))
+        for i, bucket in enumerate(buckets):
+            flat, meta = pack_bucket(bucket)
+            pending.append(server.update_weights_bucket.remote(ray.put(flat), meta, i == len(buckets) - 1, global_steps))
+            n += 1
+        sent = sum(await asyncio.gather(*pending))
+        self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n)}

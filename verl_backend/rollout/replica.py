@@ -1,0 +1,62 @@
+"""``NativeReplica``: VeRL ``RolloutReplica`` whose server is :class:`NativeRolloutServer` (no vLLM/SGLang)."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from verl.utils.device import get_device_name
+from verl.workers.rollout.replica import RolloutReplica
+
+from verl_backend.rollout import server_actor_name
+from verl_backend.rollout.server import NativeRolloutServer, server_env
+
+
+def _model_path(model_config) -> str:
+    """Local HF folder of the policy: ``local_path`` on an ``HFModelConfig``, else ``path`` of the DictConfig."""
+    import os
+
+    local = getattr(model_config, "local_path", None)
+    return local or os.path.expanduser(str(model_config.path))
+
+
+class NativeReplica(RolloutReplica):
+    """One rollout replica = one :class:`NativeRolloutServer` actor.
+
+    In hybrid mode (VeRL's default: trainer and rollout colocated) the server runs beside the replica's first
+    trainer worker, on its node; it holds its own inference copy of the policy, refreshed after every update by
+    the trainer's :class:`~verl_backend.rollout.adapter.NativeServerAdapter` through the Ray object store.
+    """
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self):
+        node_id = None
+        if self.workers:
+            node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+        options = {
+            "name": server_actor_name(self.replica_rank, self.name_suffix),
+            "max_concurrency": self.max_concurrency,
+            # The server's CPU time is accounted to the trainer's bundle it shares the node with; asking for
+            # a whole CPU here would deadlock small machines (2 cores) where every CPU is already reserved.
+            "num_cpus": 0,
+            "runtime_env": {"env_vars": server_env()},
+        }
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        device = get_device_name()
+        server = (
+            ray.remote(NativeRolloutServer)
+            .options(**options)
+            .remote(
+                rollout_config=self.config,
+                model_path=_model_path(self.model_config),
+                device=device if device != "tpu" else "cpu",
+                replica_rank=self.replica_rank,
+                trust_remote_code=bool(getattr(self.model_config, "trust_remote_code", False) or False),
+            )
+        )
+        self.servers = [server]
+        ip, _ = await server.get_server_address.remote()
+        self._server_handle = server
+        self._server_address = f"native://{ip}/replica-{self.replica_rank}{self.name_suffix}"

@@ -1,0 +1,262 @@
+"""The native rollout server: a Ray actor that owns an inference copy of the policy and the rl_tpu sampler.
+
+VeRL's agent loop sends one ``generate(request_id, prompt_ids, sampling_params)`` call per sample, all at once
+and concurrently. The server gathers the calls that arrive together into one batch (up to
+``rollout.max_num_seqs``), groups them by sampling settings, runs the batched, KV-cached sampler in a worker
+thread and answers each call with a :class:`verl.workers.rollout.replica.TokenOutput`.
+
+Weights arrive from the trainer as packed buckets through the Ray object store (:meth:`update_weights_bucket`),
+so weight sync needs neither NCCL nor a shared device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    key: tuple
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class NativeRolloutServer:
+    """Serves VeRL's token-in/token-out ``generate`` with :class:`rl_tpu.sampler.Sampler`.
+
+    Args:
+        rollout_config: VeRL ``RolloutConfig`` (``prompt_length``, ``response_length``, ``max_num_seqs``,
+            ``dtype``, ``calculate_log_probs``).
+        model_path: HF model folder (the trainer's ``actor_rollout_ref.model.local_path``).
+        device: torch device type for the sampler (``"cpu"``, ``"tpu"``, ``"cuda"``).
+        replica_rank: rank of the replica this server belongs to.
+        batch_window_s: how long (seconds) to wait for more requests after the first one before running a batch.
+    """
+
+    def __init__(
+        self,
+        rollout_config: Any,
+        model_path: str,
+        device: str = "cpu",
+        replica_rank: int = 0,
+        batch_window_s: float = 0.05,
+        trust_remote_code: bool = False,
+    ):
+        from rl_tpu.device import set_num_threads
+
+        set_num_threads(None)
+        self.config = rollout_config
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.replica_rank = replica_rank
+        self.batch_window_s = batch_window_s
+        self.trust_remote_code = trust_remote_code
+        self.max_batch = max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64))
+        self.global_steps: int | None = None
+        self._queue: list[_Request] = []
+        self._wake = None  # asyncio.Event, created on the actor's event loop
+        self._loop_task = None
+        self._paused = False
+        self._pending_weights: list[tuple[str, torch.Tensor]] = []
+        self.sampler = None
+        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "generate_s": 0.0, "weight_sync_s": 0.0}
+        self._build_sampler()
+
+    # ------------------------------------------------------------------ set-up
+    def _build_sampler(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rl_tpu.sampler import Sampler
+
+        dtype = getattr(torch, str(getattr(self.config, "dtype", "float32") or "float32"))
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code, attn_implementation="sdpa"
+        )
+        model.to(self.device).eval()
+        tok = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+        prompt_len = int(getattr(self.config, "prompt_length", 512))
+        resp_len = int(getattr(self.config, "response_length", 512))
+        self.sampler = Sampler(
+            model,
+            pad_token_id=pad,
+            eos_token_ids=eos_ids,
+            prompt_buckets=_buckets(prompt_len),
+            gen_buckets=_buckets(resp_len),
+            max_batch_size=self.max_batch,
+            device=self.device,
+        )
+        self.max_prompt_len = prompt_len
+        self.response_length = resp_len
+
+    # --------------------------------------------------------------- generate
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        **kwargs: Any,
+    ):
+        """Generate one response for ``prompt_ids`` (token ids).
+
+        Returns:
+            ``TokenOutput`` with ``token_ids`` (response only), ``log_probs`` (float, one per response token,
+            log-softmax of the temperature-scaled logits) and ``stop_reason`` ``"completed"``.
+
+        Raises:
+            ValueError: images/videos given (the native rollout is text only) or a prompt longer than
+                ``rollout.prompt_length``.
+        """
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data is not None or video_data is not None:
+            raise ValueError("the native rollout is text-only: drop image/video inputs or use rollout.name=vllm")
+        if len(prompt_ids) > self.max_prompt_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens is longer than rollout.prompt_length={self.max_prompt_len}; "
+                "raise data.max_prompt_length or keep data.filter_overlong_prompts=True"
+            )
+        params = dict(sampling_params)
+        max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", None))
+        if max_tokens is None:
+            max_tokens = self.response_length
+        max_tokens = int(max(1, min(max_tokens, self.response_length)))
+        key = (
+            float(params.get("temperature", 1.0)),
+            float(params.get("top_p", 1.0)),
+            int(params.get("top_k", -1) if params.get("top_k") is not None else -1),
+            max_tokens,
+        )
+        loop = asyncio.get_running_loop()
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._loop_task = loop.create_task(self._batch_loop())
+        req = _Request(list(map(int, prompt_ids)), key, loop.create_future())
+        self._queue.append(req)
+        self.stats["requests"] += 1
+        self._wake.set()
+        token_ids, log_probs = await req.future
+        extra = {"global_steps": self.global_steps}
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason="completed", extra_fields=extra)
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            # Let concurrent callers enqueue: VeRL's agent loop fires all samples of a step together.
+            await asyncio.sleep(self.batch_window_s)
+            while self._paused:
+                await asyncio.sleep(0.01)
+            self._wake.clear()
+            while self._queue:
+                key = self._queue[0].key
+                batch = [r for r in self._queue if r.key == key][: self.max_batch]
+                taken = set(map(id, batch))
+                self._queue = [r for r in self._queue if id(r) not in taken]
+                try:
+                    outs = await asyncio.to_thread(self._run_batch, [r.prompt_ids for r in batch], key)
+                except Exception as exc:  # surface the sampler's error to every caller of this batch
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+                for r, out in zip(batch, outs):
+                    if not r.future.done():
+                        r.future.set_result(out)
+
+    def _run_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+        from rl_tpu.sampler import SamplingParams
+
+        temperature, top_p, top_k, max_tokens = key
+        params = SamplingParams(
+            n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens
+        )
+        start = time.perf_counter()
+        outs = self.sampler.generate(prompts, params)
+        self.stats["generate_s"] += time.perf_counter() - start
+        self.stats["batches"] += 1
+        self.stats["generated_tokens"] += sum(len(o.token_ids) for o in outs)
+        return [(list(o.token_ids), [float(x) for x in o.logprobs]) for o in outs]
+
+    # ------------------------------------------------------------- weight sync
+    def update_weights_bucket(self, flat: torch.Tensor, metadata: list, last: bool, global_steps: int | None = None) -> int:
+        """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`).
+
+        The tensors are staged until ``last`` is true and then loaded together, so generation never sees a
+        half-updated model. Returns the number of bytes received.
+        """
+        from rl_tpu.collectives import unpack_bucket
+
+        start = time.perf_counter()
+        self._pending_weights.extend(unpack_bucket(flat, metadata))
+        if last:
+            self.sampler.load_state_dict(self._pending_weights)
+            self._pending_weights = []
+            self.global_steps = global_steps
+        self.stats["weight_sync_s"] += time.perf_counter() - start
+        return int(flat.numel() * flat.element_size())
+
+    def get_stats(self) -> dict:
+        return dict(self.stats)
+
+    # ------------------------------------------- VeRL's server control surface
+    async def wake_up(self):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        self._paused = True
+
+    async def resume_generation(self):
+        self._paused = False
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+    def get_server_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), 0
+
+
+def _buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to ``limit`` (``limit`` itself last): a bounded set of compiled shapes."""
+    out, b = [], 16
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(int(limit))
+    return tuple(out)
+
+
+def server_env() -> dict[str, str]:
+    """Environment for the server actor: thread count and TorchTPU autoload follow the driver's."""
+    keep = ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+    return {k: os.environ[k] for k in keep if k in os.environ}

@@ -1,0 +1,231 @@
+"""``verl train``: plan the job (backend defaults, model, data, output folder), then run VeRL's trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from verl_backend.errors import BadInputError
+from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_cpu.yaml"
+RL_TPU_KEYS = {"task", "train_size", "val_size", "seed", "task_config", "gsm8k_jsonl", "gsm8k_val_fraction"}
+
+
+def _split_rl_tpu(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Separate ``rl_tpu.<key>=value`` settings (ours) from VeRL's Hydra overrides."""
+    verl, ours = [], {}
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+")
+        if key.startswith("rl_tpu."):
+            name = key[len("rl_tpu.") :]
+            if name not in RL_TPU_KEYS or "=" not in o:
+                raise BadInputError(f"{o!r}: unknown rl_tpu setting; known: {', '.join(sorted(RL_TPU_KEYS))}")
+            ours[name] = o.split("=", 1)[1].strip().strip("\"'")
+        else:
+            verl.append(o)
+    return verl, ours
+
+
+def _check_backend(backend: str) -> None:
+    from rl_tpu.device import BACKENDS, DeviceError, require_tpu
+
+    if backend not in BACKENDS:
+        raise BadInputError(f"--backend {backend!r} is unknown: choose one of {', '.join(BACKENDS)}")
+    if backend == "tpu":
+        try:
+            require_tpu()
+        except DeviceError as exc:
+            raise BadInputError(str(exc)) from None
+    if backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInputError("--backend cuda: no CUDA GPU visible; use --backend cpu, or run on a GPU machine")
+
+
+def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list[str]:
+    """Generate the built-in parquet files unless the user gave ``data.train_files``; validate what is used."""
+    from verl_backend.data import gsm8k_jsonl_to_parquet, reasoning_gym_to_parquet, validate_rl_parquet
+
+    extra: list[str] = []
+    if "data.train_files" not in keys:
+        data_dir = out / "data"
+        if "gsm8k_jsonl" in ours:
+            src = Path(ours["gsm8k_jsonl"]).expanduser()
+            train = gsm8k_jsonl_to_parquet(src, data_dir / "gsm8k_train.parquet", split="train")
+            import pandas as pd
+
+            df = pd.read_parquet(train)
+            n_val = max(1, int(len(df) * float(ours.get("gsm8k_val_fraction", 0.1))))
+            val = data_dir / "gsm8k_val.parquet"
+            df.iloc[-n_val:].to_parquet(val, index=False)
+            df.iloc[:-n_val].to_parquet(train, index=False)
+        else:
+            task = ours.get("task", "basic_arithmetic")
+            seed = int(ours.get("seed", 1))
+            task_config = ours.get("task_config") or {}
+            if isinstance(task_config, str):
+                try:
+                    task_config = json.loads(task_config)
+                except json.JSONDecodeError as exc:
+                    raise BadInputError(f"rl_tpu.task_config is not JSON ({exc.msg}): {task_config!r}") from None
+            train = reasoning_gym_to_parquet(
+                task, data_dir / f"{task}_train.parquet", size=int(ours.get("train_size", 256)), seed=seed,
+                split="train", task_config=task_config,
+            )
+            val = reasoning_gym_to_parquet(
+                task, data_dir / f"{task}_val.parquet", size=int(ours.get("val_size", 32)), seed=seed + 1000,
+                split="test", task_config=task_config,
+            )
+        extra += [f"data.train_files={train}", f"data.val_files={val}"]
+    return extra
+
+
+def _data_files(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def _check_prompt_lengths(config) -> None:
+    """Count prompts longer than ``data.max_prompt_length`` and say what happens to them (never silent)."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    limit = int(config.data.max_prompt_length)
+    for key in ("train_files", "val_files"):
+        for f in _data_files(config.data.get(key)):
+            df = pd.read_parquet(f)
+            lengths = [
+                len(tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)) for p in df["prompt"]
+            ]
+            too_long = sum(n > limit for n in lengths)
+            if not too_long:
+                continue
+            if not config.data.filter_overlong_prompts:
+                raise BadInputError(
+                    f"{f}: {too_long} of {len(df)} prompts are longer than data.max_prompt_length={limit} tokens "
+                    f"(longest {max(lengths)}); raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                )
+            if too_long == len(df):
+                raise BadInputError(
+                    f"{f}: all {len(df)} prompts are longer than data.max_prompt_length={limit}; raise it"
+                )
+            print(f"[rl-tpu] {f}: dropping {too_long} of {len(df)} prompts longer than {limit} tokens "
+                  "(data.filter_overlong_prompts=true)")
+
+
+def _model_path(keys: dict[str, str]) -> list[str]:
+    from verl_backend.models import ensure_default_model, is_hf_model_dir
+
+    if "actor_rollout_ref.model.path" in keys:
+        path = Path(os.path.expanduser(keys["actor_rollout_ref.model.path"].strip("\"'")))
+        if not is_hf_model_dir(path):
+            raise BadInputError(
+                f"actor_rollout_ref.model.path={path} is not a model folder (needs config.json and *.safetensors); "
+                "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
+            )
+        return []
+    path = ensure_default_model()
+    extra = [f"actor_rollout_ref.model.path={path}"]
+    if "critic.model.path" not in keys:
+        extra.append(f"critic.model.path={path}")
+    return extra
+
+
+def run_train(args) -> int:
+    backend = str(args.backend).strip().lower()
+    _check_backend(backend)
+    from verl_backend.cli import PLATFORM_NAME
+    from verl_backend.defaults import BACKEND_DEFAULTS
+
+    # The platform must be chosen before VeRL is imported anywhere in this process or its workers.
+    os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
+    threads = args.num_threads or int(os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or 0)
+    if threads:
+        if threads < 1:
+            raise BadInputError(f"--num-threads {threads}: give a positive number of threads")
+        os.environ["RL_TPU_NUM_THREADS"] = str(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    if backend != "tpu":
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
+
+    config_path = args.config or (DEFAULT_CONFIG if backend == "cpu" else None)
+    file_overrides, file_ours = flatten_yaml_overrides(config_path) if config_path else ([], {})
+    unknown = set(file_ours) - RL_TPU_KEYS
+    if unknown:
+        raise BadInputError(f"--config {config_path}: unknown rl_tpu setting(s) {sorted(unknown)}; known: {sorted(RL_TPU_KEYS)}")
+    cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
+    ours = {**file_ours, **cli_ours}
+    merged = merge_overrides(BACKEND_DEFAULTS[backend], file_overrides, cli_overrides)
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
+
+    experiment = keys.get("trainer.experiment_name", "grpo_smollm2").strip("\"'")
+    out = Path(args.output_dir or Path("outputs") / experiment).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    extra = _model_path(keys) + _prepare_data(keys, ours, out)
+    if "trainer.default_local_dir" not in keys:
+        extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
+    config = compose_config(merged + extra)
+
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(config))
+        return 0
+
+    from verl_backend.data import validate_rl_parquet
+
+    for key in ("train_files", "val_files"):
+        for f in _data_files(config.data.get(key)):
+            validate_rl_parquet(f)
+    _check_prompt_lengths(config)
+
+    env = {
+        "VERL_PLATFORM": os.environ["VERL_PLATFORM"],
+        "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
+        "TENSORBOARD_DIR": str(out / "tensorboard"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    os.environ.update(env)
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(config):
+        runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
+        runtime_env["env_vars"] = {**dict(runtime_env.get("env_vars") or {}), **env}
+        if not os.environ.get("RAY_ADDRESS") and config.ray_kwargs.ray_init.get("num_cpus") is None:
+            # VeRL's TaskRunner, TransferQueue, agent-loop and reward actors each need a CPU slot to be
+            # scheduled; on a 2-core machine Ray's default (one slot per core) leaves the job waiting forever.
+            config.ray_kwargs.ray_init.num_cpus = max(16, os.cpu_count() or 1)
+        config.ray_kwargs.ray_init.setdefault("include_dashboard", False)
+    OmegaConf.save(config, out / "config.yaml")
+
+    from verl_backend.report import write_report
+
+    start = time.time()
+    _run_verl(config)
+    summary = write_report(out, wall_s=time.time() - start)
+    print(summary)
+    return 0
+
+
+def _run_verl(config) -> None:
+    """VeRL's own entry (``verl.trainer.main_ppo.main``'s body): device check, config validation, ``run_ppo``."""
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    run_ppo(config, task_runner_class=TaskRunnerV1)
