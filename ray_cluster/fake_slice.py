@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ import uuid
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import psutil
 
@@ -183,18 +184,6 @@ def _tail(path: str, n: int = 5) -> str:
         return "(no log)"
 
 
-def _wait_port(port: int, deadline: float, rec: NodeRecord) -> None:
-    while time.monotonic() < deadline:
-        if _alive(rec) is None:
-            raise ClusterError(f"Ray head node exited while starting; log {rec.log}: {_tail(rec.log)}")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise ClusterError(f"Ray head did not open port {port} in time; see {rec.log}")
-
-
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -223,6 +212,7 @@ def start(
     object_store_mb: int = 256,
     state_file: Path | None = None,
     timeout_s: float = 180.0,
+    max_parallel: int = 2,
 ) -> FakeCluster:
     """Start a head node plus one Ray node per host of each fake slice, and wait until ready.
 
@@ -234,6 +224,8 @@ def start(
         object_store_mb: object store size per node, MiB.
         state_file: where to record the pids (default :func:`default_state_file`).
         timeout_s: give up (and stop what was started) after this many seconds.
+        max_parallel: slice hosts started at once (more is faster on an idle machine; Ray
+            gives each node 30 s to register, which a loaded 2-core box can miss).
 
     Returns:
         The running cluster; ``ready_s`` is the seconds from the first ``ray start`` to every
@@ -270,11 +262,7 @@ def start(
     marker = uuid.uuid4().hex[:12]
     temp_dir = tempfile.mkdtemp(prefix="rlt-")  # short: Ray's socket paths live under it
     names = [f"fake-{s.accelerator_type}-{i}-{marker[:4]}" for i, s in enumerate(specs)]
-    keys = ["node_manager", "object_manager", "metrics", "agent_http", "agent_grpc", "runtime_env", "client"]
-    n_nodes = 1 + sum(s.hosts for s in specs)
-    flat = _free_ports(len(keys) * n_nodes + 2)
-    gcs_port, dash_port, flat = flat[0], flat[1], flat[2:]
-    node_ports = [dict(zip(keys, flat[i * len(keys):(i + 1) * len(keys)])) for i in range(n_nodes)]
+    gcs_port, dash_port = _free_ports(2)
     gcs = f"127.0.0.1:{gcs_port}"
 
     base_env = {k: v for k, v in os.environ.items() if k not in _SCRUB_ENV}
@@ -292,32 +280,83 @@ def start(
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     store = object_store_mb * 1024 * 1024
-    try:
-        head_cmd = _node_command(node_ports[0], head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
-                                 resources={}, object_store_bytes=store, dashboard_port=dash_port)
-        cluster.nodes.append(_spawn(head_cmd, base_env, Path(temp_dir) / "head.log", "head", {}))
-        cluster.save(state_file)
-        _wait_port(gcs_port, deadline, cluster.nodes[0])
 
-        i = 1
-        for name, spec in zip(names, specs):
-            hostnames = ["127.0.0.1"] * spec.hosts
-            for w in range(spec.hosts):
-                env = dict(base_env, **host_env(spec, w, name, hostnames))
-                expect = host_resources(spec, w, name)
-                cmd = _node_command(node_ports[i], head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{i}",
-                                    num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
-                                    object_store_bytes=store)
-                cluster.nodes.append(_spawn(cmd, env, Path(temp_dir) / f"{name}-w{w}.log", f"{name}/{w}", expect))
-                i += 1
-        cluster.save(state_file)
+    def head_cmd(ports, attempt):
+        return _node_command(ports, head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
+                             resources={}, object_store_bytes=store, dashboard_port=dash_port)
+
+    launches = []
+    for i, (name, spec) in enumerate(zip(names, specs)):
+        for w in range(spec.hosts):
+            def cmd(ports, attempt, n=len(launches) + 1, spec=spec):
+                return _node_command(ports, head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{n}-{attempt}",
+                                     num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
+                                     object_store_bytes=store)
+            env = dict(base_env, **host_env(spec, w, name, ["127.0.0.1"] * spec.hosts))
+            launches.append(_Launch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}",
+                                    host_resources(spec, w, name)))
+    try:
+        _start_nodes(cluster, [_Launch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
+                     state_file, deadline, parallel=1)
+        _start_nodes(cluster, launches, state_file, deadline, parallel=max_parallel)
         _wait_ready(cluster, deadline)
     except BaseException:
-        stop(cluster=cluster, state_file=state_file)
+        stop(cluster=cluster, state_file=state_file, remove_temp=False)
         raise
     cluster.ready_s = time.monotonic() - t0
     cluster.save(state_file)
     return cluster
+
+
+@dataclass
+class _Launch:
+    role: str
+    command: Callable[[dict[str, int], int], list[str]]  # (ports, attempt) -> argv
+    env: dict[str, str]
+    log_stem: Path
+    resources: dict[str, float]
+    attempt: int = 0
+
+
+_PORT_KEYS = ("node_manager", "object_manager", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
+_STARTED = "Ray runtime started."
+
+
+def _start_nodes(cluster: FakeCluster, launches: list[_Launch], state_file: Path, deadline: float,
+                 parallel: int, attempts: int = 3) -> None:
+    """Start ``launches`` at most ``parallel`` at a time; retry a node that dies while starting.
+
+    ``ray start`` gives a node 30 s (hard-coded in Ray 2.60) to register with the GCS, and on a
+    loaded 2-core machine the dashboard agent it waits for can take longer; a retry on fresh
+    ports and a fresh temp dir usually goes through.
+    """
+    pending = list(launches)
+    running: list[tuple[_Launch, NodeRecord]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            ports = dict(zip(_PORT_KEYS, _free_ports(len(_PORT_KEYS))))
+            log = job.log_stem.with_name(f"{job.log_stem.name}.{job.attempt}.log")
+            rec = _spawn(job.command(ports, job.attempt), job.env, log, job.role, job.resources)
+            cluster.nodes.append(rec)
+            cluster.save(state_file)
+            running.append((job, rec))
+        for job, rec in list(running):
+            if _STARTED in Path(rec.log).read_text(errors="replace"):
+                running.remove((job, rec))
+            elif _alive(rec) is None:
+                running.remove((job, rec))
+                cluster.nodes.remove(rec)
+                job.attempt += 1
+                if job.attempt >= attempts:
+                    raise ClusterError(f"Ray node {job.role} failed to start {attempts} times; "
+                                       f"last log {rec.log}: {_tail(rec.log)}")
+                pending.insert(0, job)
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Ray nodes {[j.role for j, _ in running]} not started in time; "
+                               f"logs in {cluster.temp_dir}")
+        time.sleep(0.3)
+    cluster.save(state_file)
 
 
 def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
@@ -344,12 +383,13 @@ def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
 
 
 def stop(state_file: Path | None = None, cluster: FakeCluster | None = None,
-         grace_s: float = 10.0) -> list[int]:
+         grace_s: float = 10.0, remove_temp: bool = True) -> list[int]:
     """Stop exactly the processes a fake cluster started, then delete its state file.
 
     The recorded ``ray start`` pids (checked against their start times), their descendants and
     any process carrying this cluster's ``RL_TPU_FAKE_CLUSTER`` marker get SIGTERM, then SIGKILL
-    after ``grace_s``. Nothing else is signalled.
+    after ``grace_s``. Nothing else is signalled. The cluster's temp dir (logs, sockets) is
+    removed unless ``remove_temp`` is False.
 
     Returns:
         The pids that were signalled.
@@ -399,6 +439,8 @@ def stop(state_file: Path | None = None, cluster: FakeCluster | None = None,
         state_file.unlink()
     except FileNotFoundError:
         pass
+    if remove_temp and Path(cluster.temp_dir).name.startswith("rlt-"):
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     return sorted(list(procs) + [p.pid for p in late])
 
 

@@ -206,8 +206,9 @@ class Jobs:
                          message=info.message or "", logs=logs)
 
     def wait(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 0.2,
-             on_log: Callable[[str], None] | None = None) -> JobResult:
-        """Poll until the job ends (or ``timeout_s``), passing new log text to ``on_log``.
+             on_log: Callable[[str], None] | None = None, until: Sequence[str] = TERMINAL) -> JobResult:
+        """Poll until the job reaches a status in ``until`` (default: it ended) or ``timeout_s``
+        passes, passing new log text to ``on_log``.
 
         Returns:
             The final :class:`JobResult`, with seconds from this call to RUNNING and to the end.
@@ -223,7 +224,7 @@ class Jobs:
                 seen = len(r.logs)
             if running_at is None and r.status in ("RUNNING",) + TERMINAL:
                 running_at = time.monotonic() - t0
-            if r.status in TERMINAL or time.monotonic() - t0 > timeout_s:
+            if r.status in until or r.status in TERMINAL or time.monotonic() - t0 > timeout_s:
                 r.submit_to_running_s = running_at
                 r.submit_to_end_s = time.monotonic() - t0 if r.status in TERMINAL else None
                 return r
