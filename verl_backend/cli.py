@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from verl_backend.errors import BadInputError
 
 BACKENDS = ("tpu", "cpu", "cuda")
 PLATFORM_NAME = {"cpu": "cpu", "tpu": "tpu", "cuda": "nvidia"}
@@ -51,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """Unwrap Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker) to the original exception."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        nxt = getattr(exc, "cause", None) or exc.__cause__
+        if nxt is None:
+            break
+        exc = nxt
+    return exc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -58,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
             from verl_backend.train import run_train
 
             return run_train(args)
-    except BadInputError as exc:
-        print(f"verl: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found
+        root = _root_cause(exc)
+        if isinstance(root, ValueError) and type(root).__name__ in ("BadInputError", "DeviceError", "TopologyError"):
+            print(f"verl: error: {root}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         print("verl: interrupted; checkpoints already written are kept", file=sys.stderr)
         return 130

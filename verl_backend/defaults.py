@@ -34,7 +34,7 @@ COMMON: dict[str, str] = {
     "reward.num_workers": "1",
     "data.dataloader_num_workers": "0",
     "reward.custom_reward_function.path": "pkg://verl_backend.data.rewards",
-    "reward.custom_reward_function.name": "compute_score",
+    "reward.custom_reward_function.name": "guarded_score",
     "trainer.logger": "[console,file,tensorboard]",
     "actor_rollout_ref.actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]",
 }

@@ -30,6 +30,25 @@ def _split_rl_tpu(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
     return verl, ours
 
 
+def _guard_user_reward(overrides: list[str]) -> list[str]:
+    """Route a user's ``reward.custom_reward_function.path/name`` through :func:`guarded_score`.
+
+    The user's function is still the one that scores; the wrapper turns an exception or a NaN into one clear
+    error naming the function and the sample.
+    """
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        bare = key.lstrip("+")
+        if bare == "reward.custom_reward_function.path" and value.strip("\"'") not in ("", "null", "pkg://verl_backend.data.rewards"):
+            out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_path={value}")
+        elif bare == "reward.custom_reward_function.name":
+            out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_name={value}")
+        else:
+            out.append(o)
+    return out
+
+
 def _check_backend(backend: str) -> None:
     from rl_tpu.device import BACKENDS, DeviceError, require_tpu
 
@@ -93,6 +112,13 @@ def _data_files(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def _n_prompt_tokens(tok, messages: list) -> int:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return len(ids)
+
+
 def _check_prompt_lengths(config) -> None:
     """Count prompts longer than ``data.max_prompt_length`` and say what happens to them (never silent)."""
     import pandas as pd
@@ -103,9 +129,7 @@ def _check_prompt_lengths(config) -> None:
     for key in ("train_files", "val_files"):
         for f in _data_files(config.data.get(key)):
             df = pd.read_parquet(f)
-            lengths = [
-                len(tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)) for p in df["prompt"]
-            ]
+            lengths = [_n_prompt_tokens(tok, list(p)) for p in df["prompt"]]
             too_long = sum(n > limit for n in lengths)
             if not too_long:
                 continue
@@ -164,6 +188,7 @@ def run_train(args) -> int:
         raise BadInputError(f"--config {config_path}: unknown rl_tpu setting(s) {sorted(unknown)}; known: {sorted(RL_TPU_KEYS)}")
     cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
     ours = {**file_ours, **cli_ours}
+    file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
     merged = merge_overrides(BACKEND_DEFAULTS[backend], file_overrides, cli_overrides)
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 

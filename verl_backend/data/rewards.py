@@ -92,3 +92,54 @@ def compute_score(
     if not math.isfinite(score):
         raise BadInputError(f"reward for {data_source} is {score} (not finite) for answer {answer!r}")
     return score
+
+
+def guarded_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    user_fn_path: str | None = None,
+    user_fn_name: str = "compute_score",
+    **kwargs,
+) -> float:
+    """Call the reward function (ours, or the user's from ``user_fn_path``) and police its result.
+
+    ``verl train`` routes ``reward.custom_reward_function`` through this wrapper so that a reward function that
+    raises, or returns NaN/inf, stops the run with one line naming the function, the sample and the fix, instead
+    of a stack trace from inside a Ray reward worker or a silently poisoned advantage.
+
+    Raises:
+        BadInputError: the function raised, or returned a non-finite or non-numeric score.
+    """
+    if user_fn_path:
+        from verl.utils.import_utils import load_extern_object
+
+        fn = load_extern_object(module_path=user_fn_path, object_name=user_fn_name)
+        where = f"{user_fn_path}:{user_fn_name}"
+    else:
+        fn, where = compute_score, "verl_backend.data.rewards:compute_score"
+    index = (extra_info or {}).get("index", "?")
+    try:
+        result = fn(data_source, solution_str, ground_truth, extra_info, **kwargs)
+    except BadInputError:
+        raise
+    except Exception as exc:
+        raise BadInputError(
+            f"reward function {where} raised {type(exc).__name__}: {exc} (data_source={data_source}, row "
+            f"{index}); fix the function or its data"
+        ) from None
+    score = result.get("score") if isinstance(result, dict) else result
+    try:
+        value = float(score)
+    except (TypeError, ValueError):
+        raise BadInputError(
+            f"reward function {where} returned {score!r} (data_source={data_source}, row {index}); "
+            "it must return a number or a dict with 'score'"
+        ) from None
+    if not math.isfinite(value):
+        raise BadInputError(
+            f"reward function {where} returned {value} (data_source={data_source}, row {index}); "
+            "return a finite number"
+        )
+    return result

@@ -1,0 +1,103 @@
+"""``verl train`` as a user types it: help, defaults, and one clear line for each kind of bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+
+def verl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("VERL_PLATFORM", None)
+    return subprocess.run([sys.executable, "-m", "verl_backend.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_help_names_the_main_options():
+    proc = verl("train", "--help")
+    assert proc.returncode == 0
+    for word in ("--backend", "--config", "--output-dir", "--num-threads", "tpu", "cpu", "cuda", "overrides"):
+        assert word in proc.stdout
+
+
+def test_unknown_backend():
+    line = _one_error_line(verl("train", "--backend", "gpu9"))
+    assert "'gpu9'" in line and "tpu, cpu, cuda" in line
+
+
+def test_tpu_backend_without_a_chip_says_so_and_what_to_do():
+    line = _one_error_line(verl("train", "--backend", "tpu"))
+    assert "--backend tpu" in line and "--backend cpu" in line
+
+
+def test_default_config_composes_with_backend_defaults(tmp_path):
+    proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "native"
+    assert cfg["trainer"]["device"] == "cpu"
+    assert cfg["algorithm"]["adv_estimator"] == "grpo"
+    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4 and cfg["data"]["train_batch_size"] == 4
+    assert cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
+    assert (tmp_path / "data" / "basic_arithmetic_train.parquet").is_file()
+
+
+def test_command_line_beats_config_file_beats_backend_defaults(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"train_batch_size": 2, "max_response_length": 32},
+                                   "actor_rollout_ref": {"rollout": {"max_num_seqs": 8}}}))
+    proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"), "--config", str(cfg),
+                "--print-config", "data.train_batch_size=3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert out["data"]["train_batch_size"] == 3
+    assert out["data"]["max_response_length"] == 32
+    assert out["actor_rollout_ref"]["rollout"]["max_num_seqs"] == 8
+
+
+def test_unknown_verl_key_is_one_line(tmp_path):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "trainer.no_such_key=1"))
+    assert "no_such_key" in line
+
+
+def test_checkpoint_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={tmp_path / 'empty'}"))
+    assert "is not a model folder" in line
+
+
+def test_missing_config_file(tmp_path):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--config", str(tmp_path / "nope.yaml")))
+    assert "nope.yaml" in line and "no such file" in line
+
+
+def test_overlong_prompts_are_refused_when_filtering_is_off(tmp_path, tiny_model_dir):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "data.max_prompt_length=16", "data.filter_overlong_prompts=false"))
+    assert "longer than data.max_prompt_length=16" in line
+
+
+def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
+    import pandas as pd
+
+    bad = tmp_path / "bad.parquet"
+    pd.DataFrame([{"data_source": "openai/gsm8k", "prompt": [], "ability": "math",
+                   "reward_model": {"ground_truth": "1"}, "extra_info": {"index": 0}}]).to_parquet(bad)
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={bad}",
+                                f"data.val_files={bad}"))
+    assert "bad.parquet: row 0" in line

@@ -1,0 +1,108 @@
+"""The VeRL plugin as VeRL itself sees it: entry-point discovery, platforms, engine, rollout, patches.
+
+Each check runs in a fresh interpreter: VeRL resolves its platform once per process from ``VERL_PLATFORM``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str, platform: str | None = "cpu") -> dict:
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env.pop("VERL_PLATFORM", None)
+    if platform:
+        env["VERL_PLATFORM"] = platform
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_verl_finds_plugin_through_entry_point_and_registers_everything():
+    out = _run(
+        """
+        import json, verl
+        from importlib.metadata import entry_points
+        from verl.plugin.platform import get_platform
+        from verl.plugin.platform.platform_manager import PlatformRegistry
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.rollout.base import get_rollout_class
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+        from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
+        p = get_platform()
+        print(json.dumps({
+            "eps": [e.value for e in entry_points(group="verl.plugins")],
+            "platforms": list(PlatformRegistry.registered_names()),
+            "platform": type(p).__name__, "device": get_device_name(), "dist": get_nccl_backend(),
+            "engine": EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__,
+            "critic_engine": EngineRegistry.get_engine_cls("value_model", "fsdp2").__name__,
+            "rollout": get_rollout_class("native", "async").__name__,
+            "replica": RolloutReplicaRegistry.get("native").__name__,
+            "mem_free_total": list(get_torch_device().mem_get_info()),
+            "cpu_opts": p.ray_resource_options(1 / 3),
+        }))
+        """
+    )
+    assert "verl_backend.plugin" in out["eps"]
+    assert {"cpu", "tpu"} <= set(out["platforms"])
+    assert out["platform"] == "PlatformCPU" and out["device"] == "cpu" and out["dist"] == "gloo"
+    assert out["engine"] == "RlTpuFSDPEngineWithLMHead"
+    assert out["critic_engine"] == "RlTpuFSDPEngineWithValueHead"
+    assert out["rollout"] == "NativeServerAdapter" and out["replica"] == "NativeReplica"
+    free, total = out["mem_free_total"]
+    assert 0 < free <= total
+    assert out["cpu_opts"] == {"num_cpus": pytest.approx(1 / 3)}
+
+
+def test_tpu_platform_registers_without_starting_libtpu_and_asks_whole_chips():
+    out = _run(
+        """
+        import json, verl
+        from verl_backend.platforms import PlatformTPU
+        p = PlatformTPU()
+        print(json.dumps({"available": p.is_platform_available(use_smi_check=True), "device": p.device_name,
+                          "dist": p.communication_backend_name(), "res": p.ray_resource_name(),
+                          "opts": [p.ray_resource_options(x) for x in (1 / 3, 1, 4)],
+                          "env": p.visible_devices_envvar()}))
+        """,
+        platform=None,
+    )
+    assert out["available"] is False  # no chip here, and the probe did not hang or abort
+    assert out["device"] == "tpu" and out["dist"] == "tpu_dist" and out["res"] == "TPU"
+    # Ray refuses fractional TPU: a 1/3 share becomes one whole chip.
+    assert out["opts"] == [{"resources": {"TPU": 1}}, {"resources": {"TPU": 1}}, {"resources": {"TPU": 4}}]
+    assert out["env"] == "TPU_VISIBLE_CHIPS"
+
+
+def test_patches_fix_backend_string_and_resource_check():
+    out = _run(
+        """
+        import json, ray, verl
+        import verl.workers.engine_workers as ew
+        from verl_backend.patches import _dedupe_backend
+        from verl.single_controller.ray.base import ResourcePoolManager
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            ok = ResourcePoolManager({"global_pool": [1]}, mapping={})
+            ok._check_resource_available()
+            too_big = ResourcePoolManager({"global_pool": [3, 3]}, mapping={})
+            try:
+                too_big._check_resource_available(); msg = None
+            except ValueError as e:
+                msg = str(e)
+        finally:
+            ray.shutdown()
+        print(json.dumps({"dedupe": _dedupe_backend("cpu:gloo,cpu:gloo"),
+                          "mixed": _dedupe_backend("cpu:gloo,tpu:tpu_dist"),
+                          "patched": hasattr(ew.initialize_global_process_group_ray, "__wrapped__"), "msg": msg}))
+        """
+    )
+    assert out["dedupe"] == "cpu:gloo" and out["mixed"] == "cpu:gloo,tpu:tpu_dist"
+    assert out["patched"] is True
+    assert "has 2 CPU available but the resource pools need 6" in out["msg"]
