@@ -130,7 +130,7 @@ class Sampler:
         step = self.max_batch_size or len(rows)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+            generator = torch.Generator().manual_seed(int(params.seed))  # CPU: see choose_tokens
         outputs: list[SampleOutput | None] = [None] * len(rows)
         with torch.inference_mode():
             for start in range(0, len(rows), step):

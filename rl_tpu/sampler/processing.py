@@ -35,7 +35,8 @@ def choose_tokens(
         temperature: ``0`` for greedy, else the divisor of the logits.
         top_k: keep the ``top_k`` largest; ``-1``/``0`` keeps all.
         top_p: nucleus mass in ``(0, 1]``; ``1`` keeps all.
-        generator: random generator on ``logits.device`` (``None``: torch's global one).
+        generator: a CPU ``torch.Generator`` (``None``: torch's global CPU generator); the few uniforms drawn
+            per step are moved to ``logits.device``.
 
     Returns:
         ``(token_ids, logprobs)``: ``(batch,)`` int64 and ``(batch,)`` float32, the log-prob as in the module doc.
@@ -63,12 +64,14 @@ def choose_tokens(
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """``(batch, k)`` non-negative weights -> ``(batch,)`` index drawn with probability proportional to weight.
 
-    Inverse-CDF sampling: one uniform per row against the running sum (float64, so rounding over a 50k-token
-    vocabulary stays far below any token's probability); several times cheaper on CPU than ``torch.multinomial``
-    or a Gumbel draw, which need one random number per token.
+    Inverse-CDF sampling: one uniform per row against the running sum (float64 on CPU, so rounding over a
+    50k-token vocabulary stays far below any token's probability); several times cheaper on CPU than
+    ``torch.multinomial`` or a Gumbel draw, which need one random number per token.
     """
-    cdf = weights.double().cumsum(dim=-1)  # (batch, k)
-    u = torch.rand((weights.shape[0], 1), dtype=torch.float64, device=weights.device, generator=generator)
+    acc = torch.float64 if weights.device.type == "cpu" else torch.float32  # TPUs have no fast float64
+    cdf = weights.to(acc).cumsum(dim=-1)  # (batch, k)
+    # uniforms come from a CPU generator (any device can use it) and are moved: (batch, 1)
+    u = torch.rand((weights.shape[0], 1), dtype=torch.float64, generator=generator).to(weights.device, acc)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # first cdf > u: zero weights skipped
     return idx.clamp_(max=weights.shape[-1] - 1)
 
