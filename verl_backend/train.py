@@ -164,9 +164,34 @@ def _model_path(keys: dict[str, str]) -> list[str]:
     return extra
 
 
+def slice_defaults(slice_arg: str | None) -> dict[str, str]:
+    """Resource-pool keys for a TPU slice: one VeRL node per host, one worker per chip (whole chips).
+
+    ``slice_arg`` is ``"v6e-16"`` or ``"v6e-16:4x4"``; ``None`` reads ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY``
+    (set on every TPU VM and by ``rl-tpu cluster up --fake-slice``). Returns ``{}`` when neither is given.
+
+    Raises:
+        BadInputError: unknown accelerator type or a topology that type does not have.
+    """
+    from rl_tpu.topology import TopologyError, parse_slice
+
+    if slice_arg:
+        acc, _, topo = slice_arg.partition(":")
+    elif os.environ.get("TPU_ACCELERATOR_TYPE"):
+        acc, topo = os.environ["TPU_ACCELERATOR_TYPE"], os.environ.get("TPU_TOPOLOGY", "")
+    else:
+        return {}
+    try:
+        spec = parse_slice(acc, topo or None)
+    except TopologyError as exc:
+        raise BadInputError(f"--slice {slice_arg or acc}: {exc}") from None
+    return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
+
+
 def run_train(args) -> int:
     backend = str(args.backend).strip().lower()
-    _check_backend(backend)
+    if not (backend == "tpu" and args.print_config):  # a dry run composes the TPU config without a chip
+        _check_backend(backend)
     from verl_backend.cli import PLATFORM_NAME
     from verl_backend.defaults import BACKEND_DEFAULTS
 
@@ -189,7 +214,12 @@ def run_train(args) -> int:
     cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
     ours = {**file_ours, **cli_ours}
     file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
-    merged = merge_overrides(BACKEND_DEFAULTS[backend], file_overrides, cli_overrides)
+    defaults = dict(BACKEND_DEFAULTS[backend])
+    if backend == "tpu":
+        defaults.update(slice_defaults(getattr(args, "slice", None)))
+    elif getattr(args, "slice", None):
+        raise BadInputError("--slice applies to --backend tpu only")
+    merged = merge_overrides(defaults, file_overrides, cli_overrides)
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
     experiment = keys.get("trainer.experiment_name", "grpo_smollm2").strip("\"'")

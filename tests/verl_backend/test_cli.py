@@ -101,3 +101,18 @@ def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={bad}",
                                 f"data.val_files={bad}"))
     assert "bad.parquet: row 0" in line
+
+
+def test_tpu_slice_sets_one_node_per_host_and_one_worker_per_chip(tmp_path):
+    proc = verl("train", "--backend", "tpu", "--slice", "v5p-16", "--output-dir", str(tmp_path), "--print-config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    # v5p-16 counts TensorCores: 8 chips on 2 hosts of 4
+    assert cfg["trainer"]["nnodes"] == 2 and cfg["trainer"]["n_gpus_per_node"] == 4
+    assert cfg["trainer"]["device"] == "tpu"
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "native"
+
+
+def test_bad_slice_is_one_line():
+    line = _one_error_line(verl("train", "--backend", "tpu", "--slice", "v6e-16:2x2", "--print-config"))
+    assert "v6e-16" in line
