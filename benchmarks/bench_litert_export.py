@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=32)
     parser.add_argument("--cache", type=int, default=256)
     parser.add_argument("--skip-bundle", action="store_true", help="skip the .litertlm export row")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep files already in --workdir (their export rows then show 'reused')")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.set_num_threads(args.threads)
@@ -80,16 +82,21 @@ def main() -> None:
 
     shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache), "--threads", str(args.threads)]
     fp32 = os.path.join(args.workdir, "smollm2_fp32.tflite")
-    exports = {"fp32 .tflite": timed_export([ckpt, "-o", fp32, "--no-verify", *shape])}
+    reused = (float("nan"), float("nan"))
+    exports = {"fp32 .tflite": reused if args.reuse and os.path.exists(fp32) else
+               timed_export([ckpt, "-o", fp32, "--no-verify", *shape])}
     files = {"fp32": fp32}
     for name in ("dynamic-int8", "weight-int8", "dynamic-int4"):
         files[name] = os.path.join(args.workdir, f"smollm2_{name}.tflite")
+        if args.reuse and os.path.exists(files[name]):
+            exports[f"{name} quantize"] = reused
+            continue
         start = time.perf_counter()
         quantize_tflite(fp32, files[name], name)
         exports[f"{name} quantize"] = (time.perf_counter() - start, float("nan"))
     if not args.skip_bundle:
         bundle = os.path.join(args.workdir, "smollm2_dynamic-int8.litertlm")
-        exports["dynamic-int8 .litertlm"] = timed_export(
+        exports["dynamic-int8 .litertlm"] = reused if args.reuse and os.path.exists(bundle) else timed_export(
             [ckpt, "-o", bundle, "--quantize", "dynamic-int8", "--no-verify", *shape])
         files["dynamic-int8 .litertlm"] = bundle
 
@@ -99,22 +106,20 @@ def main() -> None:
     prompt_ids = AutoTokenizer.from_pretrained(ckpt)(PROMPT)["input_ids"]
     fp32_bytes = os.path.getsize(fp32)
     rows = []
-    torch_decode = None
     for name, path in files.items():
         check = verify_lib.verify_causal_lm(path, model, prompt_ids, args.steps,
                                             verify_lib.TOLERANCES["none"], args.threads)
-        speed = bench_lib.bench_causal_lm(path, prompt_ids, model if torch_decode is None else None,
-                                          steps=args.steps, num_threads=args.threads)
-        torch_decode = speed.get("torch_decode_ms_per_token", torch_decode)
-        torch_prefill = speed.get("torch_prefill_ms", rows[0][-1] if rows else float("nan"))
+        # PyTorch is timed again beside every file, so each ratio compares runs under the same machine load
+        speed = bench_lib.bench_causal_lm(path, prompt_ids, model, steps=args.steps, num_threads=args.threads)
         rows.append((name, os.path.getsize(path) / 2**20, os.path.getsize(path) / fp32_bytes,
                      check["max_abs_error"], check["relative_error"], check["greedy_agreed_steps"],
-                     check["top1_agreement"], speed["litert_decode_ms_per_token"], torch_decode,
-                     speed["litert_decode_ms_per_token"] / torch_decode, speed["litert_prefill_ms"], torch_prefill))
+                     check["top1_agreement"], speed["litert_decode_ms_per_token"],
+                     speed["torch_decode_ms_per_token"], speed["decode_litert_over_torch"],
+                     speed["litert_prefill_ms"], speed["torch_prefill_ms"]))
 
     print(f"\nSmolLM2-135M-Instruct -> LiteRT  (threads={args.threads}, prompt {len(prompt_ids)} tokens, "
           f"prefill bucket {args.prefill}, cache {args.cache}, {args.steps} greedy steps, batch 1)\n")
-    print(f"{'export step':<26}{'wall s':>9}{'peak RSS GiB':>14}")
+    print(f"{'export step (nan: reused)':<26}{'wall s':>9}{'peak RSS GiB':>14}")
     for name, (wall, rss) in exports.items():
         print(f"{name:<26}{wall:>9.1f}{rss:>14.2f}")
     head = (f"\n{'file':<24}{'MiB':>8}{'/fp32':>7}{'logit maxabs':>13}{'rel err':>9}{'greedy':>8}{'top1':>6}"

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+
 from edge_export.errors import BAD_QUANTIZATION, ExportError
 
 RECIPES = {
@@ -44,3 +46,6 @@ def quantize_tflite(src: str, dst: str, quantization: str) -> None:
     qt = quantizer.Quantizer(src)
     qt.load_quantization_recipe(getattr(recipe, name)())
     qt.quantize().export_model(dst, overwrite=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(dst, 0o666 & ~umask)  # the quantizer writes the file executable
