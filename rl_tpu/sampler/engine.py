@@ -6,7 +6,8 @@ One call to :meth:`Sampler.generate`:
    ``max_batch_size`` rows;
 2. per batch, left-pads the prompts to the smallest prompt bucket that fits, pads the batch to a power of two
    (repeating a real row), and allocates a static KV cache of ``prompt_bucket + gen_bucket`` positions;
-3. runs the prompt once (prefill), then one token per step (decode), choosing tokens with
+3. runs each distinct prompt once (prefill; the ``n`` samples of a prompt share it), then one token per step
+   (decode), choosing tokens with
    :func:`~rl_tpu.sampler.processing.choose_tokens`;
 4. stops when every row has met an EOS/stop token or ``max_new_tokens``; when half the rows or more are finished
    the batch shrinks to the next power of two (the finished rows' cache rows are dropped).
@@ -51,6 +52,7 @@ class Sampler:
         device: device for the inputs and the cache; ``None``: the model's device.
         shrink_finished: drop finished rows (halving the batch bucket) during decoding; saves compute, adds at
             most ``log2(max batch)`` batch shapes.
+        share_prefix: prefill each distinct prompt of a batch once and copy its KV cache to its ``n`` sample rows.
 
     Attributes:
         shapes_seen: set of ``(batch, query_length, cache_length)`` the model's forward was called with.
@@ -67,6 +69,7 @@ class Sampler:
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         shrink_finished: bool = True,
+        share_prefix: bool = True,
     ) -> None:
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
@@ -78,6 +81,7 @@ class Sampler:
         self.max_batch_size = max_batch_size
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.shrink_finished = shrink_finished
+        self.share_prefix = share_prefix
         self.shapes_seen: set[tuple[int, int, int]] = set()
         self.config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -217,7 +221,7 @@ class Sampler:
         done[n_real:] = True  # filler rows never write
 
         cache = StaticCache(config=self.config, max_cache_len=cache_len)
-        logits = self._forward(ids, mask, pos, cache)  # (batch, vocab)
+        logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
         sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
         for t in range(max_new):
             tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,)
@@ -233,15 +237,41 @@ class Sampler:
                 break
             if self.shrink_finished and n_alive <= done.shape[0] // 2:
                 keep = self._shrink(done, n_alive)
-                cache.reorder_cache(keep)
-                for layer in cache.layers:  # reorder_cache re-sizes the tensors, not this bookkeeping field
-                    if hasattr(layer, "max_batch_size"):
-                        layer.max_batch_size = keep.shape[0]
+                self._reorder(cache, keep)
                 tok, done, row_ids, mask, real_len = tok[keep], done[keep], row_ids[keep], mask[keep], real_len[keep]
             # the token chosen at step t sits at position real_len + t of its row
             logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache)  # (batch, vocab)
 
         return [self._output(out_tokens[i], out_logp[i], int(out_len[i]), bool(stopped[i])) for i in range(n_real)]
+
+    def _prefill(
+        self, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: StaticCache
+    ) -> torch.Tensor:
+        """Run the prompts once; rows with the same prompt (the ``n`` samples) share one prefill.
+
+        The distinct prompts are prefilled as a smaller power-of-two batch, then their cache rows and last logits
+        are copied out to every row that has that prompt. Returns ``(batch, vocab)`` logits.
+        """
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]  # row -> first row with its prompt
+        uniq = sorted(set(src))
+        if not self.share_prefix or len(uniq) == len(rows):
+            return self._forward(ids, mask, pos, cache)
+        sub = uniq + [uniq[0]] * (_next_pow2(len(uniq)) - len(uniq))  # pad to a power of two
+        sel = torch.tensor(sub, device=ids.device)
+        logits = self._forward(ids[sel], mask[sel], pos[sel], cache)  # (sub batch, vocab)
+        where = {row: j for j, row in enumerate(sub[: len(uniq)])}
+        expand = torch.tensor([where[s] for s in src], device=ids.device)  # (batch,) row -> prefill row
+        self._reorder(cache, expand)
+        return logits[expand]
+
+    @staticmethod
+    def _reorder(cache: StaticCache, index: torch.Tensor) -> None:
+        """Make the cache's batch rows ``cache[index]`` (copies; the batch size becomes ``len(index)``)."""
+        cache.reorder_cache(index)
+        for layer in cache.layers:  # reorder_cache re-sizes the tensors, not this bookkeeping field
+            if hasattr(layer, "max_batch_size"):
+                layer.max_batch_size = index.shape[0]
 
     @staticmethod
     def _shrink(done: torch.Tensor, n_alive: int) -> torch.Tensor:

@@ -138,6 +138,19 @@ def test_shrinking_the_batch_keeps_results(model) -> None:
     assert min(batch for batch, q, _ in shrinking.shapes_seen if q == 1) < 8, "the batch never shrank"
 
 
+def test_samples_of_one_prompt_share_one_prefill(model) -> None:
+    prompts = random_prompts([9, 30])
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=4)
+    shared = make(model)
+    a = shared.generate(prompts, params)
+    b = make(model, share_prefix=False).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    prefill_batches = {batch for batch, q, _ in shared.shapes_seen if q > 1}
+    assert prefill_batches == {2}  # two distinct prompts prefilled, not eight rows
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy(model) -> None:
     prompts = random_prompts([6, 20, 33])
     greedy = make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
