@@ -52,8 +52,8 @@ def make_checkpoint(out_dir: str) -> str:
     return out_dir
 
 
-def timed_export(args: list[str]) -> tuple[float, float]:
-    """Run ``litert export ARGS`` in a child; (wall seconds, peak RSS GiB of the child)."""
+def timed_export(args: list[str]) -> tuple[float, float, float]:
+    """Run ``litert export ARGS`` in a child; (wall seconds, CPU seconds, peak RSS GiB of the child)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "edge_export.cli", "export", *args, "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -61,7 +61,7 @@ def timed_export(args: list[str]) -> tuple[float, float]:
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"litert export {' '.join(args)} failed:\n{proc.stderr.read().decode()[-3000:]}")
-    return wall, usage.ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
 def main() -> None:
@@ -82,7 +82,7 @@ def main() -> None:
 
     shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache), "--threads", str(args.threads)]
     fp32 = os.path.join(args.workdir, "smollm2_fp32.tflite")
-    reused = (float("nan"), float("nan"))
+    reused = (float("nan"),) * 3
     exports = {"fp32 .tflite": reused if args.reuse and os.path.exists(fp32) else
                timed_export([ckpt, "-o", fp32, "--no-verify", *shape])}
     files = {"fp32": fp32}
@@ -93,7 +93,7 @@ def main() -> None:
             continue
         start = time.perf_counter()
         quantize_tflite(fp32, files[name], name)
-        exports[f"{name} quantize"] = (time.perf_counter() - start, float("nan"))
+        exports[f"{name} quantize"] = (time.perf_counter() - start, float("nan"), float("nan"))
     if not args.skip_bundle:
         bundle = os.path.join(args.workdir, "smollm2_dynamic-int8.litertlm")
         exports["dynamic-int8 .litertlm"] = reused if args.reuse and os.path.exists(bundle) else timed_export(
@@ -119,9 +119,9 @@ def main() -> None:
 
     print(f"\nSmolLM2-135M-Instruct -> LiteRT  (threads={args.threads}, prompt {len(prompt_ids)} tokens, "
           f"prefill bucket {args.prefill}, cache {args.cache}, {args.steps} greedy steps, batch 1)\n")
-    print(f"{'export step (nan: reused)':<26}{'wall s':>9}{'peak RSS GiB':>14}")
-    for name, (wall, rss) in exports.items():
-        print(f"{name:<26}{wall:>9.1f}{rss:>14.2f}")
+    print(f"{'export step (nan: reused)':<26}{'wall s':>9}{'CPU s':>9}{'peak RSS GiB':>14}")
+    for name, (wall, cpu, rss) in exports.items():
+        print(f"{name:<26}{wall:>9.1f}{cpu:>9.1f}{rss:>14.2f}")
     head = (f"\n{'file':<24}{'MiB':>8}{'/fp32':>7}{'logit maxabs':>13}{'rel err':>9}{'greedy':>8}{'top1':>6}"
             f"{'LiteRT ms/tok':>14}{'torch ms/tok':>13}{'ratio':>7}{'LiteRT prefill ms':>18}{'torch prefill ms':>17}")
     print(head)
