@@ -207,8 +207,8 @@ def _get(n, key):
 def start(
     fake_slices: Sequence[str | SliceTopology],
     *,
-    cpus_per_host: int = 2,
-    head_cpus: int = 2,
+    cpus_per_host: int = 4,
+    head_cpus: int = 8,
     object_store_mb: int = 256,
     state_file: Path | None = None,
     timeout_s: float = 180.0,

@@ -12,7 +12,9 @@ what that CLI leaves to the user:
   resolved to this environment's absolute path, so the driver does not pick whatever is first
   on the raylet's ``PATH``;
 - the runtime env: a ``working_dir`` upload excludes ``.venv``, ``.git`` and run outputs
-  (Ray refuses uploads over its size limit, and a venv easily is);
+  (Ray refuses uploads over its size limit, and a venv easily is); ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``
+  so a driver that gives ``ray.init`` its own ``env_vars`` (``verl train`` does) is merged with the
+  job's instead of failing on the first shared key;
 - waiting: follow the logs, then return the final status with the driver's error message.
 """
 
@@ -178,8 +180,10 @@ class Jobs:
                 raise ClusterError(f"--working-dir {working_dir} is not a directory; give an existing folder")
             runtime_env["working_dir"] = str(wd)
             runtime_env["excludes"] = list(DEFAULT_EXCLUDES if excludes is None else excludes)
-        env = {"RAY_AUTH_MODE": self.auth_mode, **(env_vars or {})}
-        runtime_env["env_vars"] = env
+        # A driver that passes its own runtime_env to ray.init (verl train does) is refused by Ray when
+        # a key is also in the job's env ("Failed to merge the Job's runtime env"); this makes Ray merge
+        # them, the driver's value winning.
+        runtime_env["env_vars"] = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", **(env_vars or {})}
         cmd = resolve_entrypoint(entrypoint, self.address)
         try:
             return self.client.submit_job(

@@ -14,7 +14,8 @@ SLICES = ["v4-16", "v6e-4"]
 def fake_cluster(tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns token auth on if ~/.ray/auth_token exists
     state = tmp_path_factory.mktemp("cluster") / "state.json"
-    cluster = fake_slice.start(SLICES, cpus_per_host=2, head_cpus=2, object_store_mb=128,
+    # Default logical CPUs (8 head, 4 per host): a verl train job needs ~12 slots.
+    cluster = fake_slice.start(SLICES, object_store_mb=256,
                                state_file=state, timeout_s=240)
     cluster.state_file = state
     yield cluster
