@@ -96,10 +96,12 @@ def test_qwen2_litertlm_bundle_from_leftover_gguf_config(qwen_dir, tmp_path):
     """Qwen2-style checkpoint whose config.json still says quant_method=gguf: exported unaided, int8, bundled."""
     out = tmp_path / "qwen.litertlm"
     result = export_checkpoint(qwen_dir, str(out), quantize="dynamic-int8", prefill_lengths=(8,),
-                               cache_length=32, prompt=PROMPT, verify_steps=6, quiet=True)
+                               cache_length=32, prompt=PROMPT, verify_steps=6, benchmark=True, quiet=True)
     assert result.output == str(out) and out.is_file()
     assert result.report["verification"]["passed"]
     assert any("quant_method=gguf" in note for note in result.report["notes"])
+    speed = result.report["benchmark"]
+    assert speed["litert_decode_ms_per_token"] > 0 and speed["torch_decode_ms_per_token"] > 0
     unpacked = tmp_path / "unpacked"
     inner = tflite_in_bundle(str(out), str(unpacked))
     assert bundle_has_tokenizer(str(unpacked))

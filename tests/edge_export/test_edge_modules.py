@@ -45,11 +45,12 @@ def test_cnn_via_cli_fp32_and_int8(tmp_path, capsys):
     for quantization in ("none", "dynamic-int8"):
         out = tmp_path / f"cnn_{quantization}.tflite"
         code, stdout, _ = run_cli(capsys, "export", "edge_export_factories:small_cnn", "-o", out,
-                                  "--input", "2x3x32x32:float32", "--quantize", quantization)
+                                  "--input", "2x3x32x32:float32", "--quantize", quantization, "--benchmark")
         assert code == 0
         assert stdout.strip().splitlines()[-1].startswith(f"{out}: module tflite, {quantization}")
         report = json.loads((tmp_path / f"cnn_{quantization}.tflite.report.json").read_text())
         assert report["verification"]["passed"] and report["inputs"] == ["2x3x32x32:float32"]
+        assert report["benchmark"]["litert_ms"] > 0 and report["benchmark"]["torch_ms"] > 0
         sizes[quantization] = out.stat().st_size
     assert sizes["dynamic-int8"] < 0.5 * sizes["none"]
     model, x = small_cnn().eval(), torch.randn(2, 3, 32, 32)
