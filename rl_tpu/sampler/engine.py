@@ -19,11 +19,13 @@ records them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import StaticCache
 
+from rl_tpu.sampler.attention import gqa_attention
 from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
 from rl_tpu.sampler.processing import choose_tokens
 
@@ -136,7 +138,9 @@ class Sampler:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))  # CPU: see choose_tokens
         outputs: list[SampleOutput | None] = [None] * len(rows)
-        with torch.inference_mode():
+        # enable_gqa is only measured on CPU here; other devices keep transformers' sdpa
+        fast_gqa = gqa_attention(self.model) if self.device.type == "cpu" else contextlib.nullcontext()
+        with torch.inference_mode(), fast_gqa:
             for start in range(0, len(rows), step):
                 idx = order[start : start + step]
                 for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):

@@ -1,0 +1,76 @@
+"""Grouped-query attention for the sampler without copying the KV cache per step.
+
+transformers' ``sdpa`` attention expands grouped key/value heads to the full head count (``repeat_kv``, a copy)
+whenever an attention mask is given, and the sampler always gives one (left padding, static cache). With a static
+cache that copy covers the whole cache, every layer, every step: for SmolLM2-135M at batch 16 it costs more than
+the attention itself. ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` (torch >= 2.5)
+reads the grouped heads in place and gives the same result.
+
+:func:`gqa_attention` switches a model to that function for the duration of a ``with`` block, registered under
+:data:`ATTN_NAME` with transformers' ``AttentionInterface`` (and its mask builder with ``AttentionMaskInterface``,
+reusing the ``sdpa`` mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_NAME = "rl_tpu_sdpa_gqa"
+
+
+def sdpa_gqa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Same contract as transformers' ``sdpa_attention_forward``.
+
+    Args:
+        query: ``(batch, heads, q_len, head_dim)``.
+        key, value: ``(batch, kv_heads, kv_len, head_dim)``, ``heads`` a multiple of ``kv_heads``.
+        attention_mask: boolean ``(batch, 1, q_len, kv_len)`` (True = attend) or ``None``.
+
+    Returns:
+        ``(attn_output (batch, q_len, heads, head_dim), None)``.
+    """
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, sdpa_gqa_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+@contextmanager
+def gqa_attention(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block, run ``model``'s ``sdpa`` attention as :func:`sdpa_gqa_attention`; yields whether it did.
+
+    Models on another attention implementation (eager, flash, ...) are left alone. The previous setting is
+    restored on exit, so a model shared with other code is only affected while the sampler runs.
+    """
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield False
+        return
+    config._attn_implementation = ATTN_NAME
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
