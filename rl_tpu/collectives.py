@@ -236,8 +236,8 @@ def broadcast_parameters_bucketed(
     """Send rank ``src``'s tensors to every rank of ``group``, one packed bucket per broadcast.
 
     A generator: every rank must iterate it to the end (each bucket is two collectives: the metadata as a
-    pickled object, then the bytes). On ``src`` it yields the sent tensors' packed views; on the others, views of
-    the received buffers, which stay valid (each bucket gets a fresh buffer).
+    pickled object, then the bytes). On ``src`` it yields the tensors it was given (packing reuses one staging
+    buffer); on the others, views of the received buffers, which stay valid (each bucket gets a fresh buffer).
 
     Args:
         named_tensors: on ``src``, the ``(name, tensor)`` pairs to send; ignored (may be ``None``) elsewhere.
@@ -256,11 +256,15 @@ def broadcast_parameters_bucketed(
     if rank == src:
         if named_tensors is None:
             raise CollectiveError("broadcast_parameters_bucketed: the src rank must pass named_tensors")
+        staging: torch.Tensor | None = None  # one send buffer, reused: fresh pages cost more than the copy
         for bucket in iter_buckets(named_tensors, bucket_bytes):
-            flat, metas = pack_bucket(bucket)
+            need = bucket_layout(bucket)[1]
+            if staging is None or staging.numel() < need:
+                staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=bucket[0][1].device)
+            flat, metas = pack_bucket(bucket, out=staging)
             dist.broadcast_object_list([(flat.numel(), metas)], src=src, group=group)
             dist.broadcast(flat, src=src, group=group)
-            yield from unpack_bucket(flat, metas)
+            yield from bucket
         dist.broadcast_object_list([None], src=src, group=group)  # end of stream
         return
     while True:

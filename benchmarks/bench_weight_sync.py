@@ -1,0 +1,198 @@
+"""Weight-sync bandwidth: the bucketed pack -> transfer -> unpack path vs a plain memory copy of the same bytes.
+
+Payload: the full state dict of SmolLM2-135M-Instruct (float32, ~0.54 GB; ``--synthetic-mb`` for a random one).
+Every path ends the same way as a real weight sync: the bytes sit in the receiver's own, preallocated parameter
+tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` does).
+
+- ``memcpy``: ``dst.copy_(src)`` per tensor in one process: the reference (100%).
+- ``pack+unpack``: :func:`~rl_tpu.collectives.pack_bucket` per bucket into one reused staging buffer, then copy
+  out of the views (no transfer).
+- ``ray (torch tensor)``: driver packs each bucket and ``ray.put``-s the flat uint8 *torch tensor*; a receiver actor
+  gets it, unpacks and copies into its parameters. Buckets are pipelined (put i+1 while the actor loads i).
+- ``ray (numpy view)``: the same, but ``ray.put(flat.numpy())``: Ray stores numpy buffers out-of-band, so the
+  actor reads the object store's shared memory without a deserialisation copy.
+- ``gloo broadcast``: two spawned processes, :func:`~rl_tpu.collectives.broadcast_parameters_bucketed` from rank 0;
+  rank 1 copies into its parameters.
+
+    python benchmarks/bench_weight_sync.py [--bucket-mb 64] [--repeats 3] [--threads 1] [--synthetic-mb N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rl_tpu.collectives import broadcast_parameters_bucketed, iter_buckets, pack_bucket, unpack_bucket
+
+
+def payload(synthetic_mb: int | None) -> list[tuple[str, torch.Tensor]]:
+    if synthetic_mb:
+        n = synthetic_mb * (1 << 20) // 4 // 64
+        return [(f"w{i}", torch.randn(n)) for i in range(64)]
+    from safetensors.torch import load_file
+
+    from verl_backend.models import ensure_default_model
+
+    folder = ensure_default_model()
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return sorted(tensors.items())
+
+
+def empty_like_all(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: torch.empty_like(t) for n, t in named}
+
+
+def nbytes(named) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
+# -------------------------------------------------------------------------------------------------- local
+def run_memcpy(named, dst) -> float:
+    start = time.perf_counter()
+    for n, t in named:
+        dst[n].copy_(t)
+    return time.perf_counter() - start
+
+
+def run_pack_unpack(named, dst, bucket_bytes, staging) -> float:
+    start = time.perf_counter()
+    for bucket in iter_buckets(named, bucket_bytes):
+        flat, metas = pack_bucket(bucket, out=staging)
+        for n, t in unpack_bucket(flat, metas):
+            dst[n].copy_(t)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------- ray
+def make_receiver(ray, threads: int):
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+            torch.set_num_threads(threads)
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self.params = {n: torch.empty(shape, dtype=dtype) for n, dtype, shape in spec}
+
+        def load(self, flat, metas) -> int:
+            if not isinstance(flat, torch.Tensor):
+                flat = torch.from_numpy(flat)  # read-only view of the object store's shared memory
+            for n, t in unpack_bucket(flat, metas):
+                self.params[n].copy_(t)
+            return flat.numel()
+
+        def checksum(self) -> float:
+            return float(sum(p.double().sum() for p in self.params.values()))
+
+    return Receiver
+
+
+def run_ray(ray, receiver, named, bucket_bytes, as_numpy: bool, staging) -> float:
+    start = time.perf_counter()
+    pending = []
+    for bucket in iter_buckets(named, bucket_bytes):
+        flat, metas = pack_bucket(bucket, out=staging)  # ray.put copies, so one staging buffer serves all
+        ref = ray.put(flat.numpy() if as_numpy else flat)
+        pending.append(receiver.load.remote(ref, metas))
+    got = sum(ray.get(pending))
+    seconds = time.perf_counter() - start
+    assert got >= nbytes(named)
+    return seconds
+
+
+# --------------------------------------------------------------------------------------------------- gloo
+def _gloo_worker(rank: int, port: int, named, bucket_bytes: int, repeats: int, threads: int, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    from rl_tpu.collectives import init_process_group_from_env
+
+    init_process_group_from_env("cpu", timeout_s=600)
+    dst = empty_like_all(named)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for n, t in broadcast_parameters_bucketed(named if rank == 0 else None, src=0, bucket_bytes=bucket_bytes):
+            if rank == 1:
+                dst[n].copy_(t)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 1:
+        assert all(torch.equal(dst[n], t) for n, t in named)
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def run_gloo(named, bucket_bytes, repeats, threads) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_gloo_worker, args=(port, named, bucket_bytes, repeats, threads, results), nprocs=2,
+                       join=True, start_method="spawn")
+    return results.get()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (median shown)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    ap.add_argument("--synthetic-mb", type=int, default=None, help="random payload of this size instead of SmolLM2")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["ray", "gloo"], help="paths to leave out")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bucket_bytes = args.bucket_mb << 20
+    named = [(n, t.contiguous()) for n, t in payload(args.synthetic_mb)]
+    total = nbytes(named)
+    dst = empty_like_all(named)
+    run_memcpy(named, dst)  # touch the destination pages once
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    staging = torch.zeros(max(bucket_bytes, largest) + 16 * len(named), dtype=torch.uint8)  # reused pack buffer
+
+    rows: dict[str, list[float]] = {}
+    rows["memcpy (reference)"] = [run_memcpy(named, dst) for _ in range(args.repeats)]
+    rows["pack+unpack (no transfer)"] = [run_pack_unpack(named, dst, bucket_bytes, staging) for _ in range(args.repeats)]
+    assert all(torch.equal(dst[n], t) for n, t in named)
+
+    if "ray" not in args.skip:
+        import ray
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=max(1 << 30, 3 * total))
+        try:
+            receiver = make_receiver(ray, args.threads).remote([(n, t.dtype, tuple(t.shape)) for n, t in named])
+            ray.get(receiver.checksum.remote())  # actor up
+            for label, as_numpy in (("ray object store (torch tensor)", False), ("ray object store (numpy view)", True)):
+                run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging)  # warm-up
+                rows[label] = [run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging) for _ in range(args.repeats)]
+            want = float(sum(t.double().sum() for _, t in named))
+            assert abs(ray.get(receiver.checksum.remote()) - want) <= 1e-6 * max(1.0, abs(want))
+        finally:
+            ray.shutdown()
+    if "gloo" not in args.skip:
+        rows["gloo broadcast, 2 processes"] = run_gloo(named, bucket_bytes, args.repeats + 1, args.threads)[1:]
+
+    gb = total / 1e9
+    ref = gb / statistics.median(rows["memcpy (reference)"])
+    print(f"payload {gb:.3f} GB in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads {args.threads}, "
+          f"repeats {args.repeats} (median)")
+    header = f"{'path':<34} {'seconds':>8} {'GB/s':>7} {'vs memcpy':>9}"
+    print(header)
+    print("-" * len(header))
+    for label, times in rows.items():
+        sec = statistics.median(times)
+        print(f"{label:<34} {sec:>8.3f} {gb / sec:>7.2f} {gb / sec / ref:>8.0%}")
+
+
+if __name__ == "__main__":
+    main()
