@@ -73,6 +73,45 @@ def _cpu_offload_policy_without_pinning(original_cls):
     return CPUOffloadPolicy
 
 
+def _append_file_logger_init(self, project_name: str, experiment_name: str):
+    """Patched ``verl.utils.tracking.FileLogger.__init__`` (VeRL 0.9.1): open the JSONL in append mode.
+
+    VeRL opens ``VERL_FILE_LOGGER_PATH`` with ``"wb"``, so a run resumed from its checkpoint (``verl train``
+    restarts after a killed actor) would erase the metrics of every step before the crash.
+    """
+    import os
+
+    self.project_name, self.experiment_name = project_name, experiment_name
+    self.filepath = os.getenv("VERL_FILE_LOGGER_PATH", None)
+    if self.filepath is None:
+        root = os.path.expanduser(os.getenv("VERL_FILE_LOGGER_ROOT", "."))
+        os.makedirs(os.path.join(root, project_name), exist_ok=True)
+        self.filepath = os.path.join(root, project_name, f"{experiment_name}.jsonl")
+    self.fp = open(self.filepath, "ab", buffering=0)
+
+
+def _trl_has_value_head_model() -> bool:
+    """Replacement for ``verl.utils.import_utils.is_trl_available`` (VeRL 0.9.1).
+
+    VeRL treats "trl is importable" as "``AutoModelForCausalLMWithValueHead`` exists" and then imports it while
+    building every model; TRL 1.x removed that class, so merely having ``trl`` installed (e.g. for a TRL
+    baseline benchmark) made model set-up fail with ImportError. Report trl as available only when the class
+    is really there.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return False
+    try:
+        from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+    except ImportError:
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
 def apply() -> None:
     """Apply every patch once (VeRL must be the pinned version)."""
     global _applied
@@ -83,6 +122,15 @@ def apply() -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
     ResourcePoolManager._check_resource_available = _check_resource_available
+
+    import verl.models.transformers.monkey_patch as monkey_patch
+    import verl.utils.model as vmodel
+    import verl.utils.tracking as tracking
+
+    for module in (monkey_patch, vmodel):
+        module.is_trl_available = _trl_has_value_head_model
+
+    tracking.FileLogger.__init__ = _append_file_logger_init
 
     import verl.checkpoint_engine.base as ckpt_base
     import verl.utils.distributed as vdist

@@ -8,14 +8,16 @@ from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Rows ``{"step": int, "data": {metric: value}}`` from VeRL's file logger (JSONL); missing file → ``[]``."""
+    """Rows ``{"step": int, "data": {metric: value}}`` from VeRL's file logger (JSONL), one per step; missing → ``[]``."""
     if not path.is_file():
         return []
-    rows = []
+    by_step: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         if line.strip():
-            rows.append(json.loads(line))
-    return rows
+            row = json.loads(line)
+            # A resumed run logs the steps after its checkpoint again: the later values win.
+            by_step.setdefault(int(row["step"]), {}).update(row["data"])
+    return [{"step": s, "data": d} for s, d in sorted(by_step.items())]
 
 
 def _val_accuracy(data: dict) -> float | None:

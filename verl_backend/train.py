@@ -268,10 +268,75 @@ def run_train(args) -> int:
     from verl_backend.report import write_report
 
     start = time.time()
-    _run_verl(config)
+    _run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0))
     summary = write_report(out, wall_s=time.time() - start)
     print(summary)
     return 0
+
+
+ACTOR_FAILURES = ("ActorDiedError", "ActorUnavailableError", "RayActorError", "WorkerCrashedError",
+                  "OutOfMemoryError", "NodeDiedError", "ObjectLostError", "OwnerDiedError")
+
+
+def _actor_failure(exc: BaseException) -> BaseException | None:
+    """The Ray actor/worker failure somewhere in ``exc``'s cause chain, or ``None``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(type(exc).__name__.startswith(n) or f"({n})" in type(exc).__name__ for n in ACTOR_FAILURES):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+UNEXPECTED_DEATHS = ("WORKER_DIED", "OUT_OF_MEMORY", "NODE_DIED", "RAY_KILL", "SYSTEM_ERROR")
+
+
+def _dead_actor_in_cluster() -> str | None:
+    """Class name of an actor of this job that died unexpectedly (killed, crashed, OOM, node lost), or ``None``.
+
+    VeRL's agent loop catches a dead rollout server's ``ActorDiedError`` and raises a generic ``RuntimeError``
+    ("no materializable trajectories"), so the exception alone cannot tell a dead actor from a bug; Ray's actor
+    table (GCS) can.
+    """
+    import ray
+
+    try:
+        table = ray._private.state.actors()
+    except Exception:
+        return None
+    for info in table.values():
+        if info.get("State") == "DEAD" and any(k in str(info.get("DeathCause", "")) for k in UNEXPECTED_DEATHS):
+            return info.get("ActorClassName") or "actor"
+    return None
+
+
+def _run_with_restarts(config, max_restarts: int) -> None:
+    """Run VeRL; after a dead actor, start again from the last checkpoint (VeRL's ``resume_mode=auto``).
+
+    Only failures of Ray actors/workers (killed, crashed, out of memory, node lost) are retried; a bug or bad
+    input fails at once. Each restart tears the job's actors down (``ray.shutdown``) so their placement groups
+    are released, then VeRL finds ``latest_checkpointed_iteration.txt`` and continues from that step.
+    """
+    import ray
+    from omegaconf import open_dict
+
+    for attempt in range(max_restarts + 1):
+        try:
+            _run_verl(config)
+            return
+        except Exception as exc:
+            failure = _actor_failure(exc)
+            name = type(failure).__name__ if failure is not None else _dead_actor_in_cluster()
+            if name is None or attempt == max_restarts:
+                raise
+            tracker = Path(config.trainer.default_local_dir) / "latest_checkpointed_iteration.txt"
+            step = tracker.read_text().strip() if tracker.is_file() else "none (starting over)"
+            print(f"[rl-tpu] a Ray actor failed ({name}); restarting from checkpoint step {step} "
+                  f"(restart {attempt + 1} of {max_restarts})", flush=True)
+            ray.shutdown()
+            with open_dict(config):
+                config.trainer.resume_mode = "auto"
 
 
 def _run_verl(config) -> None:

@@ -81,3 +81,19 @@ def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
     ]
     assert max(deltas) > 1e-4
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
+    """The design's third way in: the model ``verl train`` improved goes to LiteRT with no manual step."""
+    from edge_export import export_checkpoint
+
+    out, _ = run
+    ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
+    result = export_checkpoint(str(ckpt), str(tmp_path / "policy.tflite"), quantize="none", prefill_lengths=(32,),
+                               cache_length=64, verify_steps=4, quiet=True)
+    assert (tmp_path / "policy.tflite").stat().st_size > 0
+    report = json.loads((tmp_path / "policy.tflite.report.json").read_text())
+    assert report["kind"] != "module" and report["installed"] is True
+    assert report["verification"]["passed"] is True
+    assert report["verification"]["max_abs_error"] < 1e-2
+    assert result.output.endswith("policy.tflite")

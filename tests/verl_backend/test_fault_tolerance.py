@@ -1,0 +1,102 @@
+"""Killing actors in the middle of ``verl train --backend cpu``: the run restarts from its last checkpoint and
+finishes with no completed step lost and every checkpoint loadable.
+
+The rollout server is killed after step 1, then a trainer worker after step 2 (in the restarted run). The test
+finds the processes through its own Ray session (a private temp dir), so nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _metrics_steps(path: Path) -> set[int]:
+    if not path.is_file():
+        return set()
+    steps = set()
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if "actor/pg_loss" in row["data"]:
+                steps.add(int(row["step"]))
+    return steps
+
+
+def _session_actor(temp_dir: str, actor: str) -> psutil.Process | None:
+    for raylet in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(raylet.info["cmdline"] or [])
+        if "raylet" in cmd and temp_dir in cmd:
+            for child in raylet.children(recursive=True):
+                try:
+                    if " ".join(child.cmdline()).startswith(f"ray::{actor}"):
+                        return child
+                except psutil.NoSuchProcess:
+                    continue
+    return None
+
+
+def _kill_when(proc, metrics: Path, temp_dir: str, step: int, actor: str, timeout_s: float = 900) -> int:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if step in _metrics_steps(metrics):
+            target = _session_actor(temp_dir, actor)
+            if target is not None:
+                target.send_signal(signal.SIGKILL)
+                return target.pid
+        time.sleep(0.5)
+    raise AssertionError(f"never saw step {step} with a live {actor} (exit code {proc.poll()})")
+
+
+def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
+        "--max-restarts", "2", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "rl_tpu.train_size=16", "rl_tpu.val_size=4",
+        "data.max_response_length=16", f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
+    ]
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        _kill_when(proc, metrics, temp_dir, 1, "NativeRolloutServer")
+        # the restarted run resumes at step 1 and must reach step 2 before the trainer worker is killed
+        deadline = time.time() + 900
+        while 2 not in _metrics_steps(metrics):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-4000:]
+            time.sleep(0.5)
+        _kill_when(proc, metrics, temp_dir, 2, "WorkerDict")
+        rc = proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 0, text[-5000:]
+    assert text.count("[rl-tpu] a Ray actor failed") == 2
+    assert "restarting from checkpoint step 1" in text and "restarting from checkpoint step 2" in text
+    assert _metrics_steps(out / "metrics.jsonl") == {1, 2, 3}
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    from transformers import AutoModelForCausalLM
+
+    for step in (1, 2, 3):
+        hf = ckpts / f"global_step_{step}" / "actor" / "huggingface"
+        assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
