@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--num-threads", type=int, help="torch threads per process (default 1 on cpu; env RL_TPU_NUM_THREADS)")
     t.add_argument("--slice", help="TPU slice for --backend tpu, e.g. v6e-16 or v5p-16:2x2x4: one VeRL node per "
                    "host, one worker per chip (default: $TPU_ACCELERATOR_TYPE/$TPU_TOPOLOGY)")
+    t.add_argument("--tpu-eager-mode", choices=["strict", "debug", "fused"],
+                   help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
+                   "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)")
     t.add_argument("--max-restarts", type=int, default=1,
                    help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
                    "set trainer.save_freq so there is a checkpoint to resume)")

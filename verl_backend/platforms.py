@@ -134,6 +134,20 @@ class DeviceModule:
         return int(vm.available), int(vm.total)
 
 
+EAGER_MODE_ENV = "RL_TPU_EAGER_MODE"
+
+
+def tpu_runtime_from_env():
+    """:class:`rl_tpu.device.TPURuntimeConfig` from ``RL_TPU_EAGER_MODE`` (default ``strict``).
+
+    Raises:
+        rl_tpu.device.DeviceError: an eager mode other than strict / debug / fused.
+    """
+    from rl_tpu.device import TPURuntimeConfig
+
+    return TPURuntimeConfig(eager_mode=os.environ.get(EAGER_MODE_ENV, "strict").strip().lower() or "strict")
+
+
 class _RlTpuPlatform(PlatformBase):
     """Shared parts of the ``cpu`` and ``tpu`` platforms; ``_backend`` names the rl_tpu device backend."""
 
@@ -264,6 +278,16 @@ class PlatformTPU(_RlTpuPlatform):
 
     def visible_devices_envvar(self) -> str:
         return self._dev.visible_devices_env
+
+    def set_device(self, device_index: int) -> None:
+        """Select the chip, applying the TorchTPU eager mode from ``RL_TPU_EAGER_MODE`` once per process
+        (``verl train --tpu-eager-mode strict|debug|fused``; see :class:`rl_tpu.device.TPURuntimeConfig`)."""
+        if not getattr(self, "_runtime_applied", False):
+            from rl_tpu.device import apply_tpu_runtime
+
+            apply_tpu_runtime(tpu_runtime_from_env())
+            self._runtime_applied = True
+        super().set_device(device_index)
 
     def ray_resource_name(self) -> str:
         return "TPU"

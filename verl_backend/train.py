@@ -203,6 +203,10 @@ def run_train(args) -> int:
             raise BadInputError(f"--num-threads {threads}: give a positive number of threads")
         os.environ["RL_TPU_NUM_THREADS"] = str(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if getattr(args, "tpu_eager_mode", None):
+        if backend != "tpu":
+            raise BadInputError("--tpu-eager-mode applies to --backend tpu only")
+        os.environ["RL_TPU_EAGER_MODE"] = args.tpu_eager_mode
     if backend != "tpu":
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
 
@@ -249,7 +253,8 @@ def run_train(args) -> int:
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE"):
+    for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
+              "RL_TPU_EAGER_MODE"):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)

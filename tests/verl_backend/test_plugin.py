@@ -106,3 +106,18 @@ def test_patches_fix_backend_string_and_resource_check():
     assert out["dedupe"] == "cpu:gloo" and out["mixed"] == "cpu:gloo,tpu:tpu_dist"
     assert out["patched"] is True
     assert "has 2 CPU available but the resource pools need 6" in out["msg"]
+
+
+def test_tpu_eager_mode_setting_maps_to_torch_tpu_enum_and_rejects_bad_values(monkeypatch):
+    from rl_tpu.device import DeviceError
+    from verl_backend.platforms import EAGER_MODE_ENV, tpu_runtime_from_env
+
+    monkeypatch.delenv(EAGER_MODE_ENV, raising=False)
+    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_NEVER"
+    monkeypatch.setenv(EAGER_MODE_ENV, "fused")
+    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_AND_FUSE"
+    monkeypatch.setenv(EAGER_MODE_ENV, "debug")
+    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    monkeypatch.setenv(EAGER_MODE_ENV, "turbo")
+    with pytest.raises(DeviceError, match="turbo"):
+        tpu_runtime_from_env()
