@@ -62,9 +62,10 @@ class BenchError(RuntimeError):
 class MemorySampler(threading.Thread):
     """Every ``interval`` s: RSS/PSS of every process whose environment has ``MARKER=<run id>``."""
 
-    def __init__(self, run_id: str, interval: float = 0.5):
+    def __init__(self, run_id: str, interval: float = 0.5, step_log: Path | None = None):
         super().__init__(daemon=True)
-        self.run_id, self.interval = run_id, interval
+        self.run_id, self.interval, self.step_log = run_id, interval, step_log
+        self.step_cpu_marks: list[float] = []  # summed CPU seconds when each step's metrics line appeared
         self._stop_event = threading.Event()
         self._ours: dict[tuple[int, float], bool] = {}
         self.peak_rss_total = self.peak_pss_total = self.peak_rss_largest = 0
@@ -107,6 +108,10 @@ class MemorySampler(threading.Thread):
         self.peak_pss_total = max(self.peak_pss_total, pss_total)
         self.max_processes = max(self.max_processes, n)
         self.samples += 1
+        if self.step_log is not None and self.step_log.is_file():
+            done = self.step_log.read_text(errors="replace").count('"timing_s/step"')
+            while len(self.step_cpu_marks) < done:
+                self.step_cpu_marks.append(sum(self._cpu_s.values()))
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -123,16 +128,19 @@ class MemorySampler(threading.Thread):
             "largest_process": self.largest_name,
             "max_processes": self.max_processes,
             "cpu_s": sum(self._cpu_s.values()),
+            "step_cpu_marks": self.step_cpu_marks,
             "samples": self.samples,
         }
 
 
-def run_sampled(name: str, cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[dict, float]:
+def run_sampled(name: str, cmd: list[str], env: dict, log: Path, timeout_s: float,
+                step_log: Path | None = None) -> tuple[dict, float]:
     """Run ``cmd`` with a fresh marker under the memory sampler; return (memory summary, wall seconds)."""
     run_id = uuid.uuid4().hex
     env = {**env, MARKER: run_id}
-    sampler = MemorySampler(run_id)
+    sampler = MemorySampler(run_id, step_log=step_log)
     sampler.start()
+    load_start = os.getloadavg()[0]
     start = time.perf_counter()
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,6 +153,7 @@ def run_sampled(name: str, cmd: list[str], env: dict, log: Path, timeout_s: floa
     leftovers = _wait_gone(sampler, grace_s=30.0)
     memory = sampler.stop()
     memory["leftover_processes_killed"] = leftovers
+    memory["load_average_1min_start_end"] = [load_start, os.getloadavg()[0]]
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         why = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited {rc}"
@@ -171,7 +180,7 @@ def _wait_gone(sampler: MemorySampler, grace_s: float) -> list[str]:
 
 
 def _mean_after_warmup(values: list[float]) -> float | None:
-    rest = values[1:] if len(values) > 1 else values
+    rest = [v for v in (values[1:] if len(values) > 1 else values) if v is not None]
     return sum(rest) / len(rest) if rest else None
 
 
@@ -186,7 +195,8 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float) -> dict:
            "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
            "trainer.test_freq=-1", "trainer.save_freq=-1"]
     try:
-        memory, wall = run_sampled("ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s)
+        memory, wall = run_sampled("ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s,
+                                   step_log=out / "metrics.jsonl")
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -205,6 +215,8 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float) -> dict:
         "logprob_s": col("timing_s/old_log_prob", "timing_s/ref"),
         "update_s": col("timing_s/update_actor"),
         "weight_sync_s": col("timing_s/update_weights"),
+        # CPU seconds of all the run's processes between two steps' metrics lines (0.5 s sampling); step 1: unknown
+        "cpu_step_s": [None] + [b - a for a, b in zip(memory["step_cpu_marks"], memory["step_cpu_marks"][1:])],
         "completion_tokens_mean": col("response_length/mean"),
         "reward_mean": col("critic/score/mean"),
         "wall_s": wall,
@@ -276,14 +288,15 @@ def trl_worker(args) -> None:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.step_s, self.logs, self._t0 = [], [], 0.0
+            self.step_s, self.cpu_step_s, self.logs, self._t0, self._c0 = [], [], [], 0.0, 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
             current["step"] = state.global_step + 1
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self._t0)
+            self.cpu_step_s.append(time.process_time() - self._c0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}))
@@ -312,6 +325,7 @@ def trl_worker(args) -> None:
         "logprob_s": part("_get_per_token_logps_and_entropies.no_grad"),
         "update_s": [t - p for t, p in zip(timer.step_s, part("_prepare_inputs"))],
         "weight_sync_s": [0.0] * len(timer.step_s),
+        "cpu_step_s": timer.cpu_step_s,
         "completion_tokens_mean": [float(e["completions/mean_length"]) for e in train_logs],
         "reward_mean": [float(e.get("reward", float("nan"))) for e in train_logs],
         "trl_step_time_s": [float(e["step_time"]) for e in train_logs if "step_time" in e],
@@ -323,7 +337,8 @@ def trl_worker(args) -> None:
 
 # ------------------------------------------------------------------------------------------------ report
 COLUMNS = [("s/step", "step_s"), ("rollout s", "rollout_s"), ("log-prob s (old+ref)", "logprob_s"),
-           ("update s", "update_s"), ("weight sync s", "weight_sync_s"), ("completion tok", "completion_tokens_mean")]
+           ("update s", "update_s"), ("weight sync s", "weight_sync_s"), ("CPU s/step", "cpu_step_s"),
+           ("completion tok", "completion_tokens_mean")]
 MEMORY = [("peak RSS total GiB", "peak_rss_total_gib"), ("peak RSS largest proc GiB", "peak_rss_largest_gib"),
           ("peak PSS total GiB", "peak_pss_total_gib"), ("procs", "max_processes"), ("CPU s whole run", "cpu_s")]
 
@@ -387,6 +402,9 @@ def main() -> int:
     for r in results:
         r["mean"] = {k: _mean_after_warmup(r[k]) for _, k in COLUMNS}
     load = os.getloadavg()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results, "load_average": load, "steps": args.steps,
+                                              "threads": args.threads}, indent=1))
     print(f"\nGRPO step, SmolLM2-135M-Instruct fp32, basic_arithmetic, {BATCH_PROMPTS} prompts x {N_SAMPLES} samples, "
           f"prompt <= {MAX_PROMPT} / completion <= {MAX_COMPLETION} tokens, lr {LR}, {args.threads} torch thread(s) "
           f"per process; mean of steps 2..{args.steps}; {os.cpu_count()} CPUs, load average {load[0]:.1f}\n")
@@ -394,10 +412,8 @@ def main() -> int:
     for r in results:
         print(f"\n{r['framework']}: wall {r['wall_s']:.0f} s ({r['wall_s'] - sum(r['step_s']):.0f} s outside steps), "
               f"step s {[round(s, 1) for s in r['step_s']]}, largest process: {r['memory']['largest_process']!r}, "
+              f"load average start/end {[round(x, 1) for x in r['memory']['load_average_1min_start_end']]}, "
               f"leftover processes killed: {r['memory']['leftover_processes_killed'] or 'none'}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "load_average": load, "steps": args.steps,
-                                              "threads": args.threads}, indent=1))
     return 0
 
 
