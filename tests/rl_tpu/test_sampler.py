@@ -151,6 +151,24 @@ def test_samples_of_one_prompt_share_one_prefill(model) -> None:
     assert prefill_batches == {2}  # two distinct prompts prefilled, not eight rows
 
 
+def test_gqa_attention_matches_sdpa_and_is_scoped(model) -> None:
+    from rl_tpu.sampler.attention import ATTN_NAME, gqa_attention
+
+    ids = torch.tensor(random_prompts([12, 12]))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: the path that makes transformers expand the KV heads
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        with gqa_attention(model) as active:
+            assert active and model.config._attn_implementation == ATTN_NAME
+            got = model(ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got[0, 4:], want[0, 4:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    make(model).generate(random_prompts([5]), SamplingParams(max_new_tokens=2))
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy(model) -> None:
     prompts = random_prompts([6, 20, 33])
     greedy = make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
