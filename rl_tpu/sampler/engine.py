@@ -56,6 +56,13 @@ class Sampler:
             most ``log2(max batch)`` batch shapes.
         share_prefix: prefill each distinct prompt of a batch once and copy its KV cache to its ``n`` sample rows.
 
+    Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
+    top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as old log-probs.
+
+    On CPU, ``generate`` runs grouped-query ``sdpa`` models through :func:`rl_tpu.sampler.attention.gqa_attention`
+    (same numbers, no per-step KV expansion); the model's setting is restored afterwards, so do not run another
+    forward of the same model object concurrently from another thread.
+
     Attributes:
         shapes_seen: set of ``(batch, query_length, cache_length)`` the model's forward was called with.
     """
@@ -86,7 +93,8 @@ class Sampler:
         self.share_prefix = share_prefix
         self.shapes_seen: set[tuple[int, int, int]] = set()
         self.config = model.config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
         # Parameters and persistent buffers by every name they have (tied weights appear under both names).
         self._tensors = model.state_dict(keep_vars=True)
 
