@@ -24,7 +24,6 @@ import os
 import socket
 import statistics
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -79,15 +78,13 @@ def make_receiver(ray, threads: int):
     class Receiver:
         def __init__(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]]):
             torch.set_num_threads(threads)
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             self.params = {n: torch.empty(shape, dtype=dtype) for n, dtype, shape in spec}
 
         def load(self, flat, metas) -> int:
-            if not isinstance(flat, torch.Tensor):
-                flat = torch.from_numpy(flat)  # read-only view of the object store's shared memory
+            # numpy: a read-only view of the object store's shared memory; torch: an unpickled copy
             for n, t in unpack_bucket(flat, metas):
                 self.params[n].copy_(t)
-            return flat.numel()
+            return int(flat.size if not isinstance(flat, torch.Tensor) else flat.numel())
 
         def checksum(self) -> float:
             return float(sum(p.double().sum() for p in self.params.values()))

@@ -10,10 +10,12 @@ with metadata, :func:`unpack_bucket` views the buffer back as tensors without co
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -206,14 +208,22 @@ def pack_bucket(
     return flat, metas
 
 
-def unpack_bucket(flat: torch.Tensor, metadata: Iterable[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(flat: torch.Tensor | np.ndarray, metadata: Iterable[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     """Views of ``flat`` as the packed tensors (no copy): ``[(name, tensor of dtype/shape), ...]``.
 
-    The views share ``flat``'s memory: copy them (e.g. ``param.copy_(t)``) before reusing the buffer.
+    ``flat`` may also be the numpy array ``ray.get`` returns for ``ray.put(flat.numpy())``: Ray stores numpy
+    buffers out-of-band, so the views then read the object store's shared memory directly (read-only: copy them,
+    don't write them). Putting the torch tensor itself makes Ray pickle its bytes, many times slower
+    (``benchmarks/bench_weight_sync.py``). The views share ``flat``'s memory: copy them (e.g. ``param.copy_(t)``)
+    before reusing the buffer.
 
     Raises:
         CollectiveError: ``flat`` is too short for the metadata.
     """
+    if isinstance(flat, np.ndarray):
+        with warnings.catch_warnings():  # read-only object-store memory: torch warns that writes would fail
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(flat.reshape(-1).view(np.uint8))
     out = []
     for m in metadata:
         m = TensorMeta(*m)

@@ -93,6 +93,16 @@ def test_pack_unpack_round_trip_is_aligned_and_zero_copy() -> None:
     assert unpacked[0][1].reshape(-1)[0].item() == 0.0
 
 
+def test_unpack_from_a_read_only_numpy_buffer() -> None:
+    """The Ray object-store path: ray.put(flat.numpy()) comes back as a read-only numpy array."""
+    bucket = _weights(seed=4)
+    flat, metas = pack_bucket(bucket)
+    arr = flat.numpy().copy()
+    arr.setflags(write=False)
+    for (name, want), (_, have) in zip(bucket, unpack_bucket(arr, metas)):
+        assert have.dtype == want.dtype and torch.equal(have, want), name
+
+
 def test_pack_into_reused_buffer() -> None:
     bucket = _weights(seed=2)[:3]
     buf = torch.empty(1 << 16, dtype=torch.uint8)
