@@ -60,6 +60,9 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         "trainer.n_gpus_per_node": "4",
         "actor_rollout_ref.rollout.dtype": "bfloat16",
         "actor_rollout_ref.actor.use_torch_compile": "false",
+        # A worker owns its chip: sample inside it, forwarded by the rollout server (see rollout/inworker.py).
+        "+actor_rollout_ref.rollout.engine_kwargs.native": "{sampler_placement:worker}",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": "native",
     },
     "cuda": {
         "trainer.device": "cuda",

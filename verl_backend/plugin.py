@@ -34,6 +34,8 @@ def register() -> None:
         return NativeReplica
 
     RolloutReplicaRegistry.register("native", _load_native)
+    from verl_backend.rollout import inworker  # noqa: F401  (registers the "native" checkpoint engine)
+
     patches.apply()
 
 

@@ -294,7 +294,8 @@ def _actor_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
-UNEXPECTED_DEATHS = ("WORKER_DIED", "OUT_OF_MEMORY", "NODE_DIED", "RAY_KILL", "SYSTEM_ERROR")
+# Not RAY_KILL: VeRL itself ray.kill()s its TransferQueue actors when a run ends, failed or not.
+UNEXPECTED_DEATHS = ("WORKER_DIED", "OUT_OF_MEMORY", "NODE_DIED", "SYSTEM_ERROR")
 
 
 def _dead_actor_in_cluster() -> str | None:

@@ -97,3 +97,26 @@ def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
     assert report["verification"]["passed"] is True
     assert report["verification"]["max_abs_error"] < 1e-2
     assert result.output.endswith("policy.tflite")
+
+
+def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
+    """``sampler_placement=worker`` (the TPU default: a worker owns its chip) run here on CPU: the rollout server
+    forwards batches to the trainer worker, whose in-process sampler is synced by an on-device copy."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
+        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4", "data.max_response_length=16",
+        "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = [json.loads(l)["data"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    step = [r for r in rows if "actor/pg_loss" in r]
+    assert len(step) == 1
+    assert step[0]["training/rollout_probs_diff_max"] < 1e-3
+    assert step[0]["response_length/mean"] > 0

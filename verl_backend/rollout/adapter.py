@@ -20,6 +20,27 @@ from verl.workers.rollout.base import BaseRollout
 from verl_backend.rollout import server_actor_name
 
 
+PLACEMENTS = ("server", "worker")
+
+
+def sampler_placement(rollout_config) -> str:
+    """``actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement``: ``server`` (default: the rollout
+    server process holds an inference copy, synced through the Ray object store) or ``worker`` (the trainer
+    worker samples on its own device; needed on TPU where each worker owns its chip).
+
+    Raises:
+        ValueError: any other value.
+    """
+    kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
+    native = kwargs.get("native", None) or {}
+    placement = str(native.get("sampler_placement", "server"))
+    if placement not in PLACEMENTS:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement={placement!r}: choose one of {PLACEMENTS}"
+        )
+    return placement
+
+
 class NativeServerAdapter(BaseRollout):
     """Weight-sync side of the native rollout, living in the trainer worker process."""
 
@@ -33,6 +54,19 @@ class NativeServerAdapter(BaseRollout):
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self._server = None
         self.last_sync: dict[str, float] = {}
+        self.placement = sampler_placement(self.config)
+        self.sampler = None
+        if self.placement == "worker":
+            from verl.utils.device import get_device_name
+
+            from verl_backend.rollout.inworker import set_worker_sampler
+            from verl_backend.rollout.server import build_sampler
+
+            self.sampler = build_sampler(
+                self.model_config.local_path, self.config, get_device_name(),
+                bool(getattr(self.model_config, "trust_remote_code", False) or False),
+            )
+            set_worker_sampler(self.sampler)
 
     def _server_handle(self):
         if self._server is None:
@@ -68,6 +102,13 @@ class NativeServerAdapter(BaseRollout):
                     t = t.full_tensor()
                 yield name, t.detach().to("cpu")
 
+        if self.placement == "worker":  # in-process, on this worker's device
+            full = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in weights)
+            self.sampler.load_state_dict((n, t.detach()) for n, t in full)
+            if self.is_leader:
+                await self._server_handle().set_global_steps.remote(global_steps)
+            self.last_sync = {"bytes": 0.0, "seconds": time.perf_counter() - start, "buckets": 0.0}
+            return
         if not self.is_leader:
             for _ in cpu_full(weights):
                 pass

@@ -19,6 +19,16 @@ def _model_path(model_config) -> str:
     return local or os.path.expanduser(str(model_config.path))
 
 
+def _checkpoint_engine_method(worker):
+    """The fused worker's ``<role>_execute_checkpoint_engine`` method (role prefix depends on the roles fused)."""
+    for role in ("actor_rollout_ref", "actor_rollout", "rollout"):
+        method = getattr(worker, f"{role}_execute_checkpoint_engine", None)
+        if method is not None:
+            return method
+    raise ValueError("the trainer worker exposes no execute_checkpoint_engine method; sampler_placement=worker "
+                     "needs VeRL's ActorRolloutRefWorker")
+
+
 class NativeReplica(RolloutReplica):
     """One rollout replica = one :class:`NativeRolloutServer` actor.
 
@@ -44,16 +54,24 @@ class NativeReplica(RolloutReplica):
         }
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        from verl_backend.rollout.adapter import sampler_placement
+
         device = get_device_name()
+        worker_method = None
+        if sampler_placement(self.config) == "worker":
+            if not self.workers:
+                raise ValueError("sampler_placement=worker needs VeRL's hybrid engine (trainer and rollout colocated)")
+            worker_method = _checkpoint_engine_method(self.workers[0])
         server = (
             ray.remote(NativeRolloutServer)
             .options(**options)
             .remote(
                 rollout_config=self.config,
                 model_path=_model_path(self.model_config),
-                device=device if device != "tpu" else "cpu",
+                device=device,
                 replica_rank=self.replica_rank,
                 trust_remote_code=bool(getattr(self.model_config, "trust_remote_code", False) or False),
+                worker_method=worker_method,
             )
         )
         self.servers = [server]

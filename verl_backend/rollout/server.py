@@ -41,6 +41,8 @@ class NativeRolloutServer:
         device: torch device type for the sampler (``"cpu"``, ``"tpu"``, ``"cuda"``).
         replica_rank: rank of the replica this server belongs to.
         batch_window_s: how long (seconds) to wait for more requests after the first one before running a batch.
+        worker_method: ``sampler_placement=worker``: the trainer worker's ``execute_checkpoint_engine`` actor
+            method; batches run there, on the worker's own device (a TPU chip), and this server holds no model.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class NativeRolloutServer:
         replica_rank: int = 0,
         batch_window_s: float = 0.05,
         trust_remote_code: bool = False,
+        worker_method: Any = None,
     ):
         from rl_tpu.device import set_num_threads
 
@@ -61,8 +64,9 @@ class NativeRolloutServer:
         self.replica_rank = replica_rank
         self.batch_window_s = batch_window_s
         self.trust_remote_code = trust_remote_code
+        self.worker_method = worker_method
         self.max_batch = max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64))
-        self.global_steps: int | None = None
+        self.global_steps = 0  # step of the weights being served; VeRL tags every output with it
         self._queue: list[_Request] = []
         self._wake = None  # asyncio.Event, created on the actor's event loop
         self._loop_task = None
@@ -74,32 +78,10 @@ class NativeRolloutServer:
 
     # ------------------------------------------------------------------ set-up
     def _build_sampler(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from rl_tpu.sampler import Sampler
-
-        dtype = getattr(torch, str(getattr(self.config, "dtype", "float32") or "float32"))
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code, attn_implementation="sdpa"
-        )
-        model.to(self.device).eval()
-        tok = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
-        prompt_len = int(getattr(self.config, "prompt_length", 512))
-        resp_len = int(getattr(self.config, "response_length", 512))
-        self.sampler = Sampler(
-            model,
-            pad_token_id=pad,
-            eos_token_ids=eos_ids,
-            prompt_buckets=_buckets(prompt_len),
-            gen_buckets=_buckets(resp_len),
-            max_batch_size=self.max_batch,
-            device=self.device,
-        )
-        self.max_prompt_len = prompt_len
-        self.response_length = resp_len
+        self.max_prompt_len = int(getattr(self.config, "prompt_length", 512))
+        self.response_length = int(getattr(self.config, "response_length", 512))
+        if self.worker_method is None:
+            self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
 
     # --------------------------------------------------------------- generate
     async def generate(
@@ -178,18 +160,17 @@ class NativeRolloutServer:
                         r.future.set_result(out)
 
     def _run_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
-        from rl_tpu.sampler import SamplingParams
-
-        temperature, top_p, top_k, max_tokens = key
-        params = SamplingParams(
-            n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens
-        )
         start = time.perf_counter()
-        outs = self.sampler.generate(prompts, params)
+        if self.worker_method is None:
+            outs = run_sampler(self.sampler, prompts, key)
+        else:  # the sampler lives in the trainer worker (on its chip): forward the batch there
+            import ray
+
+            outs = ray.get(self.worker_method.remote("native_generate", prompts, key))
         self.stats["generate_s"] += time.perf_counter() - start
         self.stats["batches"] += 1
-        self.stats["generated_tokens"] += sum(len(o.token_ids) for o in outs)
-        return [(list(o.token_ids), [float(x) for x in o.logprobs]) for o in outs]
+        self.stats["generated_tokens"] += sum(len(ids) for ids, _ in outs)
+        return outs
 
     # ------------------------------------------------------------- weight sync
     def update_weights_bucket(self, flat: torch.Tensor, metadata: list, last: bool, global_steps: int | None = None) -> int:
@@ -205,9 +186,14 @@ class NativeRolloutServer:
         if last:
             self.sampler.load_state_dict(self._pending_weights)
             self._pending_weights = []
-            self.global_steps = global_steps
+            self.set_global_steps(global_steps)
         self.stats["weight_sync_s"] += time.perf_counter() - start
         return int(flat.numel() * flat.element_size())
+
+    def set_global_steps(self, global_steps: int | None) -> None:
+        """Record the step of the weights now served (``sampler_placement=worker``: the worker loaded them)."""
+        if global_steps is not None:
+            self.global_steps = int(global_steps)
 
     def get_stats(self) -> dict:
         return dict(self.stats)
@@ -244,6 +230,46 @@ class NativeRolloutServer:
         import ray
 
         return ray.util.get_node_ip_address(), 0
+
+
+def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False):
+    """An :class:`rl_tpu.sampler.Sampler` over a fresh inference copy of the HF model at ``model_path``.
+
+    Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
+    ``rollout.max_num_seqs``; dtype ``rollout.dtype``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_tpu.sampler import Sampler
+
+    device = torch.device(device)
+    dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    return Sampler(
+        model,
+        pad_token_id=pad,
+        eos_token_ids=eos_ids,
+        prompt_buckets=_buckets(int(getattr(rollout_config, "prompt_length", 512))),
+        gen_buckets=_buckets(int(getattr(rollout_config, "response_length", 512))),
+        max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
+        device=device,
+    )
+
+
+def run_sampler(sampler, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+    """Sample one response per prompt with settings ``key = (temperature, top_p, top_k, max_new_tokens)``."""
+    from rl_tpu.sampler import SamplingParams
+
+    temperature, top_p, top_k, max_tokens = key
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens)
+    return [(list(o.token_ids), [float(x) for x in o.logprobs]) for o in sampler.generate(prompts, params)]
 
 
 def _buckets(limit: int) -> tuple[int, ...]:

@@ -1,0 +1,46 @@
+"""``sampler_placement=worker``: the sampler runs inside the trainer worker, on the worker's own device.
+
+On TPU a worker process owns its chip (whole chips; one process per chip), so a separate rollout-server process
+cannot sample on it. In this placement the :class:`~verl_backend.rollout.adapter.NativeServerAdapter` builds the
+sampler in the worker process and registers it here; the rollout server (which VeRL's agent loop talks to) holds
+no model and forwards each batch to the worker through VeRL's own ``execute_checkpoint_engine`` actor method,
+served by :class:`NativeCheckpointEngine`. Weight sync is then an in-process copy on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl.checkpoint_engine.base import CheckpointEngineRegistry, ColocatedCheckpointEngine
+
+_SAMPLER: Any = None
+
+
+def set_worker_sampler(sampler: Any) -> None:
+    """Register the sampler of this worker process (called by the adapter)."""
+    global _SAMPLER
+    _SAMPLER = sampler
+
+
+def worker_sampler() -> Any:
+    return _SAMPLER
+
+
+@CheckpointEngineRegistry.register("native")
+class NativeCheckpointEngine(ColocatedCheckpointEngine):
+    """VeRL's colocated (``naive``) weight sync, plus ``native_generate`` for the in-worker sampler."""
+
+    def native_generate(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+        """Sample one response per prompt with ``key = (temperature, top_p, top_k, max_new_tokens)``.
+
+        Raises:
+            RuntimeError: no sampler in this worker (``sampler_placement`` is not ``worker``).
+        """
+        from verl_backend.rollout.server import run_sampler
+
+        if _SAMPLER is None:
+            raise RuntimeError(
+                "native_generate: this trainer worker has no sampler; set "
+                "actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker"
+            )
+        return run_sampler(_SAMPLER, prompts, key)
