@@ -101,6 +101,7 @@ def main() -> int:
     finally:
         t = time.monotonic()
         pids = fake_slice.stop(state)
+        state.parent.rmdir()
         rows.append(("cluster down (SIGTERM, then SIGKILL after 10 s)", f"{time.monotonic() - t:.1f} s",
                      f"{len(pids)} processes"))
 

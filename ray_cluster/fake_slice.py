@@ -20,26 +20,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 import uuid
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
-import psutil
+from typing import Sequence
 
 from rl_tpu.topology import SliceTopology, host_env, host_resources, parse_slice
 
 from .errors import ClusterError
+from .ray_nodes import (MARKER_ENV, NodeLaunch, NodeRecord, alive, free_ports, node_command, start_nodes,
+                        stop_processes, tail)
 
-MARKER_ENV = "RL_TPU_FAKE_CLUSTER"
 STATE_ENV = "RL_TPU_CLUSTER_STATE"
 DEFAULT_STATE_FILE = Path.home() / ".cache" / "rl-tpu" / "fake-cluster.json"
 # Ray variables a user's shell may carry that would point our nodes at another cluster.
@@ -51,17 +46,6 @@ _SCRUB_ENV = ("RAY_ADDRESS", "RAY_NAMESPACE", "RAY_JOB_ID", "TPU_VISIBLE_CHIPS",
 def default_state_file() -> Path:
     """``$RL_TPU_CLUSTER_STATE`` or ``~/.cache/rl-tpu/fake-cluster.json``."""
     return Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE)
-
-
-@dataclass
-class NodeRecord:
-    """One ``ray start --block`` process we started."""
-
-    role: str  # "head" or "<slice name>/<worker id>"
-    pid: int
-    create_time: float  # psutil create_time, guards against pid reuse
-    log: str
-    resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,86 +86,6 @@ class FakeCluster:
     def env(self) -> dict[str, str]:
         """Variables a client of this cluster should set (printed by ``cluster up``)."""
         return {"RAY_ADDRESS": self.dashboard_url, "RAY_AUTH_MODE": "disabled"}
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        return ports
-
-
-def _alive(rec: NodeRecord) -> psutil.Process | None:
-    try:
-        p = psutil.Process(rec.pid)
-        if abs(p.create_time() - rec.create_time) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-            return p
-    except psutil.Error:
-        pass
-    return None
-
-
-def _tagged_processes(marker: str) -> list[psutil.Process]:
-    """Processes that carry our marker in their environment (same user only)."""
-    found = []
-    me = os.getpid()
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == me:
-            continue
-        try:
-            if p.environ().get(MARKER_ENV) == marker:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _node_command(ports: dict[str, int], *, head: bool, gcs: str, temp_dir: str, num_cpus: int,
-                  resources: dict[str, float], object_store_bytes: int,
-                  dashboard_port: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-           "--node-ip-address", "127.0.0.1",
-           "--num-cpus", str(num_cpus), "--num-gpus", "0",
-           "--resources", json.dumps(resources),
-           "--object-store-memory", str(object_store_bytes),
-           "--node-manager-port", str(ports["node_manager"]),
-           "--object-manager-port", str(ports["object_manager"]),
-           "--metrics-export-port", str(ports["metrics"]),
-           "--dashboard-agent-listen-port", str(ports["agent_http"]),
-           "--dashboard-agent-grpc-port", str(ports["agent_grpc"]),
-           "--runtime-env-agent-port", str(ports["runtime_env"]),
-           "--disable-usage-stats", "--log-style", "record"]
-    if head:
-        cmd += ["--head", "--port", gcs.rsplit(":", 1)[1], "--temp-dir", temp_dir,
-                "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                "--dashboard-port", str(dashboard_port),
-                "--ray-client-server-port", str(ports["client"])]
-    else:
-        # A temp dir per node: nodes sharing one pick socket names by a racy "does it exist"
-        # check, and two raylets starting together then collide ("bind: Address already in use").
-        cmd += ["--address", gcs, "--temp-dir", temp_dir]
-    return cmd
-
-
-def _spawn(cmd: list[str], env: dict[str, str], log: Path, role: str,
-           resources: dict[str, float]) -> NodeRecord:
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    return NodeRecord(role=role, pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
-                      log=str(log), resources=resources)
-
-
-def _tail(path: str, n: int = 5) -> str:
-    try:
-        lines = [l for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
-        return " | ".join(lines[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def _http_ok(url: str) -> bool:
@@ -239,7 +143,7 @@ def start(
     state_file = Path(state_file or default_state_file())
     if state_file.exists():
         old = FakeCluster.load(state_file)
-        if any(_alive(n) for n in old.nodes):
+        if any(alive(n) for n in old.nodes):
             raise ClusterError(
                 f"a fake cluster is already up at {old.dashboard_url} (state {state_file}); "
                 f"run `rl-tpu cluster down` first or pass another --state-file"
@@ -262,7 +166,7 @@ def start(
     marker = uuid.uuid4().hex[:12]
     temp_dir = tempfile.mkdtemp(prefix="rlt-")  # short: Ray's socket paths live under it
     names = [f"fake-{s.accelerator_type}-{i}-{marker[:4]}" for i, s in enumerate(specs)]
-    gcs_port, dash_port = _free_ports(2)
+    gcs_port, dash_port = free_ports(2)
     gcs = f"127.0.0.1:{gcs_port}"
 
     base_env = {k: v for k, v in os.environ.items() if k not in _SCRUB_ENV}
@@ -282,23 +186,26 @@ def start(
     store = object_store_mb * 1024 * 1024
 
     def head_cmd(ports, attempt):
-        return _node_command(ports, head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
-                             resources={}, object_store_bytes=store, dashboard_port=dash_port)
+        return node_command(ports, head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
+                            resources={}, object_store_bytes=store, dashboard_port=dash_port)
 
     launches = []
-    for i, (name, spec) in enumerate(zip(names, specs)):
+    for name, spec in zip(names, specs):
         for w in range(spec.hosts):
             def cmd(ports, attempt, n=len(launches) + 1, spec=spec):
-                return _node_command(ports, head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{n}-{attempt}",
-                                     num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
-                                     object_store_bytes=store)
+                return node_command(ports, head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{n}-{attempt}",
+                                    num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
+                                    object_store_bytes=store)
             env = dict(base_env, **host_env(spec, w, name, ["127.0.0.1"] * spec.hosts))
-            launches.append(_Launch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}",
-                                    host_resources(spec, w, name)))
+            launches.append(NodeLaunch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}",
+                                       host_resources(spec, w, name)))
     try:
-        _start_nodes(cluster, [_Launch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
-                     state_file, deadline, parallel=1)
-        _start_nodes(cluster, launches, state_file, deadline, parallel=max_parallel)
+        def save():
+            cluster.save(state_file)
+
+        start_nodes([NodeLaunch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
+                    cluster.nodes, save, deadline, parallel=1)
+        start_nodes(launches, cluster.nodes, save, deadline, parallel=max_parallel)
         _wait_ready(cluster, deadline)
     except BaseException:
         stop(cluster=cluster, state_file=state_file, remove_temp=False)
@@ -308,65 +215,14 @@ def start(
     return cluster
 
 
-@dataclass
-class _Launch:
-    role: str
-    command: Callable[[dict[str, int], int], list[str]]  # (ports, attempt) -> argv
-    env: dict[str, str]
-    log_stem: Path
-    resources: dict[str, float]
-    attempt: int = 0
-
-
-_PORT_KEYS = ("node_manager", "object_manager", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
-_STARTED = "Ray runtime started."
-
-
-def _start_nodes(cluster: FakeCluster, launches: list[_Launch], state_file: Path, deadline: float,
-                 parallel: int, attempts: int = 3) -> None:
-    """Start ``launches`` at most ``parallel`` at a time; retry a node that dies while starting.
-
-    ``ray start`` gives a node 30 s (hard-coded in Ray 2.60) to register with the GCS, and on a
-    loaded 2-core machine the dashboard agent it waits for can take longer; a retry on fresh
-    ports and a fresh temp dir usually goes through.
-    """
-    pending = list(launches)
-    running: list[tuple[_Launch, NodeRecord]] = []
-    while pending or running:
-        while pending and len(running) < parallel:
-            job = pending.pop(0)
-            ports = dict(zip(_PORT_KEYS, _free_ports(len(_PORT_KEYS))))
-            log = job.log_stem.with_name(f"{job.log_stem.name}.{job.attempt}.log")
-            rec = _spawn(job.command(ports, job.attempt), job.env, log, job.role, job.resources)
-            cluster.nodes.append(rec)
-            cluster.save(state_file)
-            running.append((job, rec))
-        for job, rec in list(running):
-            if _STARTED in Path(rec.log).read_text(errors="replace"):
-                running.remove((job, rec))
-            elif _alive(rec) is None:
-                running.remove((job, rec))
-                cluster.nodes.remove(rec)
-                job.attempt += 1
-                if job.attempt >= attempts:
-                    raise ClusterError(f"Ray node {job.role} failed to start {attempts} times; "
-                                       f"last log {rec.log}: {_tail(rec.log)}")
-                pending.insert(0, job)
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Ray nodes {[j.role for j, _ in running]} not started in time; "
-                               f"logs in {cluster.temp_dir}")
-        time.sleep(0.3)
-    cluster.save(state_file)
-
-
 def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
     """Until every node is alive with the TPU resources of its host and the job API answers."""
     want = len(cluster.nodes)
     last = "no answer from the dashboard yet"
     while time.monotonic() < deadline:
         for rec in cluster.nodes:
-            if _alive(rec) is None:
-                raise ClusterError(f"Ray node {rec.role} exited while starting; log {rec.log}: {_tail(rec.log)}")
+            if alive(rec) is None:
+                raise ClusterError(f"Ray node {rec.role} exited while starting; log {rec.log}: {tail(rec.log)}")
         if _http_ok(cluster.dashboard_url + "/api/version"):
             try:
                 nodes = list_alive_nodes(cluster.dashboard_url)
@@ -400,48 +256,14 @@ def stop(state_file: Path | None = None, cluster: FakeCluster | None = None,
     state_file = Path(state_file or default_state_file())
     if cluster is None:
         cluster = FakeCluster.load(state_file)
-    procs: dict[int, psutil.Process] = {}
-    for rec in cluster.nodes:
-        p = _alive(rec)
-        if p is not None:
-            procs[p.pid] = p
-            try:
-                for c in p.children(recursive=True):
-                    procs[c.pid] = c
-            except psutil.Error:
-                pass
-    for p in _tagged_processes(cluster.marker):
-        procs.setdefault(p.pid, p)
-    # Workers first would make the head log noise; ask the `ray start --block` parents to stop
-    # their nodes cleanly, then everything that is left.
-    for rec in reversed(cluster.nodes):
-        if rec.pid in procs:
-            try:
-                procs[rec.pid].send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    # Stragglers Ray forked after we looked (worker processes) carry the marker too.
-    late = [p for p in _tagged_processes(cluster.marker) if p.pid not in procs]
-    for p in late:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(late, timeout=5)
+    pids = stop_processes(cluster.nodes, cluster.marker, grace_s)
     try:
         state_file.unlink()
     except FileNotFoundError:
         pass
     if remove_temp and Path(cluster.temp_dir).name.startswith("rlt-"):
         shutil.rmtree(cluster.temp_dir, ignore_errors=True)
-    return sorted(list(procs) + [p.pid for p in late])
+    return pids
 
 
 def status(state_file: Path | None = None) -> dict:
@@ -456,7 +278,7 @@ def status(state_file: Path | None = None) -> dict:
         ClusterError: no state file.
     """
     cluster = FakeCluster.load(Path(state_file or default_state_file()))
-    procs = [{"role": r.role, "pid": r.pid, "alive": _alive(r) is not None} for r in cluster.nodes]
+    procs = [{"role": r.role, "pid": r.pid, "alive": alive(r) is not None} for r in cluster.nodes]
     nodes = None
     if _http_ok(cluster.dashboard_url + "/api/version"):
         try:

@@ -223,6 +223,9 @@ def reserve_slice(
             # a v6e-8 request never lands on, say, a v4-8 host with as many chips.
             bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts,
         )
+    except ValueError as e:  # a shape Ray 2.60's own table lacks (e.g. v4 beyond 12x12x16)
+        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
+                           f"use one of its standard shapes") from None
     except TimeoutError:
         raise ClusterError(
             f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "

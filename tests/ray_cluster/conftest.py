@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ray_cluster import fake_slice
+from ray_cluster import fake_slice, ray_nodes
 
 SLICES = ["v4-16", "v6e-4"]
 
@@ -20,7 +20,7 @@ def fake_cluster(tmp_path_factory):
     cluster.state_file = state
     yield cluster
     fake_slice.stop(state_file=state)
-    assert not fake_slice._tagged_processes(cluster.marker), "fake cluster processes left behind"
+    assert not ray_nodes.tagged_processes(cluster.marker), "fake cluster processes left behind"
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ray_cluster import fake_slice
+from ray_cluster import fake_slice, ray_nodes
 from ray_cluster.errors import ClusterError
 
 RL_TPU = str(Path(sys.executable).parent / "rl-tpu")
@@ -23,7 +23,7 @@ def _run(*args, timeout=300):
 def test_cli_up_status_down_stops_exactly_its_processes(fake_cluster, tmp_path):
     state = tmp_path / "cli-state.json"
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    other_before = [r.pid for r in fake_cluster.nodes if fake_slice._alive(r)]
+    other_before = [r.pid for r in fake_cluster.nodes if ray_nodes.alive(r)]
     try:
         up = _run("cluster", "up", "--fake-slice", "v6e-4", "--hosts-cpus", "1", "--head-cpus", "1",
                   "--object-store-mb", "100", "--state-file", str(state))
@@ -43,7 +43,7 @@ def test_cli_up_status_down_stops_exactly_its_processes(fake_cluster, tmp_path):
         again = _run("cluster", "up", "--fake-slice", "v6e-4", "--state-file", str(state))
         assert again.returncode == 2 and "already up" in again.stderr
 
-        tagged = {p.pid for p in fake_slice._tagged_processes(rec["marker"])}
+        tagged = {p.pid for p in ray_nodes.tagged_processes(rec["marker"])}
         assert set(ours) <= tagged and len(tagged) > len(ours)  # raylets, agents, GCS ... all tagged
 
         down = _run("cluster", "down", "--state-file", str(state))
