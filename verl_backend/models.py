@@ -17,6 +17,7 @@ from verl_backend.errors import BadInputError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CONVERSION_MARK = ".rl_tpu_conversion_v1"  # written last; a folder without it is reconverted
 
 
 def cache_root() -> Path:
@@ -63,7 +64,7 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
         The folder with ``config.json``, ``model.safetensors`` and the tokenizer files.
     """
     dest = Path(target) if target is not None else cache_root() / DEFAULT_MODEL_NAME
-    if is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file():
+    if is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file() and (dest / CONVERSION_MARK).is_file():
         return dest
     gguf = smollm2_gguf_path()
     import torch
@@ -79,8 +80,15 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        # The GGUF metadata names <|im_start|> as the tokenizer's EOS while the model's config (and the chat
+        # template) end a turn with <|im_end|>: align the tokenizer with the model so every consumer
+        # (VeRL, TRL, LiteRT's bundle) stops where the model does.
+        eos_id = model.config.eos_token_id
+        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        (tmp / CONVERSION_MARK).write_text("1\n")
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

@@ -38,6 +38,8 @@ def run(tmp_path_factory, tiny_model_dir):
         "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
         "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3",
+        # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
+        "algorithm.rollout_correction.bypass_mode=false",
         f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
@@ -63,7 +65,8 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
             assert math.isfinite(m[key]), key
         assert m["actor/grad_norm"] > 0  # the length reward gives non-zero GRPO advantages
-        # the native rollout's log-probs are the trainer's own (same weights after each sync)
+        # the native rollout's log-probs are the trainer's own (same weights after each sync): this is what
+        # makes the CPU default's bypass mode (old log-probs = rollout log-probs) exact
         assert m["training/rollout_probs_diff_max"] < 1e-3
 
 
@@ -112,6 +115,7 @@ def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
         "rl_tpu.val_size=4", "data.max_response_length=16",
         "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
+        "algorithm.rollout_correction.bypass_mode=false",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-5000:]

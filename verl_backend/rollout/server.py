@@ -173,8 +173,9 @@ class NativeRolloutServer:
         return outs
 
     # ------------------------------------------------------------- weight sync
-    def update_weights_bucket(self, flat: torch.Tensor, metadata: list, last: bool, global_steps: int | None = None) -> int:
-        """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`).
+    def update_weights_bucket(self, flat: Any, metadata: list, last: bool, global_steps: int | None = None) -> int:
+        """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`): ``flat`` is the
+        ``uint8`` bytes (a read-only numpy view of the Ray object store, or a tensor), ``metadata`` its layout.
 
         The tensors are staged until ``last`` is true and then loaded together, so generation never sees a
         half-updated model. Returns the number of bytes received.
@@ -188,7 +189,7 @@ class NativeRolloutServer:
             self._pending_weights = []
             self.set_global_steps(global_steps)
         self.stats["weight_sync_s"] += time.perf_counter() - start
-        return int(flat.numel() * flat.element_size())
+        return int(flat.nbytes)
 
     def set_global_steps(self, global_steps: int | None) -> None:
         """Record the step of the weights now served (``sampler_placement=worker``: the worker loaded them)."""
