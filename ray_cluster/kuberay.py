@@ -151,11 +151,11 @@ def ray_job_manifest(name: str, slices: Sequence[str | SliceTopology], train_arg
 
 
 def crd_dir() -> Path:
-    """``$RL_TPU_KUBERAY_CRDS``, else ``shared/kuberay`` beside the repository."""
+    """``$RL_TPU_KUBERAY_CRDS``, else the KubeRay v1.7.0 CRDs shipped in ``ray_cluster/crds``."""
     if os.environ.get(CRD_DIR_ENV):
         return Path(os.environ[CRD_DIR_ENV])
-    here = Path(__file__).resolve().parent.parent
-    for cand in (here.parent / "shared" / "kuberay", here / "shared" / "kuberay"):
+    here = Path(__file__).resolve().parent
+    for cand in (here / "crds", here.parent.parent / "shared" / "kuberay"):
         if cand.is_dir():
             return cand
     raise ClusterError(f"KubeRay CRD schemas not found; set {CRD_DIR_ENV} to the folder holding "
