@@ -10,33 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from verl_backend.errors import BadInputError
-
-EXAMPLES_DIR = Path(__file__).resolve().parent / "configs"
-
-
-@dataclass
-class JobPlan:
-    """Everything decided before VeRL starts.
-
-    Attributes:
-        backend: ``"cpu"``, ``"tpu"`` or ``"cuda"``.
-        overrides: Hydra override strings in application order.
-        output_dir: the run's folder: checkpoints, metrics.jsonl, tensorboard/, reward_curve.png, summary.json.
-        env: environment variables for every Ray worker (platform, threads, log paths).
-    """
-
-    backend: str
-    overrides: list[str]
-    output_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-
 
 def _format_value(value: Any) -> str:
     if value is None:
@@ -137,18 +116,12 @@ def compose_config(overrides: list[str]):
 def merge_overrides(backend_defaults: dict[str, str], file_overrides: list[str], cli_overrides: list[str]) -> list[str]:
     """Later sources win per key: backend defaults, then the ``--config`` file, then the command line.
 
-    A default whose key the user sets is dropped instead of applied twice (Hydra refuses ``+key`` twice).
+    Each key appears once in the result (Hydra refuses ``+key`` twice); the surviving override keeps the
+    ``+``/``~`` prefix of the source that set it last.
     """
-    user = {**_override_keys(file_overrides), **_override_keys(cli_overrides)}
-    merged = [f"{k}={v}" for k, v in backend_defaults.items() if k.lstrip("+") not in user]
-    seen: dict[str, int] = {}
-    result: list[str] = []
-    for o in merged + file_overrides + cli_overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if key in seen:
-            result[seen[key]] = None  # type: ignore[call-overload]
-        seen[key] = len(result)
-        result.append(o)
-    out = [o for o in result if o is not None]
-    # Hydra's "+key" fails when the key already exists in the composed defaults; the user's plain key wins.
-    return out
+    merged: dict[str, str] = {}
+    for override in [f"{k}={v}" for k, v in backend_defaults.items()] + file_overrides + cli_overrides:
+        key = next(iter(_override_keys([override])))
+        merged.pop(key, None)  # re-insert so the order follows the source that wins
+        merged[key] = override
+    return list(merged.values())

@@ -67,7 +67,8 @@ def _check_backend(backend: str) -> None:
 
 
 def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list[str]:
-    """Generate the built-in parquet files unless the user gave ``data.train_files``; validate what is used."""
+    """Overrides for the built-in parquet files (reasoning-gym task or GSM8K jsonl), written into ``out/data``
+    unless the user gave ``data.train_files``."""
     from verl_backend.data import gsm8k_jsonl_to_parquet, reasoning_gym_to_parquet, validate_rl_parquet
 
     extra: list[str] = []
