@@ -112,6 +112,24 @@ def _trl_has_value_head_model() -> bool:
     return True
 
 
+REPLAY_POLL_S = 0.2
+
+
+def _make_replay_buffer_init(original):
+    def __init__(self, *args, **kwargs):
+        """Patched ``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.__init__`` (VeRL 0.9.1).
+
+        The sync replay buffer waits for finished rollouts by polling TransferQueue every ``poll_interval``
+        seconds, hard-coded to 2.0 with no config key: every rollout phase rounds up to a multiple of 2 s
+        (~1 s lost per step on average, more with validation). Polling every 0.2 s costs one small Ray call.
+        """
+        original(self, *args, **kwargs)
+        self.poll_interval = min(float(self.poll_interval), REPLAY_POLL_S)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 def apply() -> None:
     """Apply every patch once (VeRL must be the pinned version)."""
     global _applied
@@ -122,6 +140,10 @@ def apply() -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
     ResourcePoolManager._check_resource_available = _check_resource_available
+
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    ReplayBuffer.__init__ = _make_replay_buffer_init(ReplayBuffer.__init__)
 
     import verl.models.transformers.monkey_patch as monkey_patch
     import verl.utils.model as vmodel
