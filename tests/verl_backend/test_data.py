@@ -116,14 +116,6 @@ def test_unknown_data_source_is_refused():
         compute_score("mystery", "1", "1")
 
 
-def _raises(data_source, solution_str, ground_truth, extra_info=None):
-    raise KeyError("boom")
-
-
-def _nan(data_source, solution_str, ground_truth, extra_info=None):
-    return float("nan")
-
-
 def test_guarded_score_turns_raising_and_nan_rewards_into_one_line(tmp_path):
     mod = tmp_path / "my_reward.py"
     mod.write_text("def bad(*a, **k):\n    raise KeyError('boom')\n\ndef nan(*a, **k):\n    return float('nan')\n"
