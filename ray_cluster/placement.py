@@ -114,7 +114,7 @@ class SlicePlacement:
         return self
 
     def bundle_node_ids(self) -> list[str]:
-        """Ray node id of each bundle (host order), once placed."""
+        """Ray node id of each bundle (bundle order), once placed."""
         from ray.util.placement_group import placement_group_table
 
         table = placement_group_table(self.placement_group)
@@ -174,6 +174,117 @@ class SlicePlacement:
     def shutdown(self) -> None:
         """Release the reservation (idempotent)."""
         self.handle.shutdown()
+
+
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+
+
+def reserve_slice_workers(
+    accelerator_type: str,
+    topology: str | None = None,
+    *,
+    chips_per_worker: int = 1,
+    cpus_per_worker: float = 1.0,
+    name: str = "",
+    timeout_s: float = 60.0,
+) -> "SliceWorkers":
+    """Reserve one whole TPU slice as one placement-group bundle per worker, host-major.
+
+    This is the shape VeRL's worker groups schedule into (one actor per bundle, bundle index =
+    rank): bundle ``r`` holds ``chips_per_worker`` chips of host ``r // workers_per_host``. It is
+    still one ``ray.util.tpu.SlicePlacementGroup``: Ray claims the slice's worker-0 head
+    resource and pins every bundle to that slice's ``ray.io/tpu-slice-name``; we add a
+    ``ray.io/tpu-worker-id`` selector per bundle so the host order is fixed, and, for a
+    single-host slice (which Ray does not pin), the pod type.
+
+    Args:
+        accelerator_type: e.g. ``"v6e-16"``; topology: optional chip grid.
+        chips_per_worker: whole chips per worker (1, 2, 4 or 8; must divide a host's chips).
+        cpus_per_worker: CPUs reserved in each bundle for the worker's process.
+        name: placement group name. timeout_s: seconds to wait for the slice.
+
+    Returns:
+        The placed reservation (:class:`SliceWorkers`).
+
+    Raises:
+        TopologyError: bad type, topology or chip request.
+        ClusterError: no such slice in the cluster (checked before asking Ray), or it stays
+            busy past ``timeout_s``; nothing stays reserved.
+    """
+    from ray.util.tpu import SlicePlacementGroup
+
+    spec = parse_slice(accelerator_type, topology)
+    n = check_chip_request(chips_per_worker, spec)
+    if spec.chips_per_host % n:
+        raise TopologyError(
+            f"{n} chips per worker does not divide the {spec.chips_per_host} chips of a "
+            f"{spec.accelerator_type} host; use one of "
+            f"{tuple(c for c in (1, 2, 4, 8) if spec.chips_per_host % c == 0)}"
+        )
+    if cpus_per_worker < 0:
+        raise ClusterError(f"cpus_per_worker {cpus_per_worker} is negative; use 0 or more")
+    _check_cluster_has(spec, 1)
+    per_host = spec.chips_per_host // n
+    selectors = [{POD_TYPE_LABEL: spec.pod_type, WORKER_ID_LABEL: str(b // per_host)}
+                 for b in range(spec.hosts * per_host)]
+    start = time.monotonic()
+    try:
+        handle = SlicePlacementGroup(
+            topology=spec.topology,
+            accelerator_version=spec.generation,
+            resources_per_bundle={"TPU": n, "CPU": cpus_per_worker},
+            chips_per_vm=spec.chips_per_host,
+            # Single-host slices get no slice-name pin from Ray: STRICT_PACK keeps their bundles on
+            # one host. Multi-host bundles are pinned by slice name + worker id already.
+            strategy="STRICT_PACK" if spec.hosts == 1 else "PACK",
+            name=name,
+            head_reservation_timeout_s=timeout_s,
+            bundle_label_selector=selectors,
+        )
+    except ValueError as e:
+        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
+                           f"use one of its standard shapes") from None
+    except TimeoutError:
+        raise ClusterError(
+            f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
+            f"cluster is reserved by other placement groups; release them or wait longer"
+        ) from None
+    placement = SliceWorkers(spec=spec, handle=handle, cpus_per_bundle=cpus_per_worker, chips_per_worker=n)
+    placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
+    return placement
+
+
+@dataclass
+class SliceWorkers(SlicePlacement):
+    """A reserved TPU slice with one bundle per worker (:func:`reserve_slice_workers`).
+
+    Bundle ``r`` is worker rank ``r``'s: ``chips_per_worker`` chips on host ``r // workers_per_host``.
+    """
+
+    chips_per_worker: int = 1
+
+    @property
+    def workers_per_host(self) -> int:
+        return self.spec.chips_per_host // self.chips_per_worker
+
+    def bundle_hosts(self) -> list[int]:
+        """TPU worker id (host index in the slice) of each bundle's node, once placed."""
+        labels = _node_labels()
+        return [int(labels.get(n, {}).get(WORKER_ID_LABEL, -1)) for n in self.bundle_node_ids()]
+
+    def actor_options(self, bundle_index: int, chips: float | None = None, num_cpus: float = 0.0) -> dict:
+        """``.options(**...)`` for worker ``bundle_index`` (its bundle's chips, or ``chips`` of them)."""
+        n = self.chips_per_worker if chips is None else check_chip_request(chips, self.spec)
+        if not 0 <= bundle_index < self.num_bundles or n > self.chips_per_worker:
+            raise ClusterError(f"worker {bundle_index} with {n} chips does not fit slice {self.spec.accelerator_type} "
+                               f"reserved as {self.num_bundles} workers x {self.chips_per_worker} chips")
+        return {
+            "num_cpus": num_cpus,
+            "resources": {"TPU": n},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True),
+        }
 
 
 def reserve_slice(

@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
                    "(default: outputs/<trainer.experiment_name>)")
     t.add_argument("--num-threads", type=int, help="torch threads per process (default 1 on cpu; env RL_TPU_NUM_THREADS)")
-    t.add_argument("--slice", help="TPU slice for --backend tpu, e.g. v6e-16 or v5p-16:2x2x4: one VeRL node per "
-                   "host, one worker per chip (default: $TPU_ACCELERATOR_TYPE/$TPU_TOPOLOGY)")
+    t.add_argument("--slice", help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
+                   "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
+                   "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice)")
     t.add_argument("--tpu-eager-mode", choices=["strict", "debug", "fused"],
                    help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
                    "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)")

@@ -140,6 +140,9 @@ def apply() -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
     ResourcePoolManager._check_resource_available = _check_resource_available
+    from verl_backend.slice_pool import _make_create_resource_pool
+
+    ResourcePoolManager.create_resource_pool = _make_create_resource_pool(ResourcePoolManager.create_resource_pool)
 
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 

@@ -186,6 +186,9 @@ def slice_defaults(slice_arg: str | None) -> dict[str, str]:
         spec = parse_slice(acc, topo or None)
     except TopologyError as exc:
         raise BadInputError(f"--slice {slice_arg or acc}: {exc}") from None
+    from verl_backend.slice_pool import SLICE_ENV
+
+    os.environ[SLICE_ENV] = f"{spec.accelerator_type}:{spec.topology}"  # the TaskRunner reserves this slice
     return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
 
 
@@ -220,10 +223,11 @@ def run_train(args) -> int:
     ours = {**file_ours, **cli_ours}
     file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
     defaults = dict(BACKEND_DEFAULTS[backend])
-    if backend == "tpu":
+    if backend == "tpu" or (backend == "cpu" and getattr(args, "slice", None)):
+        # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
         defaults.update(slice_defaults(getattr(args, "slice", None)))
     elif getattr(args, "slice", None):
-        raise BadInputError("--slice applies to --backend tpu only")
+        raise BadInputError(f"--slice applies to --backend tpu (or cpu, as a dry run), not {backend}")
     merged = merge_overrides(defaults, file_overrides, cli_overrides)
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
@@ -255,7 +259,7 @@ def run_train(args) -> int:
         "TOKENIZERS_PARALLELISM": "false",
     }
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
-              "RL_TPU_EAGER_MODE"):
+              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S"):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)

@@ -1,0 +1,98 @@
+"""VeRL's resource pools reserved as one TPU slice through ``ray.util.tpu.SlicePlacementGroup``.
+
+VeRL 0.9.1 reserves each resource pool with one ``STRICT_PACK`` placement group per node
+(``RayResourcePool.get_placement_groups``): nothing ties those nodes to one TPU slice, so a pool of
+``trainer.nnodes`` x ``trainer.n_gpus_per_node`` chips can straddle two slices (no ICI between them) or
+wait forever for a shape the cluster lacks. When ``verl train --slice`` (or ``$TPU_ACCELERATOR_TYPE``)
+names a slice, :func:`create_resource_pool` replaces the pool whose shape is that slice's
+(``[chips_per_host] * hosts``) by a :class:`SliceResourcePool`: the whole slice reserved at once with
+Ray's own slice placement (:func:`ray_cluster.placement.reserve_slice_workers`), one bundle per chip,
+bundle ``r`` on host ``r // chips_per_host``.
+
+VeRL's worker group gives rank ``r`` the bundle with index ``r`` of the pool's placement group when the
+pool is one "node" of ``hosts * chips_per_host`` processes, so the pool declares exactly that
+(``process_on_nodes=[chips]``); ranks, world size and ``MASTER_ADDR`` (bundle 0 = host 0) come out as on
+a per-node pool. Each worker still sees only its own chip (Ray sets ``TPU_VISIBLE_CHIPS``), so
+``LOCAL_RANK`` stays 0 as VeRL expects; only ``RAY_LOCAL_WORLD_SIZE`` (read by the vLLM/SGLang rollouts,
+not by ours) reads the slice's chip count instead of a host's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from verl.single_controller.ray.base import RayResourcePool
+
+from rl_tpu.topology import SliceTopology, parse_slice
+
+SLICE_ENV = "RL_TPU_SLICE"  # "<accelerator type>:<topology>", set by `verl train` for the TaskRunner
+TIMEOUT_ENV = "RL_TPU_SLICE_TIMEOUT_S"
+CPUS_PER_WORKER = 1.0  # the bundle's CPU: VeRL schedules a 1-CPU task on bundle 0 to find MASTER_ADDR
+
+logger = logging.getLogger(__name__)
+
+
+def slice_from_env() -> SliceTopology | None:
+    """The slice named by ``$RL_TPU_SLICE`` (``"v6e-16:4x4"``), or ``None`` when unset."""
+    value = os.environ.get(SLICE_ENV, "").strip()
+    if not value:
+        return None
+    acc, _, topo = value.partition(":")
+    return parse_slice(acc, topo or None)
+
+
+class SliceResourcePool(RayResourcePool):
+    """A VeRL resource pool that is one whole TPU slice, one worker per chip.
+
+    Args:
+        spec: the slice (``rl_tpu.topology.parse_slice``).
+        name_prefix, max_colocate_count: as VeRL's ``RayResourcePool``.
+        timeout_s: seconds to wait for the slice before :class:`ray_cluster.errors.ClusterError`.
+    """
+
+    def __init__(self, spec: SliceTopology, *, name_prefix: str, max_colocate_count: int, timeout_s: float = 600.0):
+        super().__init__(process_on_nodes=[spec.chips], use_gpu=True, name_prefix=name_prefix,
+                         max_colocate_count=max_colocate_count)
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.placement = None
+
+    def get_placement_groups(self, strategy="STRICT_PACK", name=None, device_name=None):
+        """The slice's placement group (a one-element list, as VeRL expects), reserved on first call.
+
+        Raises:
+            ClusterError: the cluster has no such slice, or it stays busy past ``timeout_s``.
+        """
+        if self.pgs is None:
+            from ray_cluster.placement import reserve_slice_workers
+
+            self.placement = reserve_slice_workers(
+                self.spec.accelerator_type, self.spec.topology, chips_per_worker=1,
+                cpus_per_worker=CPUS_PER_WORKER, name=name or f"{self.name_prefix}rl_tpu_slice",
+                timeout_s=self.timeout_s)
+            self.pgs = [self.placement.placement_group]
+            logger.info("resource pool %s: slice %s (%s) placed, hosts per bundle %s", self.name_prefix,
+                        self.spec.accelerator_type, self.placement.slice_name, self.placement.bundle_hosts())
+        return self.pgs
+
+
+def _make_create_resource_pool(original):
+    def create_resource_pool(self) -> None:
+        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
+
+        With ``$RL_TPU_SLICE`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
+        :class:`SliceResourcePool`; every other pool (and every pool without the variable) is VeRL's own.
+        """
+        original(self)
+        spec = slice_from_env()
+        if spec is None:
+            return
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
+        for pool_name, nodes in self.resource_pool_spec.items():
+            if list(nodes) == [spec.chips_per_host] * spec.hosts:
+                self.resource_pool_dict[pool_name] = SliceResourcePool(
+                    spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
+
+    create_resource_pool.__wrapped__ = original
+    return create_resource_pool
