@@ -71,6 +71,7 @@ class MemorySampler(threading.Thread):
         self.peak_rss_total = self.peak_pss_total = self.peak_rss_largest = 0
         self.largest_name, self.max_processes, self.samples = "", 0, 0
         self.names: set[str] = set()
+        self.peak_breakdown: dict[str, list[float]] = {}  # role -> [processes, PSS bytes] at the peak PSS sample
         self._cpu_s: dict[tuple[int, float], float] = {}  # last seen user+sys seconds per process (kept after exit)
 
     def processes(self) -> list[psutil.Process]:
@@ -88,8 +89,20 @@ class MemorySampler(threading.Thread):
                 found.append(p)
         return found
 
+    @staticmethod
+    def _role(cmdline: list[str], name: str) -> str:
+        """A process's role: ``ray::WorkerDict``, ``raylet``, ``gcs_server``, ``python ... dashboard/agent.py``."""
+        if not cmdline:
+            return name
+        head = cmdline[0]
+        if head.startswith("ray::"):
+            return head.split(".")[0].split(" ")[0]
+        script = next((a for a in cmdline[1:3] if a.endswith(".py") or a.startswith("-m")), "")
+        return (Path(head).name + (" " + "/".join(Path(script).parts[-2:]) if script else ""))[:60]
+
     def sample(self) -> None:
         rss_total = pss_total = n = 0
+        by_role: dict[str, list[float]] = {}
         for p in self.processes():
             try:
                 mem = p.memory_full_info()  # rss + pss from /proc/<pid>/smaps_rollup
@@ -101,11 +114,19 @@ class MemorySampler(threading.Thread):
             n += 1
             rss_total += mem.rss
             pss_total += getattr(mem, "pss", mem.rss)
+            try:
+                role = self._role(p.cmdline(), p.name())
+            except psutil.Error:
+                role = "?"
+            by_role.setdefault(role, [0, 0.0])
+            by_role[role][0] += 1
+            by_role[role][1] += getattr(mem, "pss", mem.rss)
             self.names.add(name.split(" ")[0])
             if mem.rss > self.peak_rss_largest:
                 self.peak_rss_largest, self.largest_name = mem.rss, name
         self.peak_rss_total = max(self.peak_rss_total, rss_total)
-        self.peak_pss_total = max(self.peak_pss_total, pss_total)
+        if pss_total > self.peak_pss_total:
+            self.peak_pss_total, self.peak_breakdown = pss_total, by_role
         self.max_processes = max(self.max_processes, n)
         self.samples += 1
         if self.step_log is not None and self.step_log.is_file():
@@ -130,6 +151,8 @@ class MemorySampler(threading.Thread):
             "cpu_s": sum(self._cpu_s.values()),
             "step_cpu_marks": self.step_cpu_marks,
             "samples": self.samples,
+            "pss_at_peak_gib_by_role": {k: [int(c), b / GIB] for k, (c, b) in
+                                        sorted(self.peak_breakdown.items(), key=lambda kv: -kv[1][1])},
         }
 
 
@@ -185,7 +208,19 @@ def _mean_after_warmup(values: list[float]) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ ours
-def run_ours(work: Path, steps: int, threads: int, timeout_s: float) -> dict:
+def _prepare_train_file(work: Path) -> str:
+    """The parquet ``verl train`` would write for the default job (for a TRL-only run)."""
+    out = work / "verl" / "data"
+    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(work / "verl"),
+           "--print-config"]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    found = sorted(out.glob("*_train.parquet"))
+    if not found:
+        raise BenchError(f"no train parquet under {out} after `verl train --print-config`")
+    return str(found[0])
+
+
+def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: list[str] | None = None) -> dict:
     out = work / "verl"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -193,7 +228,7 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float) -> dict:
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
            "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
-           "trainer.test_freq=-1", "trainer.save_freq=-1"]
+           "trainer.test_freq=-1", "trainer.save_freq=-1", *(overrides or [])]
     try:
         memory, wall = run_sampled("ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s,
                                    step_log=out / "metrics.jsonl")
@@ -208,7 +243,7 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float) -> dict:
         return [sum(float(r["data"].get(k, 0.0)) for k in keys) for r in rows]
 
     return {
-        "framework": "ours: verl train --backend cpu",
+        "framework": "ours: verl train --backend cpu" + (f" ({' '.join(overrides)})" if overrides else ""),
         "steps": len(rows),
         "step_s": col("timing_s/step"),
         "rollout_s": col("timing_s/gen"),
@@ -374,6 +409,9 @@ def main() -> int:
     ap.add_argument("--out", help="also write the results as JSON to this file")
     ap.add_argument("--keep", help="keep run folders (logs, metrics.jsonl, data) here instead of a temp folder")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per framework run")
+    ap.add_argument("--only", choices=["ours", "trl"], help="run one side only (no ratio row)")
+    ap.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra VeRL override for our run (to try a setting); the table says it was used")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -388,17 +426,24 @@ def main() -> int:
     work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="bench_grpo_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        print(f"[bench] ours: verl train --backend cpu, {args.steps} steps, logs in {work}", flush=True)
-        ours = run_ours(work, args.steps, args.threads, args.timeout)
-        print(f"[bench] ours done in {ours['wall_s']:.0f} s; TRL GRPOTrainer, {args.steps} steps", flush=True)
-        trl = run_trl(work, ours["train_file"], args.steps, args.threads, args.timeout)
+        results = []
+        if args.only != "trl":
+            print(f"[bench] ours: verl train --backend cpu, {args.steps} steps, logs in {work}", flush=True)
+            ours = run_ours(work, args.steps, args.threads, args.timeout, args.ours_override)
+            results.append(ours)
+            print(f"[bench] ours done in {ours['wall_s']:.0f} s", flush=True)
+            train_file = ours["train_file"]
+        else:
+            train_file = _prepare_train_file(work)
+        if args.only != "ours":
+            print(f"[bench] TRL GRPOTrainer, {args.steps} steps", flush=True)
+            results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout))
     except BenchError as exc:
         print(f"bench_grpo_step: error: {exc}", file=sys.stderr)
         return 1
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    results = [ours, trl]
     for r in results:
         r["mean"] = {k: _mean_after_warmup(r[k]) for _, k in COLUMNS}
     load = os.getloadavg()
@@ -414,6 +459,9 @@ def main() -> int:
               f"step s {[round(s, 1) for s in r['step_s']]}, largest process: {r['memory']['largest_process']!r}, "
               f"load average start/end {[round(x, 1) for x in r['memory']['load_average_1min_start_end']]}, "
               f"leftover processes killed: {r['memory']['leftover_processes_killed'] or 'none'}")
+        roles = r["memory"]["pss_at_peak_gib_by_role"]
+        print("  PSS at the peak sample, GiB (processes): " + ", ".join(
+            f"{k} {v[1]:.2f} ({v[0]})" for k, v in roles.items() if v[1] >= 0.05))
     return 0
 
 

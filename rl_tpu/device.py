@@ -260,3 +260,29 @@ def set_num_threads(n: int | None = None) -> int:
         raise DeviceError(f"{source}={raw!r} is not valid: give a positive integer number of threads")
     torch.set_num_threads(n)
     return n
+
+
+_LIBC: Any = None
+
+
+def trim_host_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``, a few ms).
+
+    CPU tensors live on the C heap; glibc keeps what they free, so a process whose phases allocate differently
+    (prefill, decode, a forward/backward) ratchets its resident memory up. Call between phases.
+    Returns False where there is no glibc (nothing is done).
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return False
+    _LIBC.malloc_trim(0)
+    return True

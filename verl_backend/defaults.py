@@ -18,7 +18,7 @@ COMMON: dict[str, str] = {
     "actor_rollout_ref.rollout.max_num_seqs": "64",
     # Our server loads real weights from the model path, then receives every update from the trainer.
     "actor_rollout_ref.rollout.load_format": "auto",
-    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": "256",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": "64",  # x2 in flight
     "actor_rollout_ref.actor.strategy": "fsdp2",
     "critic.strategy": "fsdp2",
     # FlashAttention2 is VeRL's default and exists only on CUDA.

@@ -20,6 +20,8 @@ from types import ModuleType
 from typing import Any, Optional
 
 import torch
+
+from rl_tpu.device import trim_host_heap
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
@@ -99,10 +101,15 @@ class DeviceModule:
         return rss
 
     def empty_cache(self) -> None:
+        """On an accelerator its allocator's ``empty_cache``. On CPU: collect garbage, then hand the heap's free
+        pages back to the OS (glibc ``malloc_trim``). VeRL calls this between phases (rollout, log-probs,
+        update); without the trim, glibc keeps the freed activations of one phase and the next phase's
+        allocations fragment around them, so the trainer's RSS ratchets up step after step."""
         if self._device_type != "cpu" and hasattr(self._base, "empty_cache"):
             self._base.empty_cache()
         else:
             gc.collect()
+            trim_host_heap()
 
     def memory_allocated(self, device: Any = None) -> int:
         if self._device_type != "cpu" and hasattr(self._base, "memory_allocated"):

@@ -19,7 +19,6 @@ not by ours) reads the slice's chip count instead of a host's.
 
 from __future__ import annotations
 
-import logging
 import os
 
 from verl.single_controller.ray.base import RayResourcePool
@@ -29,8 +28,6 @@ from rl_tpu.topology import SliceTopology, parse_slice
 SLICE_ENV = "RL_TPU_SLICE"  # "<accelerator type>:<topology>", set by `verl train` for the TaskRunner
 TIMEOUT_ENV = "RL_TPU_SLICE_TIMEOUT_S"
 CPUS_PER_WORKER = 1.0  # the bundle's CPU: VeRL schedules a 1-CPU task on bundle 0 to find MASTER_ADDR
-
-logger = logging.getLogger(__name__)
 
 
 def slice_from_env() -> SliceTopology | None:
@@ -72,8 +69,9 @@ class SliceResourcePool(RayResourcePool):
                 cpus_per_worker=CPUS_PER_WORKER, name=name or f"{self.name_prefix}rl_tpu_slice",
                 timeout_s=self.timeout_s)
             self.pgs = [self.placement.placement_group]
-            logger.info("resource pool %s: slice %s (%s) placed, hosts per bundle %s", self.name_prefix,
-                        self.spec.accelerator_type, self.placement.slice_name, self.placement.bundle_hosts())
+            print(f"[rl-tpu] resource pool {self.name_prefix}: slice {self.spec.accelerator_type} "
+                  f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu, "
+                  f"{self.spec.chips} workers, host of each: {self.placement.bundle_hosts()}", flush=True)
         return self.pgs
 
 

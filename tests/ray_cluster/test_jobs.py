@@ -130,23 +130,27 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
-    """A 1-step `verl train --backend cpu` run on a tiny model, submitted as a Ray job, reaches SUCCEEDED."""
+    """A 1-step `verl train --backend cpu --slice v6e-4` run on a tiny model, submitted as a Ray job, reaches
+    SUCCEEDED: the dry run of a TPU job, its four trainer workers (one per fake chip) on the slice that
+    ray.util.tpu reserved for VeRL's resource pool."""
     if subprocess.run([str(BIN / "verl"), "train", "--help"], capture_output=True, env=ENV, timeout=300).returncode:
         pytest.skip("`verl train --help` does not work in this environment")
     out = tmp_path / "run"
-    n = 2  # prompts x samples = 4 sequences: every micro batch size below must divide it
+    n = 2  # prompts x samples = 4 sequences = 1 per worker
     job_id = jobs.submit([
-        "verl", "train", "--backend", "cpu", "--output-dir", str(out),
+        "verl", "train", "--backend", "cpu", "--slice", "v6e-4", "--output-dir", str(out),
         f"actor_rollout_ref.model.path={tiny_model}", "trainer.total_training_steps=1",
         "rl_tpu.train_size=8", "rl_tpu.val_size=4", f"data.train_batch_size={n}", f"actor_rollout_ref.rollout.n={n}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={n}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={n}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={n}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={n}", "data.max_response_length=16",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={n}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
     ], env_vars={"RL_TPU_NUM_THREADS": "1"})  # a key verl train also puts in its ray.init runtime_env
     r = jobs.wait(job_id, timeout_s=1500, poll_s=1.0)
     assert r.status == "SUCCEEDED", r.message[-3000:]
     assert "run finished" in r.logs
+    assert "resource pool global_pool: slice v6e-4 (single host) reserved with ray.util.tpu, 4 workers, " \
+           "host of each: [0, 0, 0, 0]" in r.logs
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step1 = [row["data"] for row in rows if row.get("step") == 1]
     assert step1 and math.isfinite(step1[-1]["actor/pg_loss"])

@@ -41,6 +41,9 @@ def sampler_placement(rollout_config) -> str:
     return placement
 
 
+MAX_BUCKETS_IN_FLIGHT = 2  # weight-sync buckets sent and not yet loaded: the object store holds at most these
+
+
 class NativeServerAdapter(BaseRollout):
     """Weight-sync side of the native rollout, living in the trainer worker process."""
 
@@ -93,7 +96,7 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
-        start, sent, n = time.perf_counter(), 0, 0
+        start, n = time.perf_counter(), 0
         pending = []
 
         def cpu_full(it):
@@ -116,13 +119,18 @@ class NativeServerAdapter(BaseRollout):
         server = self._server_handle()
         staging = None  # one reused pack buffer: ray.put copies it into the object store
         buckets = list(iter_buckets(cpu_full(weights), self.bucket_bytes))
+        sent = 0
         for i, bucket in enumerate(buckets):
+            if len(pending) >= MAX_BUCKETS_IN_FLIGHT:  # bound the object store (and server) to a few buckets
+                sent += await pending.pop(0)
             if staging is None:
                 staging = torch.empty(self.bucket_bytes + (1 << 20), dtype=torch.uint8)
             flat, meta = pack_bucket(bucket, out=staging if sum(t.nbytes for _, t in bucket) <= self.bucket_bytes else None)
             # A numpy view goes into the object store zero-copy (plasma); a torch tensor is pickled, ~30x slower.
             ref = ray.put(flat.numpy())
-            pending.append(server.update_weights_bucket.remote(ref, meta, i == len(buckets) - 1, global_steps))
+            pending.append(server.update_weights_bucket.remote(ref, meta, i == len(buckets) - 1, global_steps,
+                                                               total=len(buckets)))
+            del ref
             n += 1
-        sent = sum(await asyncio.gather(*pending))
+        sent += sum(await asyncio.gather(*pending))
         self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n)}

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rl_tpu.device import trim_host_heap
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,10 +73,13 @@ class NativeRolloutServer:
         self._wake = None  # asyncio.Event, created on the actor's event loop
         self._loop_task = None
         self._paused = False
-        self._pending_weights: list[tuple[str, torch.Tensor]] = []
+        self._updating = False  # a weight sync is between its first and last bucket: hold generation
+        self._buckets_loaded = 0
+        self._batch_running = False
         self.sampler = None
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "generate_s": 0.0, "weight_sync_s": 0.0}
         self._build_sampler()
+        trim_host_heap()  # what loading the checkpoint freed
 
     # ------------------------------------------------------------------ set-up
     def _build_sampler(self) -> None:
@@ -140,7 +145,7 @@ class NativeRolloutServer:
             await self._wake.wait()
             # Let concurrent callers enqueue: VeRL's agent loop fires all samples of a step together.
             await asyncio.sleep(self.batch_window_s)
-            while self._paused:
+            while self._paused or self._updating:
                 await asyncio.sleep(0.01)
             self._wake.clear()
             while self._queue:
@@ -148,6 +153,9 @@ class NativeRolloutServer:
                 batch = [r for r in self._queue if r.key == key][: self.max_batch]
                 taken = set(map(id, batch))
                 self._queue = [r for r in self._queue if id(r) not in taken]
+                while self._updating:  # a weight sync began while earlier batches ran
+                    await asyncio.sleep(0.01)
+                self._batch_running = True
                 try:
                     outs = await asyncio.to_thread(self._run_batch, [r.prompt_ids for r in batch], key)
                 except Exception as exc:  # surface the sampler's error to every caller of this batch
@@ -155,6 +163,8 @@ class NativeRolloutServer:
                         if not r.future.done():
                             r.future.set_exception(exc)
                     continue
+                finally:
+                    self._batch_running = False
                 for r, out in zip(batch, outs):
                     if not r.future.done():
                         r.future.set_result(out)
@@ -170,24 +180,34 @@ class NativeRolloutServer:
         self.stats["generate_s"] += time.perf_counter() - start
         self.stats["batches"] += 1
         self.stats["generated_tokens"] += sum(len(ids) for ids, _ in outs)
+        trim_host_heap()  # the batch's KV cache and logits
         return outs
 
     # ------------------------------------------------------------- weight sync
-    def update_weights_bucket(self, flat: Any, metadata: list, last: bool, global_steps: int | None = None) -> int:
-        """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`): ``flat`` is the
-        ``uint8`` bytes (a read-only numpy view of the Ray object store, or a tensor), ``metadata`` its layout.
+    async def update_weights_bucket(self, flat: Any, metadata: list, last: bool, global_steps: int | None = None,
+                                    total: int | None = None) -> int:
+        """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`) and load it.
 
-        The tensors are staged until ``last`` is true and then loaded together, so generation never sees a
+        ``flat`` is the ``uint8`` bytes (a read-only numpy view of the Ray object store, or a tensor), ``metadata``
+        its layout; ``total`` the number of buckets in this sync (``None``: the one marked ``last`` ends it).
+        Each bucket is copied into the model as it arrives, so the object store and this process hold one
+        bucket at a time, not a second copy of the model. Generation is held from the first bucket until all
+        have been loaded (a batch already running finishes first on the old weights), so no batch ever sees a
         half-updated model. Returns the number of bytes received.
         """
         from rl_tpu.collectives import unpack_bucket
 
+        if not self._updating:
+            self._updating, self._buckets_loaded = True, 0
+        while self._batch_running:  # never copy weights under a running batch
+            await asyncio.sleep(0.005)
         start = time.perf_counter()
-        self._pending_weights.extend(unpack_bucket(flat, metadata))
-        if last:
-            self.sampler.load_state_dict(self._pending_weights)
-            self._pending_weights = []
+        self.sampler.load_state_dict(unpack_bucket(flat, metadata))
+        self._buckets_loaded += 1
+        if (total is not None and self._buckets_loaded >= total) or (total is None and last):
+            self._updating = False
             self.set_global_steps(global_steps)
+            trim_host_heap()
         self.stats["weight_sync_s"] += time.perf_counter() - start
         return int(flat.nbytes)
 

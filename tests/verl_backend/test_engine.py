@@ -1,0 +1,78 @@
+"""The engine's response-only logits give the log-probs VeRL's own engine gives, on a real (tiny) model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+
+def _nested(rows: list[list[int]]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+
+
+def _micro_batch(prompts: list[list[int]], responses: list[list[int]]):
+    """A micro batch in VeRL 0.9.1's no-padding layout, as its engine receives it (jagged nested tensors)."""
+    from tensordict import TensorDict
+
+    return TensorDict({"prompts": _nested(prompts), "responses": _nested(responses),
+                       "input_ids": _nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[len(prompts)])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_only_log_probs_equal_full_logits_path(tiny_model_dir, temperature):
+    from transformers import AutoModelForCausalLM
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+    from verl.workers.utils.padding import build_attention_mask_from_nested
+
+    from verl_backend.engine import first_response_logit_position, response_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    plens, rlens = [5, 9, 7], [6, 2, 8]
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in plens]
+    responses = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in rlens]
+    td = _micro_batch(prompts, responses)
+    nested = td["input_ids"]
+    L = int(nested.offsets().diff().max())
+    # what VeRL's engine feeds the model in its padded path (prepare_model_inputs, use_remove_padding=False)
+    ids = torch.nested.to_padded_tensor(nested, padding=0, output_size=(3, L))
+    attn = build_attention_mask_from_nested(input_ids=nested, max_seq_len=L)
+    pos = torch.arange(L).expand(3, L)
+    temp = torch.full((3,), temperature)
+
+    first = first_response_logit_position(td)
+    assert first == min(plens) - 1
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits / temperature
+        kept = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                     logits_to_keep=L - first).logits
+    out = response_log_probs(kept, nested, first, temp, entropy=True)
+    ours, ent = out["log_probs"], out["entropy"]
+    assert ours.is_nested and ours.offsets().tolist() == nested.offsets().tolist()
+    assert ent.offsets().tolist() == nested.offsets().tolist()
+    for i, (p, r) in enumerate(zip(plens, rlens)):
+        seq = ids[i, : p + r]
+        want = logprobs_from_logits(full[i, : p + r - 1], seq[1:])  # log-prob of token t+1 at position t
+        got = ours[i]
+        assert got.shape == (p + r,)
+        # every response token's log-prob (positions p-1 .. p+r-2) is the full-logits one
+        torch.testing.assert_close(got[p - 1: p + r - 1], want[p - 1:], rtol=1e-5, atol=1e-5)
+        assert torch.all(got[:first] == 0)  # prompt positions before the first kept logits
+        torch.testing.assert_close(ent[i][p - 1: p + r - 1], entropy_from_logits(full[i, p - 1: p + r - 1]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_other_layouts_keep_verls_own_path():
+    from tensordict import TensorDict
+
+    from verl_backend.engine import first_response_logit_position
+
+    dense = TensorDict({"input_ids": torch.ones(2, 4, dtype=torch.long)}, batch_size=[2])
+    assert first_response_logit_position(dense) is None
+    # prompt + response lengths that do not add up to the sequence: not the layout we know
+    odd = _micro_batch([[1, 2], [3]], [[4], [5, 6]])
+    odd["input_ids"] = _nested([[1, 2, 4, 9], [3, 5, 6]])
+    assert first_response_logit_position(odd) is None
+    assert first_response_logit_position(_micro_batch([[1, 2, 3], [4, 5]], [[6], [7, 8]])) == 1
