@@ -8,6 +8,10 @@ constant), KL coefficient (0.001, k3 / low_var_kl estimator), clip 0.2, token-me
 grad-norm clip 1.0, sampling temperature 1.0, and torch thread count (``--threads`` per process). They run one after
 the other (ours, then TRL), each in its own process tree, so they share no memory.
 
+Gradient checkpointing is the one setting where the two defaults differ: TRL 1.16's ``GRPOConfig`` turns it on
+(recompute activations in the backward: slower update, less memory), our CPU default leaves VeRL's off. By default
+TRL runs twice, once each way, and the table gives the ratio to both.
+
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
 
 - ``rollout``: ours ``timing_s/gen`` (agent loop: generation by the rollout server, plus reward scoring); TRL
@@ -30,6 +34,7 @@ out and is the fairer total. ``peak RSS largest`` is the largest single process 
 whole run (start-up, model load, all steps).
 
     python benchmarks/bench_grpo_step.py [--steps 3] [--threads 1] [--out grpo_step.json] [--keep DIR]
+        [--only ours|trl] [--trl-gradient-checkpointing on|off|both]
 """
 
 from __future__ import annotations
@@ -261,13 +266,16 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
 
 
 # ------------------------------------------------------------------------------------------------ TRL
-def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: float) -> dict:
-    result = work / "trl_result.json"
+def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: float,
+            gradient_checkpointing: bool = True) -> dict:
+    result = work / f"trl_result_gc{int(gradient_checkpointing)}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     cmd = [sys.executable, __file__, "--trl-worker", "--train-file", train_file, "--steps", str(steps),
-           "--threads", str(threads), "--work", str(work), "--result", str(result)]
-    memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / "trl.log", timeout_s)
+           "--threads", str(threads), "--work", str(work), "--result", str(result),
+           "--trl-gradient-checkpointing", "on" if gradient_checkpointing else "off"]
+    memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / f"trl_gc{int(gradient_checkpointing)}.log",
+                               timeout_s)
     out = json.loads(result.read_text())
     out.update(wall_s=wall, memory=memory)
     return out
@@ -343,6 +351,7 @@ def trl_worker(args) -> None:
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
         beta=KL_COEF, epsilon=0.2, loss_type="dapo", max_steps=args.steps, logging_steps=1, report_to=[],
         save_strategy="no", seed=1, dataloader_num_workers=0, model_init_kwargs={"dtype": torch.float32},
+        gradient_checkpointing=args.trl_gradient_checkpointing == "on",
     )
     timer = StepTimer()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
@@ -353,7 +362,9 @@ def trl_worker(args) -> None:
     part = lambda *names: [sum(step_parts[s].get(n, 0.0) for n in names) for s in steps]  # noqa: E731
     train_logs = [entry for entry in timer.logs if "completions/mean_length" in entry]
     result = {
-        "framework": f"TRL {__import__('trl').__version__} GRPOTrainer",
+        "framework": f"TRL {__import__('trl').__version__} GRPOTrainer, gradient checkpointing "
+                     f"{args.trl_gradient_checkpointing}" + (" (TRL's default)" if args.trl_gradient_checkpointing == "on"
+                                                              else " (as ours)"),
         "steps": len(timer.step_s),
         "step_s": timer.step_s,
         "rollout_s": part("transformers.generate", "arithmetic_reward"),
@@ -390,13 +401,14 @@ def table(results: list[dict]) -> str:
         cells += [f"{r['memory'][k]:.2f}" if k != "max_processes" else str(r["memory"][k]) for _, k in MEMORY[:-1]]
         cells.append(f"{r['memory']['cpu_s']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
-    if len(results) == 2:
-        ours, trl = results
+    ours = next((r for r in results if r["framework"].startswith("ours")), None)
 
-        def ratio(a: float | None, b: float | None) -> str:
-            return f"{a / b:.2f}x" if a is not None and b else "n/a"
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
-        cells = ["ratio ours/TRL"] + [ratio(ours["mean"][k], trl["mean"][k]) for _, k in COLUMNS]
+    for trl in (r for r in results if ours is not None and r is not ours):
+        gc = "GC on" if "checkpointing on" in trl["framework"] else "GC off"
+        cells = [f"ratio ours/TRL ({gc})"] + [ratio(ours["mean"][k], trl["mean"][k]) for _, k in COLUMNS]
         cells += [ratio(ours["memory"][k], trl["memory"][k]) for _, k in MEMORY]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -412,6 +424,9 @@ def main() -> int:
     ap.add_argument("--only", choices=["ours", "trl"], help="run one side only (no ratio row)")
     ap.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                     help="extra VeRL override for our run (to try a setting); the table says it was used")
+    ap.add_argument("--trl-gradient-checkpointing", choices=["on", "off", "both"], default="both",
+                    help="TRL's gradient checkpointing: on (TRL 1.16's default), off (as our CPU default), or both "
+                    "(two TRL runs; default)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -436,8 +451,11 @@ def main() -> int:
         else:
             train_file = _prepare_train_file(work)
         if args.only != "ours":
-            print(f"[bench] TRL GRPOTrainer, {args.steps} steps", flush=True)
-            results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout))
+            modes = {"on": [True], "off": [False], "both": [True, False]}[args.trl_gradient_checkpointing]
+            for gc in modes:
+                print(f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}), {args.steps} steps",
+                      flush=True)
+                results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout, gc))
     except BenchError as exc:
         print(f"bench_grpo_step: error: {exc}", file=sys.stderr)
         return 1
