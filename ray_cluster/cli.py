@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = c.add_parser("up", help="start a head node plus one Ray node per slice host")
     up.add_argument("--fake-slice", action="append", required=True, metavar="TYPE[:TOPOLOGY]",
                     help="slice to fake, e.g. v6e-16, v4-16, v5litepod-8, v6e-16:4x4; repeat for more slices")
-    up.add_argument("--hosts-cpus", type=int, default=4,
-                    help="logical CPUs per slice host (default 4; Ray scheduling slots, not real cores)")
+    up.add_argument("--hosts-cpus", type=int, default=None,
+                    help="logical CPUs per slice host (default 8 per chip, as real TPU VMs; Ray scheduling slots, "
+                         "not real cores)")
     up.add_argument("--head-cpus", type=int, default=8,
                     help="logical CPUs of the head node (default 8: a verl train job's TaskRunner, "
                          "TransferQueue's 8 storage actors and reward/agent workers each take one)")

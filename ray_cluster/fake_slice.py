@@ -108,10 +108,13 @@ def _get(n, key):
     return n.get(key) if isinstance(n, dict) else getattr(n, key)
 
 
+CPUS_PER_CHIP = 8  # default logical CPUs of a fake slice host, per chip
+
+
 def start(
     fake_slices: Sequence[str | SliceTopology],
     *,
-    cpus_per_host: int = 4,
+    cpus_per_host: int | None = None,
     head_cpus: int = 8,
     object_store_mb: int = 256,
     state_file: Path | None = None,
@@ -123,7 +126,9 @@ def start(
     Args:
         fake_slices: accelerator types (``"v6e-16"``, ``"v4-16"``; ``"v6e-16:4x4"`` to give a
             topology) or parsed slices. Two entries make two slices (e.g. rollout and trainer).
-        cpus_per_host: logical CPUs each slice host offers to Ray (not a real limit).
+        cpus_per_host: logical CPUs each slice host offers to Ray (not a real limit); default 8 per chip, as
+            real TPU VMs have (v4 240 vCPUs / 4 chips, v6e 180 / 8): CPU-only actors that Ray places on a slice
+            host must leave the CPUs a slice reservation asks with each chip.
         head_cpus: logical CPUs of the head node (drivers and CPU-only actors go there).
         object_store_mb: object store size per node, MiB.
         state_file: where to record the pids (default :func:`default_state_file`).
@@ -157,7 +162,7 @@ def start(
             specs.append(parse_slice(atype, topo or None))
     if not specs:
         raise ClusterError("no --fake-slice given: name at least one, e.g. --fake-slice v6e-16")
-    if cpus_per_host < 1 or head_cpus < 1 or object_store_mb < 80:
+    if (cpus_per_host is not None and cpus_per_host < 1) or head_cpus < 1 or object_store_mb < 80:
         raise ClusterError(
             f"--hosts-cpus {cpus_per_host}, --head-cpus {head_cpus} must be >= 1 and "
             f"--object-store-mb {object_store_mb} >= 80 (Ray's minimum is 75 MiB)"
@@ -194,7 +199,8 @@ def start(
         for w in range(spec.hosts):
             def cmd(ports, attempt, n=len(launches) + 1, spec=spec):
                 return node_command(ports, head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{n}-{attempt}",
-                                    num_cpus=cpus_per_host, resources={"TPU": spec.chips_per_host},
+                                    num_cpus=cpus_per_host or CPUS_PER_CHIP * spec.chips_per_host,
+                                    resources={"TPU": spec.chips_per_host},
                                     object_store_bytes=store)
             env = dict(base_env, **host_env(spec, w, name, ["127.0.0.1"] * spec.hosts))
             launches.append(NodeLaunch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}",
