@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_train(args)
     except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found
         root = _root_cause(exc)
-        if isinstance(root, ValueError) and type(root).__name__ in ("BadInputError", "DeviceError", "TopologyError"):
+        if type(root).__name__ in ("BadInputError", "DeviceError", "TopologyError", "ClusterError"):
             print(f"verl: error: {root}", file=sys.stderr)
             return 2
         raise

@@ -130,6 +130,31 @@ def _make_replay_buffer_init(original):
     return __init__
 
 
+def _make_create_resource_pool(original):
+    def create_resource_pool(self) -> None:
+        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
+
+        With ``$RL_TPU_SLICE`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
+        :class:`SliceResourcePool`; every other pool (and every pool without the variable) is VeRL's own.
+        """
+        from verl_backend.slice_pool import TIMEOUT_ENV, SliceResourcePool, slice_from_env
+
+        original(self)
+        spec = slice_from_env()
+        if spec is None:
+            return
+        import os
+
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
+        for pool_name, nodes in self.resource_pool_spec.items():
+            if list(nodes) == [spec.chips_per_host] * spec.hosts:
+                self.resource_pool_dict[pool_name] = SliceResourcePool(
+                    spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
+
+    create_resource_pool.__wrapped__ = original
+    return create_resource_pool
+
+
 def apply() -> None:
     """Apply every patch once (VeRL must be the pinned version)."""
     global _applied
@@ -140,8 +165,6 @@ def apply() -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
     ResourcePoolManager._check_resource_available = _check_resource_available
-    from verl_backend.slice_pool import _make_create_resource_pool
-
     ResourcePoolManager.create_resource_pool = _make_create_resource_pool(ResourcePoolManager.create_resource_pool)
 
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer

@@ -73,24 +73,3 @@ class SliceResourcePool(RayResourcePool):
                   f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu, "
                   f"{self.spec.chips} workers, host of each: {self.placement.bundle_hosts()}", flush=True)
         return self.pgs
-
-
-def _make_create_resource_pool(original):
-    def create_resource_pool(self) -> None:
-        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
-
-        With ``$RL_TPU_SLICE`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
-        :class:`SliceResourcePool`; every other pool (and every pool without the variable) is VeRL's own.
-        """
-        original(self)
-        spec = slice_from_env()
-        if spec is None:
-            return
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
-        for pool_name, nodes in self.resource_pool_spec.items():
-            if list(nodes) == [spec.chips_per_host] * spec.hosts:
-                self.resource_pool_dict[pool_name] = SliceResourcePool(
-                    spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
-
-    create_resource_pool.__wrapped__ = original
-    return create_resource_pool

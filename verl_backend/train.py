@@ -80,13 +80,13 @@ def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list
             import pandas as pd
 
             df = pd.read_parquet(train)
-            n_val = max(1, int(len(df) * float(ours.get("gsm8k_val_fraction", 0.1))))
+            n_val = max(1, int(len(df) * _number(ours, "gsm8k_val_fraction", 0.1, float, 0.0, 0.9)))
             val = data_dir / "gsm8k_val.parquet"
             df.iloc[-n_val:].to_parquet(val, index=False)
             df.iloc[:-n_val].to_parquet(train, index=False)
         else:
             task = ours.get("task", "basic_arithmetic")
-            seed = int(ours.get("seed", 1))
+            seed = _number(ours, "seed", 1, int, 0)
             task_config = ours.get("task_config") or {}
             if isinstance(task_config, str):
                 try:
@@ -94,15 +94,28 @@ def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list
                 except json.JSONDecodeError as exc:
                     raise BadInputError(f"rl_tpu.task_config is not JSON ({exc.msg}): {task_config!r}") from None
             train = reasoning_gym_to_parquet(
-                task, data_dir / f"{task}_train.parquet", size=int(ours.get("train_size", 256)), seed=seed,
+                task, data_dir / f"{task}_train.parquet", size=_number(ours, "train_size", 256, int, 1), seed=seed,
                 split="train", task_config=task_config,
             )
             val = reasoning_gym_to_parquet(
-                task, data_dir / f"{task}_val.parquet", size=int(ours.get("val_size", 32)), seed=seed + 1000,
+                task, data_dir / f"{task}_val.parquet", size=_number(ours, "val_size", 32, int, 1), seed=seed + 1000,
                 split="test", task_config=task_config,
             )
         extra += [f"data.train_files={train}", f"data.val_files={val}"]
     return extra
+
+
+def _number(ours: dict, key: str, default, kind, low=None, high=None):
+    """``rl_tpu.<key>`` as ``kind`` within ``[low, high]``, or one clear :class:`BadInputError`."""
+    raw = ours.get(key, default)
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise BadInputError(f"rl_tpu.{key}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise BadInputError(f"rl_tpu.{key}={raw!r}: give a value {bounds}")
+    return value
 
 
 def _data_files(value: Any) -> list[str]:
@@ -186,9 +199,7 @@ def slice_defaults(slice_arg: str | None) -> dict[str, str]:
         spec = parse_slice(acc, topo or None)
     except TopologyError as exc:
         raise BadInputError(f"--slice {slice_arg or acc}: {exc}") from None
-    from verl_backend.slice_pool import SLICE_ENV
-
-    os.environ[SLICE_ENV] = f"{spec.accelerator_type}:{spec.topology}"  # the TaskRunner reserves this slice
+    os.environ["RL_TPU_SLICE"] = f"{spec.accelerator_type}:{spec.topology}"  # SLICE_ENV: the TaskRunner reserves it
     return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
 
 
@@ -201,10 +212,14 @@ def run_train(args) -> int:
 
     # The platform must be chosen before VeRL is imported anywhere in this process or its workers.
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
+    if args.num_threads is not None and args.num_threads < 1:
+        raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
+    if int(getattr(args, "max_restarts", 0) or 0) < 0:
+        raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
     threads = args.num_threads or int(os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or 0)
     if threads:
         if threads < 1:
-            raise BadInputError(f"--num-threads {threads}: give a positive number of threads")
+            raise BadInputError(f"RL_TPU_NUM_THREADS={threads}: give a positive number of threads")
         os.environ["RL_TPU_NUM_THREADS"] = str(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
     if getattr(args, "tpu_eager_mode", None):
@@ -221,6 +236,8 @@ def run_train(args) -> int:
         raise BadInputError(f"--config {config_path}: unknown rl_tpu setting(s) {sorted(unknown)}; known: {sorted(RL_TPU_KEYS)}")
     cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
     ours = {**file_ours, **cli_ours}
+    if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
+        ours.pop("task_config", None)  # the config file's task_config belongs to the config file's task
     file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
     defaults = dict(BACKEND_DEFAULTS[backend])
     if backend == "tpu" or (backend == "cpu" and getattr(args, "slice", None)):
