@@ -162,18 +162,45 @@ class SlicePlacement:
             TopologyError: a chip count that is not a whole-chip request or does not divide a host.
         """
         n = check_chip_request(chips_per_worker, self.spec)
-        if self.spec.chips_per_host % n:
-            raise TopologyError(
-                f"{n} chips per worker does not divide the {self.spec.chips_per_host} chips of a "
-                f"{self.spec.accelerator_type} host; use one of "
-                f"{tuple(c for c in (1, 2, 4, 8) if self.spec.chips_per_host % c == 0)}"
-            )
-        per_host = self.spec.chips_per_host // n
+        per_host = _workers_per_host(self.spec, n)
         return [self.actor_options(h, n, num_cpus) for h in range(self.num_bundles) for _ in range(per_host)]
 
     def shutdown(self) -> None:
         """Release the reservation (idempotent)."""
         self.handle.shutdown()
+
+
+def _workers_per_host(spec: SliceTopology, chips_per_worker: int) -> int:
+    """Workers of ``chips_per_worker`` chips on one host; TopologyError if they do not divide its chips."""
+    if spec.chips_per_host % chips_per_worker:
+        raise TopologyError(
+            f"{chips_per_worker} chips per worker does not divide the {spec.chips_per_host} chips of a "
+            f"{spec.accelerator_type} host; use one of "
+            f"{tuple(c for c in (1, 2, 4, 8) if spec.chips_per_host % c == 0)}"
+        )
+    return spec.chips_per_host // chips_per_worker
+
+
+def _slice_placement_group(spec: SliceTopology, timeout_s: float, **kwargs):
+    """``ray.util.tpu.SlicePlacementGroup`` for ``spec`` (``kwargs``: bundles, strategy, name, selectors).
+
+    Raises:
+        ClusterError: a shape Ray's own table lacks (e.g. v4 beyond 12x12x16), or no free slice of that
+            type within ``timeout_s`` (its head resource held by other placement groups).
+    """
+    from ray.util.tpu import SlicePlacementGroup
+
+    try:
+        return SlicePlacementGroup(topology=spec.topology, accelerator_version=spec.generation,
+                                   chips_per_vm=spec.chips_per_host, head_reservation_timeout_s=timeout_s, **kwargs)
+    except ValueError as e:
+        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
+                           f"use one of its standard shapes") from None
+    except TimeoutError:
+        raise ClusterError(
+            f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
+            f"cluster is reserved by other placement groups; release them or wait longer"
+        ) from None
 
 
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
@@ -211,44 +238,21 @@ def reserve_slice_workers(
         ClusterError: no such slice in the cluster (checked before asking Ray), or it stays
             busy past ``timeout_s``; nothing stays reserved.
     """
-    from ray.util.tpu import SlicePlacementGroup
 
     spec = parse_slice(accelerator_type, topology)
     n = check_chip_request(chips_per_worker, spec)
-    if spec.chips_per_host % n:
-        raise TopologyError(
-            f"{n} chips per worker does not divide the {spec.chips_per_host} chips of a "
-            f"{spec.accelerator_type} host; use one of "
-            f"{tuple(c for c in (1, 2, 4, 8) if spec.chips_per_host % c == 0)}"
-        )
+    per_host = _workers_per_host(spec, n)
     if cpus_per_worker < 0:
         raise ClusterError(f"cpus_per_worker {cpus_per_worker} is negative; use 0 or more")
     _check_cluster_has(spec, 1)
-    per_host = spec.chips_per_host // n
     selectors = [{POD_TYPE_LABEL: spec.pod_type, WORKER_ID_LABEL: str(b // per_host)}
                  for b in range(spec.hosts * per_host)]
     start = time.monotonic()
-    try:
-        handle = SlicePlacementGroup(
-            topology=spec.topology,
-            accelerator_version=spec.generation,
-            resources_per_bundle={"TPU": n, "CPU": cpus_per_worker},
-            chips_per_vm=spec.chips_per_host,
-            # Single-host slices get no slice-name pin from Ray: STRICT_PACK keeps their bundles on
-            # one host. Multi-host bundles are pinned by slice name + worker id already.
-            strategy="STRICT_PACK" if spec.hosts == 1 else "PACK",
-            name=name,
-            head_reservation_timeout_s=timeout_s,
-            bundle_label_selector=selectors,
-        )
-    except ValueError as e:
-        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
-                           f"use one of its standard shapes") from None
-    except TimeoutError:
-        raise ClusterError(
-            f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
-            f"cluster is reserved by other placement groups; release them or wait longer"
-        ) from None
+    handle = _slice_placement_group(
+        spec, timeout_s, resources_per_bundle={"TPU": n, "CPU": cpus_per_worker},
+        # Single-host slices get no slice-name pin from Ray: STRICT_PACK keeps their bundles on
+        # one host. Multi-host bundles are pinned by slice name + worker id already.
+        strategy="STRICT_PACK" if spec.hosts == 1 else "PACK", name=name, bundle_label_selector=selectors)
     placement = SliceWorkers(spec=spec, handle=handle, cpus_per_bundle=cpus_per_worker, chips_per_worker=n)
     placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
     return placement
@@ -315,33 +319,17 @@ def reserve_slice(
         ClusterError: the cluster has no such slice (checked first, so nothing waits forever),
             or it stays busy past ``timeout_s``.
     """
-    from ray.util.tpu import SlicePlacementGroup
 
     spec = parse_slice(accelerator_type, topology)
     if cpus_per_host < 0:
         raise ClusterError(f"cpus_per_host {cpus_per_host} is negative; use 0 or more")
     _check_cluster_has(spec, _count)
     start = time.monotonic()
-    try:
-        handle = SlicePlacementGroup(
-            topology=spec.topology,
-            accelerator_version=spec.generation,
-            resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host},
-            chips_per_vm=spec.chips_per_host,
-            name=name,
-            head_reservation_timeout_s=timeout_s,
-            # Single-host slices get no slice-name pin from Ray; pin them to the pod type so
-            # a v6e-8 request never lands on, say, a v4-8 host with as many chips.
-            bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts,
-        )
-    except ValueError as e:  # a shape Ray 2.60's own table lacks (e.g. v4 beyond 12x12x16)
-        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
-                           f"use one of its standard shapes") from None
-    except TimeoutError:
-        raise ClusterError(
-            f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
-            f"cluster is reserved by other placement groups; release them or wait longer"
-        ) from None
+    handle = _slice_placement_group(
+        spec, timeout_s, resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host}, name=name,
+        # Single-host slices get no slice-name pin from Ray; pin them to the pod type so
+        # a v6e-8 request never lands on, say, a v4-8 host with as many chips.
+        bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts)
     placement = SlicePlacement(spec=spec, handle=handle, cpus_per_bundle=cpus_per_host)
     if wait:
         placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
