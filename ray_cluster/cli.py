@@ -130,14 +130,13 @@ def _kuberay(a) -> int:
     from . import kuberay
 
     if a.what == "validate":
-        import yaml
-
-        try:
-            docs = [d for d in yaml.safe_load_all(Path(a.file).read_text()) if d]
-        except OSError as e:
-            raise ClusterError(f"cannot read {a.file}: {e.strerror}") from None
-        for d in docs:
-            kuberay.validate(d)
+        docs = kuberay.load_manifests(a.file)
+        for i, d in enumerate(docs):
+            try:
+                kuberay.validate(d)
+            except ClusterError as e:
+                which = f"document {i + 1} of {a.file}" if len(docs) > 1 else a.file
+                raise ClusterError(f"{which}: {e}") from None
         print(f"{a.file}: {len(docs)} manifest(s) valid against the KubeRay CRDs")
         return 0
     kw = dict(image=a.image, namespace=a.namespace)

@@ -209,6 +209,42 @@ def unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
     return out
 
 
+def load_manifests(path: str | Path) -> list[dict]:
+    """The YAML documents of ``path`` (empty ones skipped), each a mapping.
+
+    Raises:
+        ClusterError: the file cannot be read, is not valid YAML (with line and column), holds no
+            document, or a document's top level is not a mapping (a list or a scalar).
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ClusterError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ClusterError(f"{path} is not a text file: pass a YAML manifest, e.g. one from "
+                           "rl-tpu kuberay job -o FILE") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        ctx, ctx_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if ctx and ctx_mark and ctx_mark is not mark:  # e.g. the unclosed "[" that the error is about
+            problem += f" ({ctx} started at line {ctx_mark.line + 1}, column {ctx_mark.column + 1})"
+        raise ClusterError(f"{path} is not valid YAML{where}: {problem}; fix the YAML there "
+                           "(brackets, quotes, indentation)") from None
+    if not docs:
+        raise ClusterError(f"{path} holds no YAML document: pass a RayCluster or RayJob manifest, e.g. one "
+                           "from rl-tpu kuberay job -o FILE")
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict):
+            which = f"document {i + 1} of {path}" if len(docs) > 1 else path
+            raise ClusterError(f"{which} is a YAML {type(d).__name__} at the top level, not a mapping: a "
+                               "manifest starts with apiVersion: ray.io/v1 and kind: RayCluster or RayJob")
+    return docs
+
+
 def validate(manifest: dict, crd_directory: str | Path | None = None) -> None:
     """Validate a RayCluster / RayJob manifest offline.
 
@@ -218,7 +254,10 @@ def validate(manifest: dict, crd_directory: str | Path | None = None) -> None:
     """
     import jsonschema
 
-    kind = manifest.get("kind") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        raise ClusterError(f"a manifest is a mapping (apiVersion, kind, metadata, spec), not a "
+                           f"{type(manifest).__name__}")
+    kind = manifest.get("kind")
     if manifest.get("apiVersion") != "ray.io/v1":
         raise ClusterError(f"apiVersion {manifest.get('apiVersion')!r} is not ray.io/v1; generate it with rl-tpu kuberay")
     schema = crd_schema(str(kind), str(crd_directory) if crd_directory else None)

@@ -11,7 +11,8 @@ import yaml
 
 from rl_tpu.topology import TopologyError
 from ray_cluster.errors import ClusterError
-from ray_cluster.kuberay import crd_schema, ray_cluster_manifest, ray_job_manifest, unknown_fields, validate
+from ray_cluster.kuberay import (crd_schema, load_manifests, ray_cluster_manifest, ray_job_manifest,
+                                 unknown_fields, validate)
 
 
 @pytest.mark.parametrize("atype,hosts,chips,accel,topo", [
@@ -95,3 +96,31 @@ def test_cli_writes_and_validates(tmp_path):
     r = subprocess.run([rl_tpu, "kuberay", "validate", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "numHosts (did you mean 'numOfHosts'?)" in r.stderr
     assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("a: [1, 2\n", "is not valid YAML at line 2, column 1: expected ',' or ']'"),
+    ("- a\n- b\n", "is a YAML list at the top level, not a mapping"),
+    ("42\n", "is a YAML int at the top level, not a mapping"),
+    ("", "holds no YAML document"),
+])
+def test_cli_validate_bad_yaml_is_one_line(tmp_path, text, expect):
+    rl_tpu = str(Path(sys.executable).parent / "rl-tpu")
+    f = tmp_path / "m.yaml"
+    f.write_text(text)
+    r = subprocess.run([rl_tpu, "kuberay", "validate", str(f)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"rl-tpu: error: {f} ") and expect in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_load_manifests_names_the_document_and_the_unclosed_bracket(tmp_path):
+    f = tmp_path / "two.yaml"
+    f.write_text("apiVersion: ray.io/v1\nkind: RayJob\n---\n- x\n")
+    with pytest.raises(ClusterError, match=r"document 2 of .*two\.yaml is a YAML list"):
+        load_manifests(f)
+    f.write_text("a: 1\nb: [1, 2\n")
+    with pytest.raises(ClusterError, match=r"flow sequence started at line 2, column 4"):
+        load_manifests(f)
+    with pytest.raises(ClusterError, match="is a mapping .*not a list"):
+        validate(["apiVersion", "ray.io/v1"])
