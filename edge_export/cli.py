@@ -132,7 +132,7 @@ def _run_bench(args) -> int:
     from edge_export.errors import BAD_FILE
     from edge_export.export import DEFAULT_PROMPT, bench_rows
     from edge_export.runtime import LiteRTCausalLM
-    from edge_export.sources import is_checkpoint_dir, load_factory
+    from edge_export.sources import is_checkpoint_dir, load_factory, run_on_sample
     from edge_export.verify import format_table
 
     if not os.path.isfile(args.file):
@@ -167,6 +167,8 @@ def _run_bench(args) -> int:
                 for n in lite.input_names
             )
             sample = tuple(torch.from_numpy(a) for a in sample)
+        if module is not None:
+            run_on_sample(module, sample, args.source)
         result = bench_lib.bench_module(args.file, sample, module, num_threads=args.threads)
     print(f"{args.file}\n" + format_table(bench_rows(result)))
     return 0

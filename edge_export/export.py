@@ -22,7 +22,7 @@ from edge_export import bench as bench_lib
 from edge_export import convert, verify as verify_lib
 from edge_export.errors import BAD_SOURCE, VERIFICATION_FAILED, ExportError
 from edge_export.quantize import recipe_name
-from edge_export.sources import inspect_checkpoint
+from edge_export.sources import inspect_checkpoint, run_on_sample
 
 DEFAULT_PROMPT = "The capital of France is"
 LM_SUFFIXES = (".tflite", ".litertlm")
@@ -207,7 +207,8 @@ def export_module(
         dynamic_shapes: ``torch.export`` dynamic shapes, if any (often not lowerable: ``ExportError(DYNAMIC_DIM)``).
         Others as in ``export_checkpoint``; verification compares outputs on ``sample_inputs``.
     Raises:
-        ExportError: unknown quantization, conversion failure kinds, missing runtime op, failed check.
+        ExportError: unknown quantization, sample inputs the module's forward rejects (``BAD_INPUT_SPEC``),
+            conversion failure kinds, missing runtime op, failed check.
     """
     recipe_name(quantize)
     out = _check_output(output, (".tflite",))
@@ -215,8 +216,7 @@ def export_module(
     tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
     torch.set_num_threads(num_threads)
     try:
-        with torch.no_grad():
-            notes = convert.int64_notes(sample_inputs, module.eval()(*sample_inputs))
+        notes = convert.int64_notes(sample_inputs, run_on_sample(module, sample_inputs, name))
         for note in notes:
             _say(f"note: {note}", quiet)
         _say(f"converting {name} with litert_torch.convert ...", quiet)

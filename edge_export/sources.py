@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import re
@@ -110,12 +111,47 @@ def load_factory(source: str) -> torch.nn.Module:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ExportError(BAD_SOURCE, f"SOURCE '{source}': '{module_name}' has no callable '{attr}'; {usage}")
+    try:
+        required = [
+            p.name for p in inspect.signature(factory).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): just call it
+        required = []
+    if required:
+        raise ExportError(
+            BAD_SOURCE,
+            f"SOURCE '{source}': {attr}() needs arguments ({', '.join(required)}) but is called with none; point "
+            f"SOURCE at a function of no arguments that builds the module, e.g. in mymodels.py "
+            f"'def make(): return {module_name}.{attr}(...)', then SOURCE=mymodels:make",
+        )
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise ExportError(
             BAD_SOURCE, f"SOURCE '{source}': {attr}() returned {type(model).__name__}, not a torch.nn.Module"
         )
     return model
+
+
+def run_on_sample(module: torch.nn.Module, sample_args: tuple, source: str):
+    """``module(*sample_args)`` in eval mode without grad; raises ``ExportError(BAD_INPUT_SPEC)`` when it fails.
+
+    A forward that rejects the ``--input`` tensors (wrong shape, dtype or count) would otherwise fail deep inside
+    torch.export with a stack trace; run it once first and name the inputs and the fix.
+    """
+    try:
+        with torch.no_grad():
+            return module.eval()(*sample_args)
+    except Exception as exc:
+        given = " ".join(f"--input {'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}"
+                         for t in sample_args)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ExportError(
+            BAD_INPUT_SPEC,
+            f"SOURCE '{source}' ({type(module).__name__}) fails on the sample inputs {given}: "
+            f"{type(exc).__name__}: {first}; give one --input per forward() argument with the shape and dtype it "
+            "accepts (--debug shows the stack trace)",
+        ) from exc
 
 
 def _safetensors_dtypes(path: Path) -> set[str]:

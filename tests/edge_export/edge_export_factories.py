@@ -87,3 +87,9 @@ def token_scale():
 
 
 not_a_module = 42
+
+
+def linear_4_to_2():
+    """nn.Linear(4, 2): an --input of 1x3 does not fit it."""
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)

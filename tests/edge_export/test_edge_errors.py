@@ -92,6 +92,27 @@ def test_bad_source(tmp_path, capsys, source, expected):
     assert code == 1 and expected in one_line_error(err)
 
 
+def test_factory_needing_arguments_is_a_bad_source(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "export", "torch.nn:Linear", "-o", tmp_path / "m.tflite", "--input", "1x3:float32")
+    line = one_line_error(err)
+    assert code == 1 and "SOURCE 'torch.nn:Linear': Linear() needs arguments (in_features, out_features)" in line
+    assert "function of no arguments" in line
+    assert not (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.parametrize("inputs, expected", [
+    (["1x3:float32"], "--input 1x3:float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x2)"),
+    (["1x4:float32", "1x4:float32"], "TypeError: Linear.forward() takes 2 positional arguments but 3 were given"),
+])
+def test_inputs_the_module_rejects_are_named_before_conversion(tmp_path, capsys, inputs, expected):
+    code, out, err = export_factory(capsys, tmp_path, "linear_4_to_2", *inputs)
+    line = one_line_error(err)
+    assert code == 1 and line.startswith("litert export: error: SOURCE 'edge_export_factories:linear_4_to_2' (Linear)")
+    assert expected in line and "give one --input per forward() argument" in line
+    assert "converting" not in out  # stopped before litert_torch.convert
+    assert os.listdir(tmp_path) == []  # no temporary file or work folder left behind
+
+
 def test_folder_without_config_is_a_bad_source(tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", tmp_path, "-o", tmp_path / "m.tflite")
     assert code == 1 and "folder without config.json" in one_line_error(err)
