@@ -13,6 +13,12 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
   actor reads the object store's shared memory without a deserialisation copy.
 - ``gloo broadcast``: two spawned processes, :func:`~rl_tpu.collectives.broadcast_parameters_bucketed` from rank 0;
   rank 1 copies into its parameters.
+- ``shared memory``: the production path on one host. A real :class:`~verl_backend.rollout.server.NativeRolloutServer`
+  actor (SmolLM2 loaded, its parameters in a shared-memory file) and the driver as the trainer: hold generation,
+  write every tensor into the server's parameters with :class:`~rl_tpu.shared_weights.SharedWeightsWriter`, resume
+  (both calls timed). Two cases: the weights resident (``free_cache_engine=False``) and released by ``sleep()``
+  before each sync (VeRL's default), where every page is faulted in again; the latter is set against a memcpy into
+  fresh (never touched) pages, the same work for the OS.
 
     python benchmarks/bench_weight_sync.py [--bucket-mb 64] [--repeats 3] [--threads 1] [--synthetic-mb N]
 """
@@ -63,6 +69,14 @@ def run_memcpy(named, dst) -> float:
     return time.perf_counter() - start
 
 
+def run_memcpy_fresh(named) -> float:
+    """memcpy into newly allocated destination tensors (their pages are faulted in by the copy)."""
+    dst = empty_like_all(named)
+    seconds = run_memcpy(named, dst)
+    del dst
+    return seconds
+
+
 def run_pack_unpack(named, dst, bucket_bytes, staging) -> float:
     start = time.perf_counter()
     for bucket in iter_buckets(named, bucket_bytes):
@@ -103,6 +117,41 @@ def run_ray(ray, receiver, named, bucket_bytes, as_numpy: bool, staging) -> floa
     seconds = time.perf_counter() - start
     assert got >= nbytes(named)
     return seconds
+
+
+def run_shared(ray, server, writer, named, release: bool) -> float:
+    if release:
+        ray.get(server.sleep.remote())  # untimed: VeRL sleeps the rollout before the actor update
+    start = time.perf_counter()
+    ray.get(server.begin_weight_update.remote())
+    written, sent = writer.write(named)
+    ray.get(server.end_weight_update.remote(written, 1))
+    seconds = time.perf_counter() - start
+    assert sent >= nbytes(named) - max(t.numel() * t.element_size() for _, t in named)  # tied weights once
+    return seconds
+
+
+def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list[float]]:
+    from types import SimpleNamespace
+
+    from rl_tpu.shared_weights import SharedWeightsWriter
+    from verl_backend.models import ensure_default_model
+    from verl_backend.rollout.server import NativeRolloutServer
+
+    cfg = SimpleNamespace(prompt_length=128, response_length=64, max_num_seqs=16, dtype="float32")
+    server = ray.remote(NativeRolloutServer).options(
+        num_cpus=0, runtime_env={"env_vars": {"RL_TPU_NUM_THREADS": str(threads)}}
+    ).remote(rollout_config=cfg, model_path=str(ensure_default_model()))
+    writer = SharedWeightsWriter(ray.get(server.shared_weights_handle.remote()))
+    ray.get(server.shared_weights_attached.remote())
+    rows = {}
+    for label, release in (("shared memory, weights resident", False), ("shared memory, released by sleep", True)):
+        run_shared(ray, server, writer, named, release)  # warm-up
+        rows[label] = [run_shared(ray, server, writer, named, release) for _ in range(repeats)]
+    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
+    assert len(out.token_ids) >= 1  # the server serves from the written weights
+    writer.close()
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------- gloo
@@ -158,6 +207,7 @@ def main() -> None:
 
     rows: dict[str, list[float]] = {}
     rows["memcpy (reference)"] = [run_memcpy(named, dst) for _ in range(args.repeats)]
+    rows["memcpy into fresh pages"] = [run_memcpy_fresh(named) for _ in range(args.repeats)]
     rows["pack+unpack (no transfer)"] = [run_pack_unpack(named, dst, bucket_bytes, staging) for _ in range(args.repeats)]
     assert all(torch.equal(dst[n], t) for n, t in named)
 
@@ -174,6 +224,9 @@ def main() -> None:
                 rows[label] = [run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging) for _ in range(args.repeats)]
             want = float(sum(t.double().sum() for _, t in named))
             assert abs(ray.get(receiver.checksum.remote()) - want) <= 1e-6 * max(1.0, abs(want))
+            ray.kill(receiver)
+            if not args.synthetic_mb:  # the real server needs the real model's names
+                rows.update(shared_memory_rows(ray, named, args.repeats, args.threads))
         finally:
             ray.shutdown()
     if "gloo" not in args.skip:
@@ -184,11 +237,12 @@ def main() -> None:
     print(f"payload {gb:.3f} GB in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads {args.threads}, "
           f"repeats {args.repeats} (median)")
     header = f"{'path':<34} {'seconds':>8} {'GB/s':>7} {'vs memcpy':>9}"
-    print(header)
-    print("-" * len(header))
+    fresh = gb / statistics.median(rows["memcpy into fresh pages"])
+    print(header + f" {'vs fresh':>9}")
+    print("-" * (len(header) + 10))
     for label, times in rows.items():
         sec = statistics.median(times)
-        print(f"{label:<34} {sec:>8.3f} {gb / sec:>7.2f} {gb / sec / ref:>8.0%}")
+        print(f"{label:<34} {sec:>8.3f} {gb / sec:>7.2f} {gb / sec / ref:>8.0%} {gb / sec / fresh:>8.0%}")
 
 
 if __name__ == "__main__":

@@ -62,3 +62,91 @@ def test_buckets_load_in_any_order_and_generation_waits_for_the_last(server):
     got = logp.gather(-1, torch.tensor(after.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(got, torch.tensor(after.log_probs), rtol=1e-4, atol=1e-4)
     assert before.extra_fields["global_steps"] == 0
+
+
+# ------------------------------------------------------------------ shared-memory weight sync (same host, CPU)
+def _shared_file_bytes(server) -> int:
+    import os
+
+    return os.fstat(server.shared.fd).st_blocks * 512  # pages the OS holds for the weights' file
+
+
+def test_shared_memory_sync_writes_weights_in_place_and_holds_generation(server):
+    from rl_tpu.shared_weights import SharedWeightsWriter
+
+    model = server.sampler.model
+    assert server.shared is not None, "a CPU rollout server keeps its weights in shared memory"
+    assert _shared_file_bytes(server) >= server.shared.nbytes - 4096
+    writer = SharedWeightsWriter(server.shared_weights_handle())  # this process stands in for the trainer
+    target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
+    prompt = [1, 5, 9, 13]
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+
+    async def scenario():
+        before = await server.generate("a", prompt, greedy)
+        await server.begin_weight_update()
+        pending = asyncio.ensure_future(server.generate("b", prompt, greedy))
+        await asyncio.sleep(0.3)
+        held = not pending.done()
+        written, nbytes = writer.write(target.items())
+        await server.end_weight_update(written, global_steps=3)
+        return before, held, await asyncio.wait_for(pending, timeout=60), nbytes
+
+    before, held, after, nbytes = asyncio.run(scenario())
+    assert held, "generation ran during a shared-memory weight sync"
+    assert nbytes == sum(s.nbytes for s in server.shared.slots)  # each distinct tensor once (tied: once)
+    params = dict(model.named_parameters())
+    for name, want in target.items():
+        torch.testing.assert_close(params[name].detach(), want)  # the server's own parameters, nothing copied
+    assert after.extra_fields["global_steps"] == 3 and before.extra_fields["global_steps"] == 0
+    ids = torch.tensor([prompt + after.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    got = logp.gather(-1, torch.tensor(after.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, torch.tensor(after.log_probs), rtol=1e-4, atol=1e-4)
+    writer.close()
+
+
+def test_sleep_releases_shared_weights_and_a_partial_sync_is_refused(server):
+    from rl_tpu.shared_weights import SharedWeightsError, SharedWeightsWriter
+
+    model = server.sampler.model
+    writer = SharedWeightsWriter(server.shared_weights_handle())
+    server.shared_weights_attached()
+    target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
+    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
+
+    async def scenario():
+        await server.sleep()
+        released = _shared_file_bytes(server)
+        with pytest.raises(RuntimeError, match="asleep: sleep\\(\\) released its weights"):
+            await server.generate("a", prompt, greedy)
+        await server.begin_weight_update()
+        half = list(target.items())[: len(target) // 2]
+        written, _ = writer.write(half)
+        with pytest.raises(SharedWeightsError, match=r"wrote \d+ of \d+ tensors.*send every tensor"):
+            await server.end_weight_update(written, global_steps=1)
+        await server.begin_weight_update()
+        written, _ = writer.write(target.items())
+        await server.end_weight_update(written, global_steps=2)
+        return released, await server.generate("b", prompt, greedy)
+
+    released, out = asyncio.run(scenario())
+    assert released == 0, "sleep() must give the weights' pages back to the OS"
+    assert _shared_file_bytes(server) >= server.shared.nbytes - 4096
+    assert out.extra_fields["global_steps"] == 2 and len(out.token_ids) >= 1
+    for name, want in target.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), want)
+    writer.close()
+
+
+def test_writer_refuses_unknown_names_and_shapes(server):
+    from rl_tpu.shared_weights import SharedWeightsError, SharedWeightsWriter
+
+    writer = SharedWeightsWriter(server.shared_weights_handle())
+    name, p = next(iter(server.sampler.model.named_parameters()))
+    with pytest.raises(SharedWeightsError, match="no tensor named 'nope'"):
+        writer.write([("nope", p.detach())])
+    with pytest.raises(SharedWeightsError, match=f"{name!r} has shape"):
+        writer.write([(name, torch.zeros(3))])
+    writer.close()

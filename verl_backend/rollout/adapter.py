@@ -1,15 +1,21 @@
 """``NativeServerAdapter``: the rollout object VeRL builds inside each trainer worker (``BaseRollout``).
 
 VeRL's colocated weight sync (``checkpoint_engine.backend=naive``) calls
-``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. Here the leader
-rank of each replica packs the full tensors into buckets (:func:`rl_tpu.collectives.pack_bucket`), puts each
-bucket in the Ray object store and hands the reference to its replica's server; the other ranks only drain the
-generator (which is collective under FSDP). No NCCL, no shared device memory.
+``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. The leader rank of
+each replica sends the full tensors to its replica's server; the other ranks only drain the generator (which is
+collective under FSDP). No NCCL, no shared device memory. Two transports:
+
+- **shared memory** (server on this host, CPU): the leader maps the server's weight file
+  (:class:`rl_tpu.shared_weights.SharedWeightsWriter`) and copies each tensor into place: one memory copy.
+- **Ray object store** (otherwise, or ``RL_TPU_SHARED_WEIGHTS=0``): tensors are packed into buckets
+  (:func:`rl_tpu.collectives.pack_bucket`); each bucket is ``ray.put`` and loaded by the server as it arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from typing import Any, Generator
 
@@ -19,6 +25,7 @@ from verl.workers.rollout.base import BaseRollout
 
 from verl_backend.rollout import server_actor_name
 
+logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("server", "worker")
 
@@ -56,6 +63,7 @@ class NativeServerAdapter(BaseRollout):
         self.is_leader = rank % tp == 0
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self._server = None
+        self._writer = None  # SharedWeightsWriter once mapped; False: shared memory is not available
         self.last_sync: dict[str, float] = {}
         self.placement = sampler_placement(self.config)
         self.sampler = None
@@ -76,6 +84,26 @@ class NativeServerAdapter(BaseRollout):
             self._server = ray.get_actor(server_actor_name(self.replica_rank))
         return self._server
 
+    async def _shared_writer(self):
+        """The server's shared-memory weights, mapped here; ``None`` if the server is on another host, keeps no
+        shared weights, or the file cannot be opened (then the object store is used, and a warning says why)."""
+        if self._writer is None:
+            self._writer = False
+            if os.environ.get("RL_TPU_SHARED_WEIGHTS", "1") != "0":
+                server = self._server_handle()
+                handle = await server.shared_weights_handle.remote()
+                if handle is not None and handle["node_id"] == ray.get_runtime_context().get_node_id():
+                    from rl_tpu.shared_weights import SharedWeightsWriter
+
+                    try:
+                        self._writer = SharedWeightsWriter(handle)
+                    except OSError as exc:
+                        logger.warning("weight sync through the Ray object store: cannot map the rollout server's "
+                                       "shared weights (%s)", exc)
+                    else:
+                        await server.shared_weights_attached.remote()
+        return self._writer or None
+
     async def resume(self, tags: list[str]):
         return None
 
@@ -86,7 +114,8 @@ class NativeServerAdapter(BaseRollout):
         """Send ``(name, tensor)`` pairs to this replica's server in buckets of
         ``checkpoint_engine.update_weights_bucket_megabytes`` MiB; returns when the server has loaded them.
 
-        Records ``last_sync = {"bytes", "seconds", "buckets"}``.
+        Records ``last_sync = {"bytes", "seconds", "buckets", "transport"}`` (``"shared_memory"`` or
+        ``"object_store"``).
 
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
@@ -117,6 +146,22 @@ class NativeServerAdapter(BaseRollout):
                 pass
             return
         server = self._server_handle()
+        writer = await self._shared_writer()
+        if writer is not None:
+            await server.begin_weight_update.remote()
+            try:
+                written, sent = writer.write(cpu_full(weights))
+            except BaseException:
+                try:  # resume the server; its own complaint (a half-written model) is not the cause
+                    await server.end_weight_update.remote([], global_steps)
+                except Exception:
+                    pass
+                raise
+            await server.end_weight_update.remote(written, global_steps)  # raises if a released model is partial
+            self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": 0.0,
+                              "transport": "shared_memory"}
+            self._report_first_sync()
+            return
         staging = None  # one reused pack buffer: ray.put copies it into the object store
         buckets = list(iter_buckets(cpu_full(weights), self.bucket_bytes))
         sent = 0
@@ -133,4 +178,13 @@ class NativeServerAdapter(BaseRollout):
             del ref
             n += 1
         sent += sum(await asyncio.gather(*pending))
-        self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n)}
+        self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n),
+                          "transport": "object_store"}
+        self._report_first_sync()
+
+    def _report_first_sync(self) -> None:
+        if not getattr(self, "_reported", False):
+            self._reported = True
+            s = self.last_sync
+            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {s['transport'].replace('_', ' ')}, "
+                  f"{s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s", flush=True)

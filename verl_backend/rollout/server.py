@@ -5,8 +5,13 @@ and concurrently. The server gathers the calls that arrive together into one bat
 ``rollout.max_num_seqs``), groups them by sampling settings, runs the batched, KV-cached sampler in a worker
 thread and answers each call with a :class:`verl.workers.rollout.replica.TokenOutput`.
 
-Weights arrive from the trainer as packed buckets through the Ray object store (:meth:`update_weights_bucket`),
-so weight sync needs neither NCCL nor a shared device.
+Weights arrive from the trainer in one of two ways, neither needing NCCL nor a shared device:
+
+- same host, CPU (the colocated default): the server keeps its model's parameters in a shared-memory file
+  (:class:`rl_tpu.shared_weights.SharedWeights`); the trainer writes new weights straight into it between
+  :meth:`begin_weight_update` and :meth:`end_weight_update`. While the rollout sleeps (VeRL's
+  ``free_cache_engine``, on by default) those pages are given back to the OS.
+- otherwise: packed buckets through the Ray object store (:meth:`update_weights_bucket`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class NativeRolloutServer:
         self._buckets_loaded = 0
         self._batch_running = False
         self.sampler = None
+        self.shared = None  # SharedWeights: the model's parameters in shared memory (CPU, sampler in this process)
+        self._shared_attached = False  # a trainer on this host writes into them: release them while asleep
+        self.free_when_asleep = bool(getattr(rollout_config, "free_cache_engine", True))
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "generate_s": 0.0, "weight_sync_s": 0.0}
         self._build_sampler()
         trim_host_heap()  # what loading the checkpoint freed
@@ -87,6 +95,13 @@ class NativeRolloutServer:
         self.response_length = int(getattr(self.config, "response_length", 512))
         if self.worker_method is None:
             self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
+            if self.device.type == "cpu" and os.environ.get(SHARED_WEIGHTS_ENV, "1") != "0":
+                from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
+
+                try:
+                    self.shared = SharedWeights(self.sampler.model, name=f"rl_tpu_rollout_{self.replica_rank}")
+                except (SharedWeightsError, OSError) as exc:
+                    logger.warning("weight sync falls back to the Ray object store: %s", exc)
 
     # --------------------------------------------------------------- generate
     async def generate(
@@ -170,6 +185,11 @@ class NativeRolloutServer:
                         r.future.set_result(out)
 
     def _run_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+        if self.shared is not None and not self.shared.resident:
+            raise RuntimeError(
+                "the native rollout is asleep: sleep() released its weights; sync weights first "
+                "(VeRL's checkpoint_manager.update_weights does) or set actor_rollout_ref.rollout.free_cache_engine=False"
+            )
         start = time.perf_counter()
         if self.worker_method is None:
             outs = run_sampler(self.sampler, prompts, key)
@@ -211,6 +231,41 @@ class NativeRolloutServer:
         self.stats["weight_sync_s"] += time.perf_counter() - start
         return int(flat.nbytes)
 
+    # ------------------------------------------ weight sync through shared memory (same host)
+    def shared_weights_handle(self) -> dict | None:
+        """Where the model's weights live in shared memory (:meth:`rl_tpu.shared_weights.SharedWeights.handle`),
+        with this server's Ray node id; ``None`` when they do not (not on CPU, or sampling in the worker)."""
+        if self.shared is None:
+            return None
+        import ray
+
+        return self.shared.handle(node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
+
+    def shared_weights_attached(self) -> None:
+        """A trainer on this host has mapped the weights and syncs through them from now on."""
+        self._shared_attached = True
+
+    async def begin_weight_update(self) -> None:
+        """Hold generation for a shared-memory weight sync; returns once no batch runs (the old weights are free
+        to overwrite)."""
+        self._updating = True
+        while self._batch_running:
+            await asyncio.sleep(0.002)
+        self._sync_started = time.perf_counter()
+
+    async def end_weight_update(self, written: list[int], global_steps: int | None = None) -> None:
+        """The trainer has written the slots ``written``: serve the new weights (tagged ``global_steps``).
+
+        Raises:
+            rl_tpu.shared_weights.SharedWeightsError: the weights were released and not all slots were written.
+        """
+        try:
+            self.shared.mark_written(written)
+            self.set_global_steps(global_steps)
+        finally:
+            self._updating = False
+            self.stats["weight_sync_s"] += time.perf_counter() - getattr(self, "_sync_started", time.perf_counter())
+
     def set_global_steps(self, global_steps: int | None) -> None:
         """Record the step of the weights now served (``sampler_placement=worker``: the worker loaded them)."""
         if global_steps is not None:
@@ -224,7 +279,15 @@ class NativeRolloutServer:
         return None
 
     async def sleep(self):
-        return None
+        """VeRL puts the colocated rollout to sleep for the actor update: with ``free_cache_engine`` (VeRL's
+        default) and a trainer writing through shared memory, give the weights' pages back to the OS (the next
+        sync writes all of them again). The KV cache lives only while a batch runs."""
+        if self.shared is None or not self._shared_attached or not self.free_when_asleep:
+            return None
+        while self._batch_running or self._updating:
+            await asyncio.sleep(0.005)
+        self.shared.release()
+        trim_host_heap()
 
     async def clear_kv_cache(self):
         return None
@@ -251,6 +314,9 @@ class NativeRolloutServer:
         import ray
 
         return ray.util.get_node_ip_address(), 0
+
+
+SHARED_WEIGHTS_ENV = "RL_TPU_SHARED_WEIGHTS"  # "0": sync through the Ray object store even on one host
 
 
 def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False):
@@ -305,5 +371,6 @@ def _buckets(limit: int) -> tuple[int, ...]:
 
 def server_env() -> dict[str, str]:
     """Environment for the server actor: thread count and TorchTPU autoload follow the driver's."""
-    keep = ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+    keep = ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY",
+            SHARED_WEIGHTS_ENV)
     return {k: os.environ[k] for k in keep if k in os.environ}

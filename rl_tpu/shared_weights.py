@@ -1,0 +1,206 @@
+"""Weight sync between two processes on one host through shared memory: the receiver copies nothing.
+
+The receiving side (the rollout server) moves its model's parameters into one anonymous shared-memory file
+(Linux ``memfd_create``) with :class:`SharedWeights`: every parameter becomes a view of that file, so the model
+computes on it as before. The sending side (the trainer worker on the same host) maps the same file through
+``/proc/<pid>/fd/<fd>`` with :class:`SharedWeightsWriter` and copies each new tensor straight into its slot. A weight
+sync is then one memory copy of the model's bytes and two small calls (hold generation / resume), instead of
+pack -> object store -> unpack -> copy. It is the CPU counterpart of the CUDA-IPC weight handles that VeRL's
+vLLM and SGLang rollouts use in colocated mode.
+
+:meth:`SharedWeights.release` gives the pages back to the OS (``madvise(MADV_REMOVE)``; they read as zeros after)
+while the rollout sleeps, as VeRL's ``free_cache_engine`` asks of a colocated rollout during the actor update; the
+next sync writes every slot again.
+
+The file lives as long as a process holds it open or mapped: a killed rollout server leaves nothing behind in
+``/dev/shm`` (and the file is not bound by the size of ``/dev/shm``, often 64 MiB in containers).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SharedWeights", "SharedWeightsError", "SharedWeightsWriter", "Slot", "shared_memory_supported"]
+
+_ALIGN = 64  # bytes; slots start on cache-line boundaries (and satisfy every dtype's alignment)
+
+
+class SharedWeightsError(ValueError):
+    """A name, shape or handle that does not match the shared weights; one line naming it and the fix."""
+
+
+class Slot(NamedTuple):
+    """One distinct tensor of the model in the shared file: ``nbytes`` bytes from byte ``offset``.
+
+    ``names`` lists every ``state_dict`` key that refers to it (tied weights, e.g. ``lm_head.weight`` and
+    ``model.embed_tokens.weight``, share one slot).
+    """
+
+    names: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def shared_memory_supported() -> bool:
+    """Whether this platform can create the shared file (Linux ``memfd_create`` and ``/proc``)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SharedWeightsError(f"slot dtype {name!r} is not a torch dtype: the handle is corrupt; ask the owner again")
+    return dtype
+
+
+def _views(arena: torch.Tensor, slots: Iterable[Slot]) -> list[torch.Tensor]:
+    return [arena[s.offset: s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape) for s in slots]
+
+
+class SharedWeights:
+    """Owner side: move ``module``'s ``state_dict`` tensors into one shared-memory file, in place.
+
+    After construction every parameter and persistent buffer of ``module`` is a view of the file (same values,
+    same ``Parameter`` objects: anything holding them stays valid); the old storage is freed.
+
+    Args:
+        module: a CPU module (its tensors must be on the ``cpu`` device).
+        name: label of the file (shows in ``/proc/<pid>/fd``).
+
+    Attributes:
+        slots: the layout, one :class:`Slot` per distinct tensor.
+        nbytes: size of the file in bytes.
+        resident: ``False`` after :meth:`release` until every slot has been written again
+            (:meth:`mark_written`).
+
+    Raises:
+        SharedWeightsError: a tensor not on the CPU, or a platform without ``memfd_create``.
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str = "rl_tpu_weights") -> None:
+        if not shared_memory_supported():
+            raise SharedWeightsError("shared-memory weights need Linux (memfd_create and /proc): use the object store")
+        groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            if tensor.device.type != "cpu":
+                raise SharedWeightsError(
+                    f"{key!r} is on {tensor.device}: shared-memory weights hold CPU tensors only; move the model "
+                    "to the CPU or sync through the object store"
+                )
+            groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+        slots, offset = [], 0
+        for names, tensor in groups.values():
+            nbytes = tensor.numel() * tensor.element_size()
+            slots.append(Slot(tuple(names), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
+                              nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.slots: list[Slot] = slots
+        self.nbytes = max(offset, _ALIGN)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self._mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        arena = torch.frombuffer(self._mm, dtype=torch.uint8)
+        with torch.no_grad():
+            for (names, tensor), view in zip(groups.values(), _views(arena, slots)):
+                view.copy_(tensor.detach())
+                tensor.data = view
+        self.resident = True
+
+    def handle(self, node_id: str | None = None) -> dict:
+        """What a writer needs to map the file: ``{"pid", "fd", "nbytes", "node_id", "slots"}`` (picklable)."""
+        return {"pid": os.getpid(), "fd": self.fd, "nbytes": self.nbytes, "node_id": node_id,
+                "slots": [tuple(s) for s in self.slots]}
+
+    def release(self) -> None:
+        """Give the file's pages back to the OS; the weights read as zeros until every slot is written again."""
+        self._mm.madvise(mmap.MADV_REMOVE)
+        self.resident = False
+
+    def mark_written(self, slot_indices: Iterable[int]) -> None:
+        """Record a complete write by a :class:`SharedWeightsWriter` (makes the weights :attr:`resident` again).
+
+        Raises:
+            SharedWeightsError: after :meth:`release`, some slots were not written (they would read as zeros);
+                the message names them. Send the whole ``state_dict``.
+        """
+        missing = set(range(len(self.slots))) - set(slot_indices)
+        if missing and not self.resident:
+            names = [self.slots[i].names[0] for i in sorted(missing)]
+            raise SharedWeightsError(
+                f"weight sync wrote {len(self.slots) - len(missing)} of {len(self.slots)} tensors after the rollout "
+                f"released its weights; missing {names[:3]}{' ...' if len(names) > 3 else ''}: send every tensor of "
+                "the model's state_dict"
+            )
+        self.resident = True
+
+
+class SharedWeightsWriter:
+    """Sender side: map a :class:`SharedWeights` file of another process on this host and write into it.
+
+    Args:
+        handle: :meth:`SharedWeights.handle` of the owner.
+
+    Raises:
+        OSError: the owner's file cannot be opened (another host, the owner has exited, or ``/proc`` access is
+            denied): fall back to another transport.
+    """
+
+    def __init__(self, handle: dict) -> None:
+        self.slots = [Slot(tuple(s[0]), *s[1:]) for s in handle["slots"]]
+        fd = os.open(f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._mm = mmap.mmap(fd, int(handle["nbytes"]), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        views = _views(torch.frombuffer(self._mm, dtype=torch.uint8), self.slots)
+        self._by_name = {name: (i, view) for i, (slot, view) in enumerate(zip(self.slots, views)) for name in slot.names}
+
+    @torch.no_grad()
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
+        """Copy each ``(name, tensor)`` into its slot (dtype converted on copy; CPU tensors).
+
+        Returns:
+            ``(slot indices written, bytes written)``; pass the indices to the owner's
+            :meth:`SharedWeights.mark_written`.
+
+        Raises:
+            SharedWeightsError: a name the owner's model does not have, or a different shape.
+        """
+        written, nbytes = set(), 0
+        for name, tensor in named_tensors:
+            entry = self._by_name.get(name)
+            if entry is None:
+                raise SharedWeightsError(
+                    f"weight sync: the rollout model has no tensor named {name!r}; send the rollout model's "
+                    f"state_dict names (e.g. {next(iter(self._by_name))!r})"
+                )
+            index, view = entry
+            if tuple(view.shape) != tuple(tensor.shape):
+                raise SharedWeightsError(
+                    f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the rollout model's is "
+                    f"{tuple(view.shape)}; send weights of the same architecture"
+                )
+            view.copy_(tensor)
+            if index not in written:
+                written.add(index)
+                nbytes += self.slots[index].nbytes
+        return sorted(written), nbytes
+
+    def close(self) -> None:
+        """Unmap the file (views handed out before become invalid)."""
+        self._by_name.clear()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive; the mapping goes when it does
+            pass

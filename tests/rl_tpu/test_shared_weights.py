@@ -1,0 +1,62 @@
+"""Shared-memory weight sync: a second process writes into the owner's model, which copies nothing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from rl_tpu.shared_weights import SharedWeights, SharedWeightsWriter, shared_memory_supported
+
+pytestmark = pytest.mark.skipif(not shared_memory_supported(), reason="needs Linux memfd_create and /proc")
+
+
+def _tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _write_from_child(handle, state, conn):
+    writer = SharedWeightsWriter(handle)
+    conn.send(writer.write(state.items()))
+    writer.close()
+
+
+def test_another_process_writes_the_owners_parameters_in_place():
+    torch.manual_seed(0)
+    model, other = _tiny(), _tiny()
+    x = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        before = model(x).logits
+    params = dict(model.named_parameters())
+    shared = SharedWeights(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, before, rtol=0, atol=0)  # moving changed no value
+    assert all(p is params[n] for n, p in model.named_parameters()), "the Parameter objects must stay the same"
+    tied = [s for s in shared.slots if len(s.names) > 1]
+    assert [set(s.names) for s in tied] == [{"model.embed_tokens.weight", "lm_head.weight"}]
+
+    shared.release()
+    assert float(model.lm_head.weight.abs().sum()) == 0.0  # pages given back: they read as zeros
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_write_from_child,
+                                           args=(shared.handle(), other.state_dict(), child))
+    proc.start()
+    written, nbytes = parent.recv()
+    proc.join(60)
+    assert proc.exitcode == 0
+    shared.mark_written(written)
+    assert shared.resident and nbytes == sum(s.nbytes for s in shared.slots)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, other(x).logits, rtol=0, atol=0)
+
+
+def test_a_handle_of_a_process_that_has_gone_cannot_be_opened():
+    shared = SharedWeights(_tiny())
+    handle = {**shared.handle(), "pid": 2 ** 22 + 12345}  # no such process
+    with pytest.raises(OSError):
+        SharedWeightsWriter(handle)
