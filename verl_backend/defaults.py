@@ -24,9 +24,6 @@ COMMON: dict[str, str] = {
     # FlashAttention2 is VeRL's default and exists only on CUDA.
     "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
     "+critic.model.override_config.attn_implementation": "sdpa",
-    # remove-padding needs flash-attn's varlen kernels.
-    "actor_rollout_ref.model.use_remove_padding": "false",
-    "critic.model.use_remove_padding": "false",
     "trainer.nnodes": "1",
     # VeRL starts 8 agent-loop and 8 reward workers and 8 data-loader processes by default: each imports
     # torch + VeRL (~0.5 GiB, ~15 s); one of each serves a single-host job.
@@ -54,6 +51,12 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.ref.use_torch_compile": "false",
         "actor_rollout_ref.model.enable_gradient_checkpointing": "false",
         "critic.model.enable_gradient_checkpointing": "false",
+        # Remove-padding: each micro batch is one packed row, no pad tokens computed (the default job's micro
+        # batches were ~25% padding). No flash-attn: transformers >= 5 keeps packed sequences apart in sdpa with
+        # a block-diagonal causal mask built from the position ids (the engine's tests check each sequence's
+        # log-probs against it run alone).
+        "actor_rollout_ref.model.use_remove_padding": "true",
+        "critic.model.use_remove_padding": "true",
         # The native rollout samples with the trainer's own fp32 weights (synced after every update), so its
         # per-token log-probs ARE the old-policy log-probs (measured max |diff| ~1e-10): reuse them instead of a
         # second forward pass over the batch. VeRL's bypass mode with the PPO-clip loss, ratio pi_theta/pi_old.
@@ -63,6 +66,9 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
     "tpu": {
         **COMMON,
         "trainer.device": "tpu",
+        # Padded micro batches: a packed row's length changes every step, and each length is an XLA compile.
+        "actor_rollout_ref.model.use_remove_padding": "false",
+        "critic.model.use_remove_padding": "false",
         # One worker process per chip (whole chips: Ray refuses fractional TPU requests).
         "trainer.n_gpus_per_node": "4",
         "actor_rollout_ref.rollout.dtype": "bfloat16",

@@ -22,6 +22,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 DEVICES = ["cpu", "tpu"]
 RESPONSE_LOGITS_ENV = "RL_TPU_RESPONSE_ONLY_LOGITS"  # "0" computes logits at every position, as VeRL does
 _FROM_KEY = "rl_tpu_logits_from"
+_KEEP_KEY = "rl_tpu_logits_keep"
 
 
 def first_response_logit_position(micro_batch: TensorDict) -> int | None:
@@ -44,25 +45,100 @@ def first_response_logit_position(micro_batch: TensorDict) -> int | None:
     return max(int(prompt_lens.min().item()) - 1, 0)
 
 
+def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
+    """Positions in the packed (remove-padding) row whose logits predict a response token.
+
+    In VeRL 0.9.1's no-padding layout the micro batch packs to one row of ``total_nnz`` tokens, sequence ``i`` at
+    ``offsets[i]`` with ``p_i`` prompt then ``r_i`` response tokens. Its response tokens are predicted at
+    ``offsets[i] + p_i - 1 ... offsets[i] + p_i + r_i - 2``. Returns those positions, ascending, as a ``(sum r_i,)``
+    int64 tensor, or ``None`` when the micro batch has another layout (or a sequence without prompt tokens).
+    """
+    keys = set(micro_batch.keys())
+    if not {"prompts", "responses", "input_ids"} <= keys:
+        return None
+    prompts, responses, input_ids = micro_batch["prompts"], micro_batch["responses"], micro_batch["input_ids"]
+    if not (prompts.is_nested and responses.is_nested and input_ids.is_nested):
+        return None
+    prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+    offsets = input_ids.offsets()
+    if not torch.equal(prompt_lens + response_lens, offsets.diff()) or bool((prompt_lens < 1).any()):
+        return None
+    starts = offsets[:-1] + prompt_lens - 1  # (batch,) position predicting each sequence's first response token
+    run_start = torch.cumsum(response_lens, 0) - response_lens  # (batch,) where each sequence's run begins
+    within = torch.arange(int(response_lens.sum())) - torch.repeat_interleave(run_start, response_lens)
+    return torch.repeat_interleave(starts, response_lens) + within
+
+
+def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor, temperature: torch.Tensor,
+                              keep: torch.Tensor, offsets: torch.Tensor,
+                              entropy: bool | str = False) -> dict[str, torch.Tensor]:
+    """Per-token log-probs (and entropy) as VeRL's remove-padding path returns them, from logits kept at ``keep``.
+
+    Args:
+        logits: ``(1, K, vocab)`` float, the model's logits at the ``K`` positions ``keep`` of the packed row.
+        labels_rolled: ``(total_nnz,)`` int64, the packed tokens shifted left by one (VeRL's
+            ``input_ids_rmpad_rolled``): the label of position ``t`` is token ``t + 1``.
+        temperature: ``(total_nnz,)`` float, the sampling temperature of each position's sequence
+            (VeRL's ``temperature_rmpad``); logits are divided by it.
+        keep: ``(K,)`` int64 positions (:func:`response_logit_indices`).
+        offsets: ``(batch + 1,)`` int64 sequence offsets of the packed row (the nested ``input_ids``').
+        entropy: also return the entropy of ``softmax(logits / temperature)``; ``"checkpointed"`` recomputes it in
+            the backward pass (VeRL's ``entropy_checkpointing``).
+
+    Returns:
+        ``{"log_probs": ..., "entropy": ...}``, each ``(batch, j1)`` jagged nested float
+        (``verl.utils.torch_functional.logprobs_from_logits`` / ``entropy_from_logits`` at the kept positions, 0
+        elsewhere: VeRL's losses and metrics read only the response positions, ``response_mask``).
+    """
+    from torch.distributed.tensor import DTensor
+    from verl.utils.torch_functional import entropy_from_logits
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    logits = logits.squeeze(0)  # (K, vocab)
+    temp = temperature[keep].clamp(min=1e-8).to(logits.dtype).unsqueeze(-1)  # (K, 1)
+    if not bool((temp == 1).all()):
+        logits = logits / temp
+    total = labels_rolled.shape[0]
+
+    def pack(per_kept: torch.Tensor) -> torch.Tensor:  # (K,) -> (batch, j1) nested, zeros off the kept positions
+        full = per_kept.new_zeros(total).scatter(0, keep, per_kept)
+        return torch.nested.nested_tensor_from_jagged(full, offsets)
+
+    out = {"log_probs": pack(logprobs_from_logits(logits=logits, labels=labels_rolled[keep]))}
+    if entropy == "checkpointed":
+        out["entropy"] = pack(torch.utils.checkpoint.checkpoint(entropy_from_logits, logits, use_reentrant=False))
+    elif entropy:
+        out["entropy"] = pack(entropy_from_logits(logits))
+    return out
+
+
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
 class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU).
 
-    One change to VeRL's engine, in its padded (no remove-padding) path: the LM head runs only at the positions
-    whose next token is a response token, through Hugging Face's ``logits_to_keep``, instead of at every prompt
-    position too. Those are the only log-probs VeRL's losses read (``response_mask``); the prompt positions get
-    log-prob 0. On the default job (prompts ~70 tokens, responses <= 64) this skips over half of the
-    ``(tokens, vocab=49152)`` logits, their log-softmax and its backward, in the actor update and the reference
-    forward alike (entropy too, when asked, with 0 at prompt positions). Σπ², distillation, fused kernels and
-    remove-padding keep VeRL's own path, as does ``RL_TPU_RESPONSE_ONLY_LOGITS=0``.
+    One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
+    through Hugging Face's ``logits_to_keep``, instead of at every prompt position too. Those are the only
+    log-probs VeRL's losses read (``response_mask``); the other positions get log-prob 0. On the default job
+    (prompts ~70 tokens, responses <= 64) this skips most of the ``(tokens, vocab=49152)`` logits, their
+    log-softmax and its backward, in the actor update and the reference forward alike (entropy too, when asked).
+
+    - remove-padding (``use_remove_padding=True``, the CPU default): the micro batch is one packed row of
+      ``total_nnz`` tokens (Hugging Face keeps the sequences apart with a block-diagonal causal mask built from
+      the ``position_ids``, so no flash-attn is needed); ``logits_to_keep`` is the 1-D index of the response
+      positions (:func:`response_logit_indices`).
+    - padded (``use_remove_padding=False``): the kept logits are the last ``seq_len - first`` positions
+      (:func:`first_response_logit_position`).
+
+    Σπ², distillation, fused kernels, Ulysses sequence parallel and a static packed length keep VeRL's own path,
+    as does ``RL_TPU_RESPONSE_ONLY_LOGITS=0``.
     """
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
         get = tu.get_non_tensor_data
         if os.environ.get(RESPONSE_LOGITS_ENV, "1") == "0":
             return False
-        if get(data=micro_batch, key="use_remove_padding", default=True) or \
-                get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+        if get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
             return False
         for key in ("use_fused_kernels", "calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
             if get(data=micro_batch, key=key, default=False):
@@ -78,7 +154,16 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        if self._response_only_applies(micro_batch) and "input_ids" in model_inputs:
+        if not (self._response_only_applies(micro_batch) and "input_ids" in model_inputs):
+            return model_inputs, output_args
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            if getattr(self, "use_ulysses_sp", False) or output_args.get("pad_size", 0):
+                return model_inputs, output_args  # sliced or padded packed rows: VeRL's own path
+            keep = response_logit_indices(micro_batch)
+            if keep is not None and keep.numel() > 0:
+                model_inputs["logits_to_keep"] = keep.to(model_inputs["input_ids"].device)
+                output_args[_KEEP_KEY] = model_inputs["logits_to_keep"]
+        else:
             first = first_response_logit_position(micro_batch)
             if first is not None:
                 seq_len = model_inputs["input_ids"].shape[-1]
@@ -87,13 +172,17 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
-        first = output_args.get(_FROM_KEY)
-        if first is None:
+        first, keep = output_args.get(_FROM_KEY), output_args.get(_KEEP_KEY)
+        if first is None and keep is None:
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
+        entropy = "checkpointed" if entropy and self.engine_config.entropy_checkpointing else bool(entropy)
+        if keep is not None:
+            return packed_response_log_probs(output.logits, output_args["input_ids_rmpad_rolled"],
+                                             output_args["temperature_rmpad"], keep, micro_batch["input_ids"].offsets(),
+                                             entropy=entropy)
         return response_log_probs(output.logits, micro_batch["input_ids"], first, output_args["temperature"],
-                                  entropy="checkpointed" if entropy and self.engine_config.entropy_checkpointing
-                                  else bool(entropy))
+                                  entropy=entropy)
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)

@@ -9,7 +9,7 @@ pytest.importorskip("verl")
 
 
 def _nested(rows: list[list[int]]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+    return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
 
 
 def _micro_batch(prompts: list[list[int]], responses: list[list[int]]):
@@ -76,3 +76,59 @@ def test_other_layouts_keep_verls_own_path():
     odd["input_ids"] = _nested([[1, 2, 4, 9], [3, 5, 6]])
     assert first_response_logit_position(odd) is None
     assert first_response_logit_position(_micro_batch([[1, 2, 3], [4, 5]], [[6], [7, 8]])) == 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_response_log_probs_equal_each_sequence_run_alone(tiny_model_dir, temperature):
+    """Remove-padding on CPU: one packed row, sdpa with the block-diagonal mask transformers builds from the
+    position ids; the kept response positions give the log-probs (and entropy) of each sequence run alone."""
+    from transformers import AutoModelForCausalLM
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    from verl_backend.engine import packed_response_log_probs, response_logit_indices
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(1)
+    plens, rlens = [5, 9, 7, 3], [6, 2, 8, 0]
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in plens]
+    responses = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in rlens]
+    td = _micro_batch(prompts, responses)
+    nested = td["input_ids"]
+    offsets = nested.offsets()
+    keep = response_logit_indices(td)
+    want_keep = [int(offsets[i]) + p - 1 + j for i, (p, r) in enumerate(zip(plens, rlens)) for j in range(r)]
+    assert keep.tolist() == want_keep
+    # what VeRL's engine feeds the model with use_remove_padding=True (prepare_model_inputs)
+    ids = nested.values().unsqueeze(0)  # (1, total_nnz)
+    pos = torch.cat([torch.arange(p + r) for p, r in zip(plens, rlens)]).unsqueeze(0)
+    rolled = torch.roll(ids.squeeze(0), shifts=-1)
+    temp = torch.full((ids.shape[1],), temperature)
+    with torch.no_grad():
+        kept = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, logits_to_keep=keep).logits
+    assert kept.shape[1] == sum(rlens)
+    out = packed_response_log_probs(kept, rolled, temp, keep, offsets, entropy=True)
+    assert out["log_probs"].offsets().tolist() == offsets.tolist()
+    for i, (p, r) in enumerate(zip(plens, rlens)):
+        seq = torch.tensor(prompts[i] + responses[i])
+        with torch.no_grad():
+            alone = model(input_ids=seq[None], use_cache=False).logits[0] / temperature
+        got, ent = out["log_probs"][i], out["entropy"][i]
+        assert got.shape == (p + r,)
+        if r:  # (the last sequence has no response: nothing kept, all zeros)
+            torch.testing.assert_close(got[p - 1: p + r - 1], logprobs_from_logits(alone[p - 1: p + r - 1], seq[p:]),
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[p - 1: p + r - 1], entropy_from_logits(alone[p - 1: p + r - 1]),
+                                       rtol=1e-5, atol=1e-5)
+        assert torch.all(got[: p - 1] == 0) and torch.all(got[p + r - 1:] == 0)
+
+
+def test_packed_log_probs_carry_gradients_to_the_kept_positions_only(tiny_model_dir):
+    from verl_backend.engine import packed_response_log_probs
+
+    logits = torch.randn(1, 3, 11, requires_grad=True)
+    keep = torch.tensor([1, 2, 5])
+    out = packed_response_log_probs(logits, torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.ones(7), keep,
+                                    torch.tensor([0, 4, 7]))
+    out["log_probs"].values().sum().backward()
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    assert out["log_probs"].values()[[0, 3, 4, 6]].abs().sum() == 0

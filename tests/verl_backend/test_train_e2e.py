@@ -68,6 +68,9 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
         # the native rollout's log-probs are the trainer's own (same weights after each sync): this is what
         # makes the CPU default's bypass mode (old log-probs = rollout log-probs) exact
         assert m["training/rollout_probs_diff_max"] < 1e-3
+    # trainer and rollout share this host: weights go through shared memory, released while the rollout sleeps
+    # (step 2's log-probs above were sampled from weights written back after such a release)
+    assert "weight sync to rollout replica 0: shared memory" in proc.stdout + proc.stderr
 
 
 def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
