@@ -56,8 +56,38 @@ def _parser() -> argparse.ArgumentParser:
                    "set trainer.save_freq so there is a checkpoint to resume)")
     t.add_argument("--print-config", action="store_true",
                    help="print the composed VeRL config and exit (a dry run; works for tpu without a chip)")
-    t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value")
+    t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
+    p.train_options = sorted(s for a in t._actions for s in a.option_strings)
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``verl`` arguments; Hydra overrides may come before, between or after the options.
+
+    argparse alone fills the ``overrides`` positional from one run of words only, so ``a=1 --backend cpu b=2``
+    would leave ``b=2`` unrecognized; the words it leaves over are appended to ``overrides`` in command-line
+    order (Hydra: the later of two settings of a key wins).
+
+    Raises:
+        BadInputError: an option ``verl train`` does not have, with the closest one it does.
+    """
+    import difflib
+
+    from verl_backend.errors import BadInputError
+
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    for word in rest:
+        if word.startswith("-") and word != "--":
+            option = word.split("=", 1)[0]
+            close = difflib.get_close_matches(option, parser.train_options, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise BadInputError(
+                f"unknown option {option!r}{hint}: `verl {args.command} --help` lists the options; VeRL settings "
+                "go as Hydra overrides key=value, e.g. trainer.total_training_steps=2"
+            )
+    args.overrides = [o for o in list(args.overrides or []) + rest if o != "--"]
+    return args
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -73,7 +103,13 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    from verl_backend.errors import BadInputError
+
+    try:
+        args = parse_args(argv)
+    except BadInputError as exc:
+        print(f"verl: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "train":
             from verl_backend.train import run_train

@@ -32,6 +32,34 @@ def test_help_names_the_main_options():
         assert word in proc.stdout
 
 
+@pytest.mark.parametrize("argv, overrides", [
+    (["--backend", "cpu", "--max-restarts", "0", "trainer.total_training_steps=2"], ["trainer.total_training_steps=2"]),
+    (["a=1", "--backend", "cpu", "b=2", "--max-restarts", "0", "c=3"], ["a=1", "b=2", "c=3"]),
+    (["--backend", "cpu", "a=1", "--max-restarts=0", "a=2", "--print-config"], ["a=1", "a=2"]),
+    (["--backend", "cpu", "--max-restarts", "0", "--", "x.y=1"], ["x.y=1"]),
+])
+def test_overrides_are_accepted_in_any_position_and_keep_their_order(argv, overrides):
+    from verl_backend.cli import parse_args
+
+    args = parse_args(["train", *argv])
+    assert args.overrides == overrides  # order kept: for Hydra the later setting of a key wins
+    assert args.backend == "cpu" and args.max_restarts == 0
+
+
+@pytest.mark.parametrize("word, hint", [("--max-restartz", " (did you mean --max-restarts?)"),
+                                        ("--no-such-flag=1", "")])
+def test_unknown_option_is_one_line_with_the_closest_option(word, hint):
+    from verl_backend.cli import main, parse_args
+    from verl_backend.errors import BadInputError
+
+    with pytest.raises(BadInputError) as caught:
+        parse_args(["train", "--backend", "cpu", "a=1", word, "0"])
+    option = word.split("=")[0]
+    assert str(caught.value).startswith(f"unknown option {option!r}{hint}: `verl train --help` lists the options")
+    line = _one_error_line(verl("train", "--backend", "cpu", word, "0"))  # refused before anything runs
+    assert line == f"verl: error: {caught.value}"
+
+
 def test_unknown_backend():
     line = _one_error_line(verl("train", "--backend", "gpu9"))
     assert "'gpu9'" in line and "tpu, cpu, cuda" in line
