@@ -57,6 +57,10 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         # log-probs against it run alone).
         "actor_rollout_ref.model.use_remove_padding": "true",
         "critic.model.use_remove_padding": "true",
+        # GRPO's n samples of a prompt share one copy of it in the packed row (Prefix Grouper's shared-prefix
+        # forward, VeRL's own key; see verl_backend.engine.shared_prefix_inputs): the prompt's forward and
+        # backward run once per group instead of n times, for the same log-probs and gradients.
+        "actor_rollout_ref.actor.use_prefix_grouper": "true",
         # The native rollout samples with the trainer's own fp32 weights (synced after every update), so its
         # per-token log-probs ARE the old-policy log-probs (measured max |diff| ~1e-10): reuse them instead of a
         # second forward pass over the batch. VeRL's bypass mode with the PPO-clip loss, ratio pi_theta/pi_old.

@@ -23,6 +23,7 @@ DEVICES = ["cpu", "tpu"]
 RESPONSE_LOGITS_ENV = "RL_TPU_RESPONSE_ONLY_LOGITS"  # "0" computes logits at every position, as VeRL does
 _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
+SHARED_PREFIX_ENV = "RL_TPU_SHARED_PREFIX"  # "0": every sequence carries its own copy of its prompt
 
 
 def first_response_logit_position(micro_batch: TensorDict) -> int | None:
@@ -69,13 +70,81 @@ def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
     return torch.repeat_interleave(starts, response_lens) + within
 
 
+def shared_prefix_inputs(micro_batch: TensorDict) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """Model inputs for a packed row that holds each distinct prompt once (GRPO's ``n`` samples share it).
+
+    Sequences of the micro batch with the same prompt tokens become one segment: the prompt, then each of their
+    responses. A 4-D boolean attention mask lets a prompt token attend causally within its prompt, and a response
+    token attend to its whole prompt and causally to its own response, never to a sibling response; positions
+    restart at ``p`` for every response (RoPE sees what it sees with the prompt repeated). So every response
+    token's logits, log-prob and gradient are the ones it has with its own copy of the prompt (up to float
+    rounding: the shared prompt activations receive the sum of the siblings' gradients, which is what the copies'
+    gradients add up to), while the prompt's forward and backward run once instead of ``n`` times.
+
+    This is the shared-prefix forward of Prefix Grouper (Liu et al. 2025, "Prefix Grouper: Efficient GRPO
+    Training through Shared-Prefix Forward", arXiv:2506.05433), which VeRL 0.9.1 names
+    (``actor.use_prefix_grouper``) but wires only into its legacy actor; here through transformers' 4-D masks
+    and sdpa, no extra package.
+
+    Returns:
+        ``(inputs, keep)``: ``inputs`` = ``input_ids`` ``(1, T)`` int64, ``position_ids`` ``(1, T)`` int64,
+        ``attention_mask`` ``(1, 1, T, T)`` bool (True = attend); ``keep`` ``(sum r_i,)`` int64, the row positions
+        whose logits predict the response tokens, in the order of :func:`response_logit_indices` (sequence, then
+        token). ``None`` when no two sequences share a prompt, the layout is not VeRL's no-padding one, or its
+        position ids are not ``0..len-1`` per sequence (e.g. multimodal rope).
+    """
+    if response_logit_indices(micro_batch) is None:
+        return None
+    input_ids = micro_batch["input_ids"]
+    position_ids = micro_batch.get("position_ids", None)
+    if position_ids is not None:
+        if position_ids.dim() != 2 or not position_ids.is_nested:
+            return None
+        lengths = input_ids.offsets().diff()
+        expected = torch.cat([torch.arange(int(n)) for n in lengths]).to(position_ids.device)
+        if not torch.equal(position_ids.values(), expected):
+            return None
+    prompts = [t.cpu() for t in micro_batch["prompts"].unbind()]
+    responses = [t.cpu() for t in micro_batch["responses"].unbind()]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt.tolist()), []).append(i)
+    if len(groups) == len(prompts):
+        return None
+    ids, pos, group, member = [], [], [], []  # per row position: token, position id, segment, 0 = prompt / j+1
+    keep_of: dict[int, torch.Tensor] = {}
+    cursor = 0
+    for g, seqs in enumerate(groups.values()):
+        prompt = prompts[seqs[0]]
+        p = prompt.numel()
+        ids.append(prompt), pos.append(torch.arange(p)), group.append(torch.full((p,), g)), member.append(torch.zeros(p))
+        start = cursor + p
+        for j, i in enumerate(seqs):
+            r = responses[i].numel()
+            ids.append(responses[i]), pos.append(torch.arange(p, p + r))
+            group.append(torch.full((r,), g)), member.append(torch.full((r,), j + 1))
+            # token 0 is predicted at the prompt's last position, token t > 0 at response token t - 1
+            keep_of[i] = torch.cat([torch.tensor([cursor + p - 1]), torch.arange(start, start + r - 1)])[:r]
+            start += r
+        cursor = start
+    group_t, member_t = torch.cat(group), torch.cat(member)
+    idx = torch.arange(cursor)
+    mask = (idx[:, None] >= idx[None, :]) & (group_t[:, None] == group_t[None, :]) & \
+        ((member_t[None, :] == 0) | (member_t[:, None] == member_t[None, :]))
+    keep = torch.cat([keep_of[i] for i in range(len(prompts))])
+    inputs = {"input_ids": torch.cat(ids).to(torch.long).unsqueeze(0), "position_ids": torch.cat(pos).unsqueeze(0),
+              "attention_mask": mask[None, None]}
+    return inputs, keep
+
+
 def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor, temperature: torch.Tensor,
                               keep: torch.Tensor, offsets: torch.Tensor,
                               entropy: bool | str = False) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and entropy) as VeRL's remove-padding path returns them, from logits kept at ``keep``.
 
     Args:
-        logits: ``(1, K, vocab)`` float, the model's logits at the ``K`` positions ``keep`` of the packed row.
+        logits: ``(1, K, vocab)`` float, the model's logits predicting the ``K`` response tokens, in the order of
+            ``keep`` (from VeRL's packed row, or from a :func:`shared_prefix_inputs` row).
         labels_rolled: ``(total_nnz,)`` int64, the packed tokens shifted left by one (VeRL's
             ``input_ids_rmpad_rolled``): the label of position ``t`` is token ``t + 1``.
         temperature: ``(total_nnz,)`` float, the sampling temperature of each position's sequence
@@ -126,7 +195,9 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     - remove-padding (``use_remove_padding=True``, the CPU default): the micro batch is one packed row of
       ``total_nnz`` tokens (Hugging Face keeps the sequences apart with a block-diagonal causal mask built from
       the ``position_ids``, so no flash-attn is needed); ``logits_to_keep`` is the 1-D index of the response
-      positions (:func:`response_logit_indices`).
+      positions (:func:`response_logit_indices`). When sequences share a prompt (GRPO's ``n`` samples), the row
+      holds that prompt once (:func:`shared_prefix_inputs`; ``RL_TPU_SHARED_PREFIX=0``, set from
+      ``actor.use_prefix_grouper=False``, turns it off).
     - padded (``use_remove_padding=False``): the kept logits are the last ``seq_len - first`` positions
       (:func:`first_response_logit_position`).
 
@@ -161,8 +232,20 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 return model_inputs, output_args  # sliced or padded packed rows: VeRL's own path
             keep = response_logit_indices(micro_batch)
             if keep is not None and keep.numel() > 0:
-                model_inputs["logits_to_keep"] = keep.to(model_inputs["input_ids"].device)
-                output_args[_KEEP_KEY] = model_inputs["logits_to_keep"]
+                device = model_inputs["input_ids"].device
+                shared = shared_prefix_inputs(micro_batch) if os.environ.get(SHARED_PREFIX_ENV, "1") != "0" else None
+                if shared is not None:  # one copy of each prompt, its samples' responses all attend to it
+                    row_inputs, row_keep = shared
+                    if not getattr(self, "_reported_shared_prefix", False):
+                        self._reported_shared_prefix = True
+                        print(f"[rl-tpu] shared-prefix forward: a micro batch of {micro_batch.batch_size[0]} "
+                              f"sequences packs to {row_inputs['input_ids'].shape[1]} tokens instead of "
+                              f"{model_inputs['input_ids'].shape[1]}", flush=True)
+                    model_inputs.update({k: v.to(device) for k, v in row_inputs.items()})
+                    model_inputs["logits_to_keep"] = row_keep.to(device)
+                else:
+                    model_inputs["logits_to_keep"] = keep.to(device)
+                output_args[_KEEP_KEY] = keep.to(device)  # the same positions in VeRL's packed layout
         else:
             first = first_response_logit_position(micro_batch)
             if first is not None:

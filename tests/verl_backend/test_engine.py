@@ -132,3 +132,65 @@ def test_packed_log_probs_carry_gradients_to_the_kept_positions_only(tiny_model_
     out["log_probs"].values().sum().backward()
     assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     assert out["log_probs"].values()[[0, 3, 4, 6]].abs().sum() == 0
+
+
+def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(tiny_model_dir):
+    """GRPO's n samples of a prompt share one copy of it in the packed row: same log-probs per response token,
+    same gradient as the row with a copy per sequence (VeRL's layout)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_backend.engine import packed_response_log_probs, response_logit_indices, shared_prefix_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(2)
+    pa, pb = torch.randint(10, 1000, (6,), generator=g).tolist(), torch.randint(10, 1000, (4,), generator=g).tolist()
+    prompts = [pa, pa, pb, pa, pb]  # two groups, not contiguous
+    rlens = [5, 1, 7, 3, 2]
+    responses = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in rlens]
+    td = _micro_batch(prompts, responses)
+    td["position_ids"] = torch.nested.as_nested_tensor(
+        [torch.arange(len(p) + len(r)) for p, r in zip(prompts, responses)], layout=torch.jagged)
+    nested = td["input_ids"]
+    offsets = nested.offsets()
+    keep = response_logit_indices(td)
+    inputs, row_keep = shared_prefix_inputs(td)
+    assert inputs["input_ids"].shape[1] == len(pa) + len(pb) + sum(rlens)  # each prompt once
+    assert row_keep.shape == keep.shape
+    rolled = torch.roll(nested.values(), shifts=-1)
+    temp = torch.ones(nested.values().shape[0])
+
+    def run(shared: bool):
+        model.zero_grad(set_to_none=True)
+        if shared:
+            logits = model(**inputs, use_cache=False, logits_to_keep=row_keep).logits
+        else:
+            ids = nested.values().unsqueeze(0)
+            pos = td["position_ids"].values().unsqueeze(0)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+        lp = packed_response_log_probs(logits, rolled, temp, keep, offsets)["log_probs"]
+        (lp.values() * torch.linspace(0.5, 1.5, lp.values().shape[0])).sum().backward()  # an uneven "loss"
+        return lp.values().detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lp_copy, grad_copy = run(shared=False)
+    lp_shared, grad_shared = run(shared=True)
+    torch.testing.assert_close(lp_shared, lp_copy, rtol=1e-5, atol=1e-5)
+    assert lp_copy[keep].abs().min() > 0  # real log-probs at the response positions
+    for name, want in grad_copy.items():
+        torch.testing.assert_close(grad_shared[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shared_prefix_needs_a_shared_prompt_and_plain_positions():
+    from verl_backend.engine import shared_prefix_inputs
+
+    distinct = _micro_batch([[1, 2], [3, 4]], [[5], [6]])
+    assert shared_prefix_inputs(distinct) is None  # nothing to share: VeRL's packed row
+    same = _micro_batch([[1, 2], [1, 2]], [[5], [6, 7]])
+    inputs, keep = shared_prefix_inputs(same)
+    assert inputs["input_ids"].tolist() == [[1, 2, 5, 6, 7]]
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 2, 3]]
+    assert keep.tolist() == [1, 1, 3]  # both first tokens from the prompt's last position
+    mask = inputs["attention_mask"][0, 0]
+    assert not mask[3, 2] and mask[3, 1] and mask[4, 3] and not mask[4, 2]  # siblings never see each other
+    same["position_ids"] = torch.nested.as_nested_tensor([torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8])],
+                                                         layout=torch.jagged)
+    assert shared_prefix_inputs(same) is None  # positions that do not start at 0: keep VeRL's layout

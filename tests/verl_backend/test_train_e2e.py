@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,10 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # trainer and rollout share this host: weights go through shared memory, released while the rollout sleeps
     # (step 2's log-probs above were sampled from weights written back after such a release)
     assert "weight sync to rollout replica 0: shared memory" in proc.stdout + proc.stderr
+    # GRPO's 4 samples per prompt share one copy of it in the trainer's packed rows (the log-probs checked above
+    # came through that path)
+    assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens",
+                     proc.stdout + proc.stderr)
 
 
 def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
