@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
                    "set trainer.save_freq so there is a checkpoint to resume)")
     t.add_argument("--print-config", action="store_true",
-                   help="print the composed VeRL config and exit (a dry run; works for tpu without a chip)")
+                   help="print the composed VeRL config and exit (a dry run; works for tpu without a chip; "
+                   "batch sizes that do not split over the workers are refused here too)")
     t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(s for a in t._actions for s in a.option_strings)
     return p

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -203,6 +204,71 @@ def slice_defaults(slice_arg: str | None) -> dict[str, str]:
     return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
 
 
+def check_batch_sizes(config, workers_from: str = "") -> None:
+    """Refuse batch sizes that do not split over the workers, before Ray starts (VeRL finds out later, as a traceback).
+
+    Mirrors VeRL 0.9.1's own rules for FSDP strategies: ``verl.utils.config.validate_config`` (each step's
+    ``data.train_batch_size × rollout.n`` sequences a multiple of the ``n_gpus_per_node × nnodes`` workers, unless
+    ``use_dynamic_bsz``), ``ActorConfig/CriticConfig.validate`` (``ppo_mini_batch_size <= data.train_batch_size``),
+    and the engine worker's ``update_actor``/``update_critic`` (each ``ppo_mini_batch_size × rollout.n`` update a
+    multiple of the data-parallel size, workers / Ulysses sequence-parallel size). Megatron is left to VeRL.
+
+    Args:
+        config: the composed VeRL config.
+        workers_from: where the worker count came from (e.g. ``--slice v4-16``), for the message.
+
+    Raises:
+        BadInputError: one line naming the keys, their values, the worker count and a value that works.
+    """
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic
+
+    actor, critic = config.actor_rollout_ref.actor, config.critic
+    if actor.strategy not in ("fsdp", "fsdp2"):
+        return
+    per_node, nodes = int(config.trainer.n_gpus_per_node), int(config.trainer.nnodes)
+    workers = per_node * nodes
+    n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
+    pool = (f"{workers} workers (trainer.n_gpus_per_node={per_node} × trainer.nnodes={nodes}"
+            + (f", from {workers_from})" if workers_from else ")"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # need_critic warns that a non-GAE estimator has no critic
+        roles = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if need_critic(config) else [])
+
+    def multiple(size: int, of: int) -> int:
+        """The smallest value >= size whose product with n is a multiple of ``of``."""
+        step = of // math.gcd(of, n)
+        return max(step, -(-size // step) * step)
+
+    if not actor.use_dynamic_bsz and (batch * n) % workers:
+        raise BadInputError(
+            f"data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} = {batch * n} sequences per step do "
+            f"not split evenly over the {pool}: set data.train_batch_size={multiple(batch, workers)} (a multiple "
+            f"of {workers // math.gcd(workers, n)}), or run on fewer workers"
+        )
+    for role, section in roles:
+        mini = section.ppo_mini_batch_size
+        if mini is None:
+            continue
+        mini = int(mini)
+        if not section.use_dynamic_bsz and batch < mini:
+            raise BadInputError(
+                f"data.train_batch_size={batch} is below {role}.ppo_mini_batch_size={mini}: a PPO update needs "
+                f"that many prompts; set {role}.ppo_mini_batch_size={batch} or raise data.train_batch_size"
+            )
+        engine = section.get("fsdp_config" if role != "critic" else "fsdp") or {}
+        sp = max(int(section.get("ulysses_sequence_parallel_size") or 1),
+                 int(engine.get("ulysses_sequence_parallel_size") or 1))
+        dp = max(1, workers // sp)
+        if (mini * n) % dp:
+            raise BadInputError(
+                f"{role}.ppo_mini_batch_size={mini} × actor_rollout_ref.rollout.n={n} = {mini * n} sequences per "
+                f"PPO update do not split over the {dp} data-parallel ranks of the {pool}: set "
+                f"{role}.ppo_mini_batch_size={multiple(mini, dp)} (a multiple of {dp // math.gcd(dp, n)})"
+            )
+
+
 def run_train(args) -> int:
     backend = str(args.backend).strip().lower()
     if not (backend == "tpu" and args.print_config):  # a dry run composes the TPU config without a chip
@@ -240,9 +306,11 @@ def run_train(args) -> int:
         ours.pop("task_config", None)  # the config file's task_config belongs to the config file's task
     file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
     defaults = dict(BACKEND_DEFAULTS[backend])
+    slice_keys: dict[str, str] = {}
     if backend == "tpu" or (backend == "cpu" and getattr(args, "slice", None)):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
-        defaults.update(slice_defaults(getattr(args, "slice", None)))
+        slice_keys = slice_defaults(getattr(args, "slice", None))
+        defaults.update(slice_keys)
     elif getattr(args, "slice", None):
         raise BadInputError(f"--slice applies to --backend tpu (or cpu, as a dry run), not {backend}")
     merged = merge_overrides(defaults, file_overrides, cli_overrides)
@@ -255,6 +323,9 @@ def run_train(args) -> int:
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     config = compose_config(merged + extra)
+    from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
+    check_batch_sizes(config, workers_from=(f"--slice {args.slice}" if getattr(args, "slice", None) else
+                                            "$TPU_ACCELERATOR_TYPE") if from_slice else "")
 
     if args.print_config:
         from omegaconf import OmegaConf

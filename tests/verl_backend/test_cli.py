@@ -85,7 +85,8 @@ def test_default_config_composes_with_backend_defaults(tmp_path):
 def test_command_line_beats_config_file_beats_backend_defaults(tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"train_batch_size": 2, "max_response_length": 32},
-                                   "actor_rollout_ref": {"rollout": {"max_num_seqs": 8}}}))
+                                   "actor_rollout_ref": {"rollout": {"max_num_seqs": 8},
+                                                         "actor": {"ppo_mini_batch_size": 2}}}))
     proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"), "--config", str(cfg),
                 "--print-config", "data.train_batch_size=3")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -144,3 +145,80 @@ def test_tpu_slice_sets_one_node_per_host_and_one_worker_per_chip(tmp_path):
 def test_bad_slice_is_one_line():
     line = _one_error_line(verl("train", "--backend", "tpu", "--slice", "v6e-16:2x2", "--print-config"))
     assert "v6e-16" in line
+
+
+def _compose_ppo(model_dir, *overrides: str):
+    """examples/ppo_cpu.yaml (PPO, critic, rollout.n=1) on 2 nodes x 4 workers, composed without Ray."""
+    from verl_backend.defaults import BACKEND_DEFAULTS
+    from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
+
+    file_overrides, _ = flatten_yaml_overrides("examples/ppo_cpu.yaml")
+    # VeRL's validate_config turns critic.model into an HFModelConfig, which has no fsdp_config field
+    defaults = {k: v for k, v in BACKEND_DEFAULTS["cpu"].items() if k != "+critic.model.fsdp_config.mixed_precision"}
+    return compose_config(merge_overrides(defaults, file_overrides,
+                                          [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+                                           "trainer.nnodes=2", "trainer.n_gpus_per_node=4", *overrides]))
+
+
+def _verl_validate(config) -> Exception | None:
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        except (AssertionError, ValueError) as exc:
+            return exc
+    return None
+
+
+@pytest.mark.parametrize("overrides, ours, verls", [
+    # VeRL's validate_config: train_batch_size x rollout.n a multiple of the 8 workers
+    (["data.train_batch_size=4"], "data.train_batch_size=4 × actor_rollout_ref.rollout.n=1 = 4 sequences per step "
+     "do not split evenly over the 8 workers (trainer.n_gpus_per_node=4 × trainer.nnodes=2): set "
+     "data.train_batch_size=8", "must be divisible by minimal possible batch size (8)"),
+    (["data.train_batch_size=6", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "critic.ppo_mini_batch_size=4"], "= 12 sequences per step do not split evenly over the 8 workers "
+     "(trainer.n_gpus_per_node=4 × trainer.nnodes=2): set data.train_batch_size=8 (a multiple of 4)",
+     "real_train_batch_size (12) must be divisible by minimal possible batch size (8)"),
+    # VeRL's ActorConfig.validate / CriticConfig.validate
+    (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+     "data.train_batch_size=8 is below actor_rollout_ref.actor.ppo_mini_batch_size=16", "must be >="),
+    (["data.train_batch_size=8", "critic.ppo_mini_batch_size=16"],
+     "data.train_batch_size=8 is below critic.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size (16)"),
+    # VeRL's engine worker (after Ray starts): ppo_mini_batch_size x n a multiple of the data-parallel size
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size=4 × "
+     "actor_rollout_ref.rollout.n=1 = 4 sequences per PPO update do not split over the 8 data-parallel ranks", None),
+    (["critic.ppo_mini_batch_size=4"], "set critic.ppo_mini_batch_size=8 (a multiple of 8)", None),
+    (["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "critic.ppo_mini_batch_size=4"], None, None),  # 4 x 2 = 8 per update, 8 x 2 = 16 per step: fine
+    (["data.train_batch_size=4", "actor_rollout_ref.actor.use_dynamic_bsz=true"], None, None),  # VeRL skips it too
+])
+def test_batch_sizes_that_do_not_split_over_the_workers_are_one_line_before_ray(monkeypatch, tiny_model_dir, overrides,
+                                                                               ours, verls):
+    from verl_backend.errors import BadInputError
+    from verl_backend.train import check_batch_sizes
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    config = _compose_ppo(tiny_model_dir, *overrides)
+    verl_error = _verl_validate(config)
+    assert (verl_error is None) == (verls is None), verl_error  # the same rule as VeRL's own check
+    if verls:
+        assert verls in str(verl_error)
+    if ours is None:
+        check_batch_sizes(config)
+        return
+    with pytest.raises(BadInputError) as caught:
+        check_batch_sizes(config)
+    assert ours in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_batch_check_runs_where_the_config_is_composed_and_names_the_slice(tmp_path):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--slice", "v4-16", "--config", "examples/ppo_cpu.yaml",
+                                "--output-dir", str(tmp_path), "--print-config", "data.train_batch_size=4"))
+    assert line.startswith("verl: error: data.train_batch_size=4 × actor_rollout_ref.rollout.n=1 = 4 sequences per "
+                           "step do not split evenly over the 8 workers (trainer.n_gpus_per_node=4 × "
+                           "trainer.nnodes=2, from --slice v4-16): set data.train_batch_size=8")
