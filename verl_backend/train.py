@@ -345,6 +345,11 @@ def run_train(args) -> int:
         "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         "TOKENIZERS_PARALLELISM": "false",
+        # VeRL's switch for the shared-prefix forward (it also keeps each prompt's samples together when it
+        # balances the batch); our engine reads it from here (verl_backend.engine.shared_prefix_inputs)
+        "RL_TPU_SHARED_PREFIX": "1" if config.actor_rollout_ref.actor.get("use_prefix_grouper", False) else "0",
+        # Ray starts a spare worker per CPU slot when the driver connects; none is ever used here (~0.05 GiB each)
+        "RAY_prestart_worker_first_driver": "0",
     }
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
               "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S"):
