@@ -46,7 +46,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.rollout.dtype": "float32",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision": _FP32_MP,
         "+actor_rollout_ref.ref.fsdp_config.mixed_precision": _FP32_MP,
-        "+critic.model.fsdp_config.mixed_precision": _FP32_MP,
+        "+critic.fsdp.mixed_precision": _FP32_MP,  # the critic engine's FSDPEngineConfig (VeRL 0.9.1)
         "actor_rollout_ref.actor.use_torch_compile": "false",
         "actor_rollout_ref.ref.use_torch_compile": "false",
         "actor_rollout_ref.model.enable_gradient_checkpointing": "false",

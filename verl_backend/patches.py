@@ -112,6 +112,31 @@ def _trl_has_value_head_model() -> bool:
     return True
 
 
+def _make_load_valuehead_model(original):
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        """Replacement for ``verl.utils.model.load_valuehead_model`` (VeRL 0.9.1), which builds the critic.
+
+        VeRL loads it as ``AutoModelForTokenClassification`` with ``attn_implementation="flash_attention_2"``
+        hard-coded and, when that fails, falls back to TRL's value-head wrapper (gone in TRL 1.x). Without
+        flash-attn (CPU, TPU) no critic could be built at all. When flash-attn is not installed, load it with the
+        model config's own attention implementation (``sdpa`` from the backend defaults) instead.
+        """
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+        from transformers import AutoModelForTokenClassification
+
+        attn = getattr(model_config, "_attn_implementation", None) or "sdpa"
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path, dtype=torch_dtype, config=model_config,
+            attn_implementation="sdpa" if attn.startswith("flash_attention") else attn,
+            trust_remote_code=trust_remote_code,
+        )
+
+    return load_valuehead_model
+
+
 REPLAY_POLL_S = 0.2
 
 
@@ -177,6 +202,7 @@ def apply() -> None:
 
     for module in (monkey_patch, vmodel):
         module.is_trl_available = _trl_has_value_head_model
+    vmodel.load_valuehead_model = _make_load_valuehead_model(vmodel.load_valuehead_model)
 
     tracking.FileLogger.__init__ = _append_file_logger_init
 

@@ -153,9 +153,7 @@ def _compose_ppo(model_dir, *overrides: str):
     from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
 
     file_overrides, _ = flatten_yaml_overrides("examples/ppo_cpu.yaml")
-    # VeRL's validate_config turns critic.model into an HFModelConfig, which has no fsdp_config field
-    defaults = {k: v for k, v in BACKEND_DEFAULTS["cpu"].items() if k != "+critic.model.fsdp_config.mixed_precision"}
-    return compose_config(merge_overrides(defaults, file_overrides,
+    return compose_config(merge_overrides(BACKEND_DEFAULTS["cpu"], file_overrides,
                                           [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
                                            "trainer.nnodes=2", "trainer.n_gpus_per_node=4", *overrides]))
 
