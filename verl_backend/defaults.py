@@ -61,6 +61,10 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         # forward, VeRL's own key; see verl_backend.engine.shared_prefix_inputs): the prompt's forward and
         # backward run once per group instead of n times, for the same log-probs and gradients.
         "actor_rollout_ref.actor.use_prefix_grouper": "true",
+        # torch's fused AdamW kernel (CPU since torch 2.4): one pass over each parameter instead of foreach's
+        # full-size temporaries; measured 0.09 s against 0.66 s a step for 135M parameters on one thread.
+        "actor_rollout_ref.actor.optim.override_optimizer_config": "{fused:true}",
+        "critic.optim.override_optimizer_config": "{fused:true}",
         # The native rollout samples with the trainer's own fp32 weights (synced after every update), so its
         # per-token log-probs ARE the old-policy log-probs (measured max |diff| ~1e-10): reuse them instead of a
         # second forward pass over the batch. VeRL's bypass mode with the PPO-clip loss, ratio pi_theta/pi_old.

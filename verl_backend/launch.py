@@ -39,7 +39,7 @@ def flatten_yaml_overrides(path: str | os.PathLike) -> tuple[list[str], dict[str
 
     The top-level ``rl_tpu`` mapping (our own settings: built-in data) is returned separately, untouched.
     Keys starting with ``+`` are kept as additions. Dicts are flattened to leaves except under keys ending in
-    ``override_config``/``mixed_precision``/``env_vars`` (passed whole).
+    ``override_config``/``mixed_precision``/``env_vars``/``override_optimizer_config`` (passed whole).
 
     Returns:
         ``(overrides, rl_tpu_settings)``.
@@ -64,7 +64,7 @@ def flatten_yaml_overrides(path: str | os.PathLike) -> tuple[list[str], dict[str
     out: list[str] = []
 
     def walk(prefix: str, node: Any) -> None:
-        whole = prefix.endswith(("override_config", "mixed_precision", "env_vars"))
+        whole = prefix.endswith(("override_config", "mixed_precision", "env_vars", "override_optimizer_config"))
         if isinstance(node, dict) and node and not whole:
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)

@@ -1,6 +1,7 @@
 """Narrow patches of VeRL 0.9.1 functions that assume CUDA. Each names the function, the version and why.
 
-Applied by the plugin in every process; each is idempotent and leaves CUDA behaviour unchanged.
+Applied by the plugin in every process, each when VeRL imports its target module (post-import hooks, so the
+plugin itself imports no heavy VeRL module); each leaves CUDA behaviour unchanged.
 """
 
 from __future__ import annotations
@@ -180,44 +181,86 @@ def _make_create_resource_pool(original):
     return create_resource_pool
 
 
+_init_pg_ray_patched = None
+
+
+def _patched_init_pg_ray(vdist):
+    global _init_pg_ray_patched
+    if _init_pg_ray_patched is None:
+        original = vdist.initialize_global_process_group_ray
+        _init_pg_ray_patched = _make_init_pg_ray(getattr(original, "__wrapped__", original))
+    return _init_pg_ray_patched
+
+
+def _patch_resource_pool_manager(module) -> None:
+    module.ResourcePoolManager._check_resource_available = _check_resource_available
+    module.ResourcePoolManager.create_resource_pool = _make_create_resource_pool(
+        module.ResourcePoolManager.create_resource_pool)
+
+
+def _patch_replay_buffer(module) -> None:
+    module.ReplayBuffer.__init__ = _make_replay_buffer_init(module.ReplayBuffer.__init__)
+
+
+def _patch_trl_check(module) -> None:
+    module.is_trl_available = _trl_has_value_head_model
+
+
+def _patch_model_utils(module) -> None:
+    module.is_trl_available = _trl_has_value_head_model
+    module.load_valuehead_model = _make_load_valuehead_model(module.load_valuehead_model)
+
+
+def _patch_tracking(module) -> None:
+    module.FileLogger.__init__ = _append_file_logger_init
+
+
+def _patch_distributed(module) -> None:
+    module.initialize_global_process_group_ray = _patched_init_pg_ray(module)
+
+
+def _rebind_init_pg_ray(module) -> None:
+    """Where VeRL imported the function by name (before or after the patch), bind the patched one."""
+    import verl.utils.distributed as vdist
+
+    module.initialize_global_process_group_ray = _patched_init_pg_ray(vdist)
+
+
+def _patch_fsdp_engine_module(module) -> None:
+    from verl.utils.device import get_device_name
+
+    if get_device_name() == "cpu":
+        module.CPUOffloadPolicy = _cpu_offload_policy_without_pinning(module.CPUOffloadPolicy)
+
+
+# VeRL module -> what to do once it has been imported. Heavy VeRL modules (its FSDP engine pulls ~2,000 modules,
+# ~190 MiB) are never imported by us: each patch waits for the process to import its target, so VeRL's light
+# processes (agent loop, reward loop, load balancer, TransferQueue) stay light.
+PATCHES = {
+    "verl.single_controller.ray.base": _patch_resource_pool_manager,
+    "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer,
+    "verl.models.transformers.monkey_patch": _patch_trl_check,
+    "verl.utils.model": _patch_model_utils,
+    "verl.utils.tracking": _patch_tracking,
+    "verl.utils.distributed": _patch_distributed,
+    "verl.workers.engine_workers": _rebind_init_pg_ray,
+    "verl.checkpoint_engine.base": _rebind_init_pg_ray,
+    "verl.workers.engine.fsdp.transformer_impl": _patch_fsdp_engine_module,
+}
+
+
 def apply() -> None:
-    """Apply every patch once (VeRL must be the pinned version)."""
+    """Apply every patch once each target module is imported (VeRL must be the pinned version).
+
+    Uses post-import hooks (``wrapt.register_post_import_hook``): a target already imported is patched at once.
+    """
     global _applied
     if _applied:
         return
     if verl.__version__ != PATCHED_VERSION:
         raise RuntimeError(f"rl-tpu patches target verl=={PATCHED_VERSION}, found {verl.__version__}; pin verl")
-    from verl.single_controller.ray.base import ResourcePoolManager
+    import wrapt
 
-    ResourcePoolManager._check_resource_available = _check_resource_available
-    ResourcePoolManager.create_resource_pool = _make_create_resource_pool(ResourcePoolManager.create_resource_pool)
-
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
-
-    ReplayBuffer.__init__ = _make_replay_buffer_init(ReplayBuffer.__init__)
-
-    import verl.models.transformers.monkey_patch as monkey_patch
-    import verl.utils.model as vmodel
-    import verl.utils.tracking as tracking
-
-    for module in (monkey_patch, vmodel):
-        module.is_trl_available = _trl_has_value_head_model
-    vmodel.load_valuehead_model = _make_load_valuehead_model(vmodel.load_valuehead_model)
-
-    tracking.FileLogger.__init__ = _append_file_logger_init
-
-    import verl.checkpoint_engine.base as ckpt_base
-    import verl.utils.distributed as vdist
-    import verl.workers.engine_workers as engine_workers
-
-    from verl.utils.device import get_device_name
-    from verl.workers.engine.fsdp import transformer_impl
-
-    if get_device_name() == "cpu":
-        transformer_impl.CPUOffloadPolicy = _cpu_offload_policy_without_pinning(transformer_impl.CPUOffloadPolicy)
-
-    patched = _make_init_pg_ray(vdist.initialize_global_process_group_ray)
-    # Rebind where VeRL imported the function by name, too.
-    for module in (vdist, engine_workers, ckpt_base):
-        module.initialize_global_process_group_ray = patched
+    for name, patch in PATCHES.items():
+        wrapt.register_post_import_hook(patch, name)
     _applied = True

@@ -18,24 +18,44 @@ import logging
 logger = logging.getLogger("rl_tpu.verl_plugin")
 
 
-def register() -> None:
-    """Register everything above with VeRL's registries (idempotent)."""
-    # Platforms first: importing VeRL's FSDP engine resolves the platform at module level.
-    from verl_backend import platforms  # noqa: F401  (registration by import)
-    from verl_backend import engine, patches  # noqa: F401
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
+def _register_engine(_module) -> None:
+    from verl_backend import engine  # noqa: F401  (registration by import)
 
-    rollout_base._ROLLOUT_REGISTRY[("native", "async")] = "verl_backend.rollout.adapter.NativeServerAdapter"
 
+def _register_rollout(module) -> None:
+    module._ROLLOUT_REGISTRY[("native", "async")] = "verl_backend.rollout.adapter.NativeServerAdapter"
+
+
+def _register_replica(module) -> None:
     def _load_native():
         from verl_backend.rollout.replica import NativeReplica
 
         return NativeReplica
 
-    RolloutReplicaRegistry.register("native", _load_native)
+    module.RolloutReplicaRegistry.register("native", _load_native)
+
+
+def _register_checkpoint_engine(_module) -> None:
     from verl_backend.rollout import inworker  # noqa: F401  (registers the "native" checkpoint engine)
 
+
+def register() -> None:
+    """Register everything above with VeRL's registries (idempotent).
+
+    The platforms are registered now (they are light). The engine, the rollout and the checkpoint engine are
+    registered when the process imports the VeRL registry they belong to (post-import hooks): importing VeRL's
+    FSDP engine costs ~190 MiB and ~5 s, and most VeRL processes (agent loop, reward loop, load balancer,
+    TransferQueue) never need it.
+    """
+    import wrapt
+
+    # Platforms first: importing VeRL's FSDP engine resolves the platform at module level.
+    from verl_backend import patches, platforms  # noqa: F401  (registration by import)
+
+    wrapt.register_post_import_hook(_register_engine, "verl.workers.engine.fsdp.transformer_impl")
+    wrapt.register_post_import_hook(_register_rollout, "verl.workers.rollout.base")
+    wrapt.register_post_import_hook(_register_replica, "verl.workers.rollout.replica")
+    wrapt.register_post_import_hook(_register_checkpoint_engine, "verl.checkpoint_engine.base")
     patches.apply()
 
 

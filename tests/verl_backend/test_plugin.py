@@ -60,6 +60,32 @@ def test_import_verl_finds_plugin_through_entry_point_and_registers_everything()
     assert out["cpu_opts"] == {"num_cpus": pytest.approx(1 / 3)}
 
 
+def test_import_verl_stays_light_until_a_process_imports_the_engine():
+    """The plugin imports no heavy VeRL module itself: VeRL's agent-loop, reward and TransferQueue processes only
+    import ``verl`` and must not pay for the FSDP engine (~2,000 modules, ~190 MiB each)."""
+    out = _run(
+        """
+        import json, sys, verl
+        light = {m: m in sys.modules for m in ("verl.workers.engine.fsdp.transformer_impl", "torchao",
+                                               "verl.workers.engine_workers", "verl.checkpoint_engine.base")}
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+        from verl.workers.engine.base import EngineRegistry
+        import verl.workers.engine_workers as ew
+        import verl.utils.distributed as vdist
+        print(json.dumps({
+            "light": light,
+            "engine": EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__,
+            "ckpt": CheckpointEngineRegistry.get("native").__name__,
+            "init_pg_patched": ew.initialize_global_process_group_ray is vdist.initialize_global_process_group_ray
+            and "de-duplicated" in vdist.initialize_global_process_group_ray.__doc__,
+        }))
+        """
+    )
+    assert not any(out["light"].values()), out["light"]
+    assert out["engine"] == "RlTpuFSDPEngineWithLMHead" and out["ckpt"] == "NativeCheckpointEngine"
+    assert out["init_pg_patched"]
+
+
 def test_tpu_platform_registers_without_starting_libtpu_and_asks_whole_chips():
     out = _run(
         """
