@@ -370,6 +370,12 @@ def run_train(args) -> int:
 
     from verl_backend.report import write_report
 
+    import gc
+
+    from rl_tpu.device import trim_host_heap
+
+    gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
+    trim_host_heap()
     start = time.time()
     _run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0))
     summary = write_report(out, wall_s=time.time() - start)
