@@ -350,6 +350,8 @@ def run_train(args) -> int:
         "RL_TPU_SHARED_PREFIX": "1" if config.actor_rollout_ref.actor.get("use_prefix_grouper", False) else "0",
         # Ray starts a spare worker per CPU slot when the driver connects; none is ever used here (~0.05 GiB each)
         "RAY_prestart_worker_first_driver": "0",
+        # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
+        "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
               "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S"):
