@@ -111,8 +111,9 @@ class NativeServerAdapter(BaseRollout):
         return None
 
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], wire_format: str = "named_tensors", **kwargs: Any):
-        """Send ``(name, tensor)`` pairs to this replica's server in buckets of
-        ``checkpoint_engine.update_weights_bucket_megabytes`` MiB; returns when the server has loaded them.
+        """Send ``(name, tensor)`` pairs to this replica's server: written straight into its shared-memory weights
+        when it runs on this host, else in object-store buckets of ``checkpoint_engine.update_weights_bucket_megabytes``
+        MiB. Returns when the server serves the new weights.
 
         Records ``last_sync = {"bytes", "seconds", "buckets", "transport"}`` (``"shared_memory"`` or
         ``"object_store"``).
