@@ -247,6 +247,7 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
             f"not split evenly over the {pool}: set data.train_batch_size={multiple(batch, workers)} (a multiple "
             f"of {workers // math.gcd(workers, n)}), or run on fewer workers"
         )
+    dp_of: dict[str, int] = {}
     for role, section in roles:
         mini = section.ppo_mini_batch_size
         if mini is None:
@@ -261,11 +262,36 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
         sp = max(int(section.get("ulysses_sequence_parallel_size") or 1),
                  int(engine.get("ulysses_sequence_parallel_size") or 1))
         dp = max(1, workers // sp)
+        dp_of[role] = dp
         if (mini * n) % dp:
             raise BadInputError(
                 f"{role}.ppo_mini_batch_size={mini} × actor_rollout_ref.rollout.n={n} = {mini * n} sequences per "
                 f"PPO update do not split over the {dp} data-parallel ranks of the {pool}: set "
                 f"{role}.ppo_mini_batch_size={multiple(mini, dp)} (a multiple of {dp // math.gcd(dp, n)})"
+            )
+    # VeRL's engine splits each rank's share of a PPO update into micro batches (workers/engine/utils.py asserts)
+    for role, section in roles:
+        mini, micro = section.ppo_mini_batch_size, section.get("ppo_micro_batch_size_per_gpu")
+        if mini is None or not micro or section.use_dynamic_bsz:
+            continue
+        share = int(mini) * n // dp_of[role]
+        if share % int(micro):
+            raise BadInputError(
+                f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {share} sequences each "
+                f"data-parallel rank gets per PPO update ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / "
+                f"{dp_of[role]} ranks): set it to a divisor of {share}"
+            )
+    # VeRL's engine splits each rank's share of the batch into log-prob micro batches (workers/engine/utils.py)
+    per_rank = batch * n // max(1, workers)
+    for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
+        section = config.actor_rollout_ref.rollout if ".rollout." in key else config.actor_rollout_ref.ref
+        micro = section.get("log_prob_micro_batch_size_per_gpu")
+        if micro and not section.get("log_prob_use_dynamic_bsz", False) and per_rank % int(micro):
+            raise BadInputError(
+                f"{key}={micro} does not divide the {per_rank} sequences each worker scores per step "
+                f"(data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} / {workers} workers): set it to a "
+                f"divisor of {per_rank}"
             )
 
 
@@ -280,6 +306,9 @@ def run_train(args) -> int:
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
     if args.num_threads is not None and args.num_threads < 1:
         raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
+    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS"):
+        if os.environ.get(flag, "1") not in ("0", "1"):
+            raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
     if int(getattr(args, "max_restarts", 0) or 0) < 0:
         raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
     threads = args.num_threads or int(os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or 0)

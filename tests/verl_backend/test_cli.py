@@ -191,8 +191,18 @@ def _verl_validate(config) -> Exception | None:
     (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size=4 × "
      "actor_rollout_ref.rollout.n=1 = 4 sequences per PPO update do not split over the 8 data-parallel ranks", None),
     (["critic.ppo_mini_batch_size=4"], "set critic.ppo_mini_batch_size=8 (a multiple of 8)", None),
+    # VeRL's engine (after Ray starts): micro batches divide each rank's share
     (["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-      "critic.ppo_mini_batch_size=4"], None, None),  # 4 x 2 = 8 per update, 8 x 2 = 16 per step: fine
+      "critic.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 does not divide the 1 "
+     "sequences each data-parallel rank gets per PPO update", None),
+    (["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+      "critic.ppo_micro_batch_size_per_gpu=1"], "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 does "
+     "not divide the 2 sequences each worker scores per step", None),
+    (["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+      "critic.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"], None, None),  # 8 per update, 16 per step: fine
     (["data.train_batch_size=4", "actor_rollout_ref.actor.use_dynamic_bsz=true"], None, None),  # VeRL skips it too
 ])
 def test_batch_sizes_that_do_not_split_over_the_workers_are_one_line_before_ray(monkeypatch, tiny_model_dir, overrides,
@@ -220,3 +230,24 @@ def test_batch_check_runs_where_the_config_is_composed_and_names_the_slice(tmp_p
     assert line.startswith("verl: error: data.train_batch_size=4 × actor_rollout_ref.rollout.n=1 = 4 sequences per "
                            "step do not split evenly over the 8 workers (trainer.n_gpus_per_node=4 × "
                            "trainer.nnodes=2, from --slice v4-16): set data.train_batch_size=8")
+
+
+def test_micro_batches_that_do_not_divide_a_workers_share_are_one_line(tmp_path):
+    """GRPO default with rollout.n=1: 4 sequences a step, log-prob micro batches of 8 (VeRL asserts inside a
+    worker: 'data size must be divisible by ... micro_batch_size_per_gpu')."""
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
+                                "actor_rollout_ref.rollout.n=1"))
+    assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 does not divide the 4 sequences" in line
+    assert "set it to a divisor of 4" in line
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"))
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3 does not divide the 16 sequences" in line
+
+
+def test_on_off_switches_take_0_or_1(tmp_path):
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_SHARED_WEIGHTS": "banana"}
+    env.pop("VERL_PLATFORM", None)
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
+                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
+    line = _one_error_line(proc)
+    assert "RL_TPU_SHARED_WEIGHTS='banana': set it to 1 (on, the default) or 0 (off)" in line
