@@ -32,6 +32,7 @@ __all__ = [
     "iter_buckets",
     "pack_bucket",
     "unpack_bucket",
+    "weight_mismatch",
 ]
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -51,6 +52,19 @@ class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+
+
+def weight_mismatch(where: str, name: str, dst: torch.Tensor | None, src: torch.Tensor, example: str) -> str | None:
+    """Why ``src`` cannot be written into the receiver's tensor ``dst`` named ``name`` in a weight sync, as one line
+    starting with ``where``, or ``None`` when it can (``dst is None``: the receiver has no tensor of that name;
+    ``example`` is one of its names)."""
+    if dst is None:
+        return (f"{where}: the model has no tensor named {name!r}; send the receiving model's state_dict names "
+                f"(e.g. {example!r})")
+    if tuple(dst.shape) != tuple(src.shape):
+        return (f"{where}: {name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}; send weights "
+                "of the same architecture")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ process groups

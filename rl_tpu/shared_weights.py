@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from rl_tpu.collectives import weight_mismatch
+
 __all__ = ["SharedWeights", "SharedWeightsError", "SharedWeightsWriter", "Slot", "shared_memory_supported"]
 
 _ALIGN = 64  # bytes; slots start on cache-line boundaries (and satisfy every dtype's alignment)
@@ -179,18 +181,10 @@ class SharedWeightsWriter:
         """
         written, nbytes = set(), 0
         for name, tensor in named_tensors:
-            entry = self._by_name.get(name)
-            if entry is None:
-                raise SharedWeightsError(
-                    f"weight sync: the rollout model has no tensor named {name!r}; send the rollout model's "
-                    f"state_dict names (e.g. {next(iter(self._by_name))!r})"
-                )
-            index, view = entry
-            if tuple(view.shape) != tuple(tensor.shape):
-                raise SharedWeightsError(
-                    f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the rollout model's is "
-                    f"{tuple(view.shape)}; send weights of the same architecture"
-                )
+            index, view = self._by_name.get(name, (None, None))
+            problem = weight_mismatch("weight sync", name, view, tensor, next(iter(self._by_name)))
+            if problem:
+                raise SharedWeightsError(problem)
             view.copy_(tensor)
             if index not in written:
                 written.add(index)

@@ -26,6 +26,20 @@ _KEEP_KEY = "rl_tpu_logits_keep"
 SHARED_PREFIX_ENV = "RL_TPU_SHARED_PREFIX"  # "0": every sequence carries its own copy of its prompt
 
 
+def _no_padding_layout(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(prompt_lens, response_lens, offsets)`` of VeRL 0.9.1's no-padding layout (``(batch,)``, ``(batch,)``,
+    ``(batch + 1,)`` int64): jagged ``prompts``/``responses`` whose lengths add up to ``input_ids``'; else ``None``."""
+    if not {"prompts", "responses", "input_ids"} <= set(micro_batch.keys()):
+        return None
+    prompts, responses, input_ids = micro_batch["prompts"], micro_batch["responses"], micro_batch["input_ids"]
+    if not (prompts.is_nested and responses.is_nested and input_ids.is_nested):
+        return None
+    prompt_lens, response_lens, offsets = prompts.offsets().diff(), responses.offsets().diff(), input_ids.offsets()
+    if not torch.equal(prompt_lens + response_lens, offsets.diff()):
+        return None
+    return prompt_lens, response_lens, offsets
+
+
 def first_response_logit_position(micro_batch: TensorDict) -> int | None:
     """First position (in the packed, right-padded micro batch) whose logits predict a response token.
 
@@ -34,16 +48,10 @@ def first_response_logit_position(micro_batch: TensorDict) -> int | None:
     response token ``p_i`` comes from the logits at position ``p_i - 1``, so this returns ``min_i p_i - 1`` (>= 0).
     Returns ``None`` (use VeRL's own path) when the micro batch does not have that layout.
     """
-    keys = set(micro_batch.keys())
-    if not {"prompts", "responses", "input_ids"} <= keys:
+    layout = _no_padding_layout(micro_batch)
+    if layout is None:
         return None
-    prompts, responses, input_ids = micro_batch["prompts"], micro_batch["responses"], micro_batch["input_ids"]
-    if not (prompts.is_nested and responses.is_nested and input_ids.is_nested):
-        return None
-    prompt_lens = prompts.offsets().diff()
-    if not torch.equal(prompt_lens + responses.offsets().diff(), input_ids.offsets().diff()):
-        return None
-    return max(int(prompt_lens.min().item()) - 1, 0)
+    return max(int(layout[0].min().item()) - 1, 0)
 
 
 def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
@@ -54,16 +62,10 @@ def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
     ``offsets[i] + p_i - 1 ... offsets[i] + p_i + r_i - 2``. Returns those positions, ascending, as a ``(sum r_i,)``
     int64 tensor, or ``None`` when the micro batch has another layout (or a sequence without prompt tokens).
     """
-    keys = set(micro_batch.keys())
-    if not {"prompts", "responses", "input_ids"} <= keys:
+    layout = _no_padding_layout(micro_batch)
+    if layout is None or bool((layout[0] < 1).any()):
         return None
-    prompts, responses, input_ids = micro_batch["prompts"], micro_batch["responses"], micro_batch["input_ids"]
-    if not (prompts.is_nested and responses.is_nested and input_ids.is_nested):
-        return None
-    prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
-    offsets = input_ids.offsets()
-    if not torch.equal(prompt_lens + response_lens, offsets.diff()) or bool((prompt_lens < 1).any()):
-        return None
+    prompt_lens, response_lens, offsets = layout
     starts = offsets[:-1] + prompt_lens - 1  # (batch,) position predicting each sequence's first response token
     run_start = torch.cumsum(response_lens, 0) - response_lens  # (batch,) where each sequence's run begins
     within = torch.arange(int(response_lens.sum())) - torch.repeat_interleave(run_start, response_lens)
@@ -93,15 +95,14 @@ def shared_prefix_inputs(micro_batch: TensorDict) -> tuple[dict[str, torch.Tenso
         token). ``None`` when no two sequences share a prompt, the layout is not VeRL's no-padding one, or its
         position ids are not ``0..len-1`` per sequence (e.g. multimodal rope).
     """
-    if response_logit_indices(micro_batch) is None:
+    layout = _no_padding_layout(micro_batch)
+    if layout is None or bool((layout[0] < 1).any()):
         return None
-    input_ids = micro_batch["input_ids"]
     position_ids = micro_batch.get("position_ids", None)
     if position_ids is not None:
         if position_ids.dim() != 2 or not position_ids.is_nested:
             return None
-        lengths = input_ids.offsets().diff()
-        expected = torch.cat([torch.arange(int(n)) for n in lengths]).to(position_ids.device)
+        expected = torch.cat([torch.arange(int(n)) for n in layout[2].diff()]).to(position_ids.device)
         if not torch.equal(position_ids.values(), expected):
             return None
     prompts = [t.cpu() for t in micro_batch["prompts"].unbind()]

@@ -109,18 +109,13 @@ class Sampler:
         Raises:
             SamplerError: a name the model does not have, or a shape that differs from the model's.
         """
+        from rl_tpu.collectives import weight_mismatch
+
         for name, src in named_tensors:
             dst = self._tensors.get(name)
-            if dst is None:
-                raise SamplerError(
-                    f"load_state_dict: the model has no tensor named {name!r}; send the rollout model's "
-                    f"state_dict names (e.g. {next(iter(self._tensors))!r})"
-                )
-            if tuple(dst.shape) != tuple(src.shape):
-                raise SamplerError(
-                    f"load_state_dict: {name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}; "
-                    "send weights of the same architecture"
-                )
+            problem = weight_mismatch("load_state_dict", name, dst, src, next(iter(self._tensors)))
+            if problem:
+                raise SamplerError(problem)
             dst.copy_(src)
 
     # ------------------------------------------------------------------------------------------ generation

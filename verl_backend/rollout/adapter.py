@@ -89,7 +89,9 @@ class NativeServerAdapter(BaseRollout):
         shared weights, or the file cannot be opened (then the object store is used, and a warning says why)."""
         if self._writer is None:
             self._writer = False
-            if os.environ.get("RL_TPU_SHARED_WEIGHTS", "1") != "0":
+            from verl_backend.rollout.server import SHARED_WEIGHTS_ENV
+
+            if os.environ.get(SHARED_WEIGHTS_ENV, "1") != "0":
                 server = self._server_handle()
                 handle = await server.shared_weights_handle.remote()
                 if handle is not None and handle["node_id"] == ray.get_runtime_context().get_node_id():

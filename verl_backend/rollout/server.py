@@ -81,6 +81,7 @@ class NativeRolloutServer:
         self._updating = False  # a weight sync is between its first and last bucket: hold generation
         self._buckets_loaded = 0
         self._batch_running = False
+        self._sync_started = 0.0  # perf_counter() at the last begin_weight_update
         self.sampler = None
         self.shared = None  # SharedWeights: the model's parameters in shared memory (CPU, sampler in this process)
         self._shared_attached = False  # a trainer on this host writes into them: release them while asleep
@@ -264,7 +265,7 @@ class NativeRolloutServer:
             self.set_global_steps(global_steps)
         finally:
             self._updating = False
-            self.stats["weight_sync_s"] += time.perf_counter() - getattr(self, "_sync_started", time.perf_counter())
+            self.stats["weight_sync_s"] += time.perf_counter() - self._sync_started
 
     def set_global_steps(self, global_steps: int | None) -> None:
         """Record the step of the weights now served (``sampler_placement=worker``: the worker loaded them)."""
