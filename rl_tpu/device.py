@@ -26,6 +26,7 @@ __all__ = [
     "TPURuntimeConfig",
     "apply_tpu_runtime",
     "detect_backend",
+    "freeze_long_lived_objects",
     "get_backend",
     "maybe_compile",
     "require_tpu",
@@ -286,3 +287,21 @@ def trim_host_heap() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def freeze_long_lived_objects() -> int:
+    """Collect garbage once, then move every object alive now out of the cyclic garbage collector's reach
+    (``gc.freeze``); returns how many objects are frozen.
+
+    Call once a process has built what it keeps for its whole life (imported modules, the model, the optimizer).
+    A process that has imported torch, transformers and VeRL holds about half a million objects, and every full
+    ``gc.collect()`` walks them all (about 0.2 s on one core). VeRL's ``empty_cache`` between phases collects
+    (``verl_backend.platforms``' CPU device module), several times per step. After the freeze a collection walks only
+    what was created since. Frozen objects are never collected: nothing is freed that would not have been kept
+    anyway, since only what is alive is frozen (Python's ``gc.freeze`` documentation).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from rl_tpu.collectives import weight_mismatch
 
-__all__ = ["SharedWeights", "SharedWeightsError", "SharedWeightsWriter", "Slot", "shared_memory_supported"]
+__all__ = [
+    "SharedWeights", "SharedWeightsError", "SharedWeightsReader", "SharedWeightsWriter", "Slot", "shared_memory_supported",
+]
 
 _ALIGN = 64  # bytes; slots start on cache-line boundaries (and satisfy every dtype's alignment)
 
@@ -62,8 +65,21 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _views(arena: torch.Tensor, slots: Iterable[Slot]) -> list[torch.Tensor]:
-    return [arena[s.offset: s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape) for s in slots]
+def _views(mm: mmap.mmap, slots: Iterable[Slot]) -> list[torch.Tensor]:
+    """One tensor per slot, each with its own storage starting at the slot (not views of one byte tensor: torch 2.13
+    cannot pickle a ``DTensor`` whose local tensor sits at an offset in a shared ``frombuffer`` storage, and
+    checkpoints pickle the trainer's parameters)."""
+    views = []
+    with warnings.catch_warnings():  # a read-only mapping gives read-only tensors: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        for s in slots:
+            dtype = _dtype(s.dtype)
+            count = s.nbytes // dtype.itemsize
+            if count == 0:
+                views.append(torch.empty(s.shape, dtype=dtype))
+                continue
+            views.append(torch.frombuffer(mm, dtype=dtype, count=count, offset=s.offset).view(s.shape))
+    return views
 
 
 class SharedWeights:
@@ -87,18 +103,47 @@ class SharedWeights:
     """
 
     def __init__(self, module: torch.nn.Module, name: str = "rl_tpu_weights") -> None:
-        if not shared_memory_supported():
-            raise SharedWeightsError("shared-memory weights need Linux (memfd_create and /proc): use the object store")
         groups: dict[int, tuple[list[str], torch.Tensor]] = {}
         for key, tensor in module.state_dict(keep_vars=True).items():
-            if tensor.device.type != "cpu":
+            groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+
+        def rebind(tensor: torch.Tensor, view: torch.Tensor) -> None:
+            tensor.data = view
+
+        self._create([(names, tensor, rebind) for names, tensor in groups.values()], name)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        entries: Iterable[tuple[Sequence[str], torch.Tensor, Callable[[torch.Tensor, torch.Tensor], None]]],
+        name: str = "rl_tpu_weights",
+    ) -> SharedWeights:
+        """Owner side for tensors that are not plain module attributes (e.g. FSDP2's sharded parameter storage).
+
+        Args:
+            entries: ``(names, tensor, rebind)`` per distinct tensor: ``names`` are the keys a reader looks it up
+                by, ``tensor`` its current (CPU, contiguous) data, and ``rebind(tensor, view)`` is called once the
+                file holds a copy, to make the owner compute on ``view`` from then on.
+            name: label of the file.
+
+        Raises:
+            SharedWeightsError: a tensor not on the CPU or not contiguous, or a platform without ``memfd_create``.
+        """
+        self = cls.__new__(cls)
+        self._create(list(entries), name)
+        return self
+
+    def _create(self, entries: list, name: str) -> None:
+        if not shared_memory_supported():
+            raise SharedWeightsError("shared-memory weights need Linux (memfd_create and /proc): use the object store")
+        slots, offset = [], 0
+        for names, tensor, _ in entries:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                where = "is not contiguous" if tensor.device.type == "cpu" else f"is on {tensor.device}"
                 raise SharedWeightsError(
-                    f"{key!r} is on {tensor.device}: shared-memory weights hold CPU tensors only; move the model "
+                    f"{names[0]!r} {where}: shared-memory weights hold contiguous CPU tensors only; move the model "
                     "to the CPU or sync through the object store"
                 )
-            groups.setdefault(id(tensor), ([], tensor))[0].append(key)
-        slots, offset = [], 0
-        for names, tensor in groups.values():
             nbytes = tensor.numel() * tensor.element_size()
             slots.append(Slot(tuple(names), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
                               nbytes))
@@ -112,11 +157,12 @@ class SharedWeights:
         except OSError:
             os.close(self.fd)
             raise
-        arena = torch.frombuffer(self._mm, dtype=torch.uint8)
+        views = _views(self._mm, slots)
         with torch.no_grad():
-            for (names, tensor), view in zip(groups.values(), _views(arena, slots)):
+            for (_, tensor, rebind), view in zip(entries, views):
                 view.copy_(tensor.detach())
-                tensor.data = view
+                rebind(tensor, view)
+        self._by_name = {n: (i, view) for i, (slot, view) in enumerate(zip(slots, views)) for n in slot.names}
         self.resident = True
 
     def handle(self, node_id: str | None = None) -> dict:
@@ -147,6 +193,90 @@ class SharedWeights:
         self.resident = True
 
 
+    @torch.no_grad()
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Make ``named_tensors`` what readers of the file see, copying only what is not already there.
+
+        For an owner that computes on the file itself (e.g. a trainer whose parameters are views of it), each
+        tensor that *is* its slot (same address, shape and dtype) costs nothing; any other is copied in (dtype
+        converted on copy).
+
+        Returns:
+            ``(bytes in place, bytes copied)``; a tied tensor counts once.
+
+        Raises:
+            SharedWeightsError: a name the file does not hold, or a different shape.
+        """
+        seen: set[int] = set()
+        in_place = copied = 0
+        for name, tensor in named_tensors:
+            index, view = self._by_name.get(name, (None, None))
+            problem = weight_mismatch("weight sync", name, view, tensor, next(iter(self._by_name)))
+            if problem:
+                raise SharedWeightsError(problem)
+            same = tensor.data_ptr() == view.data_ptr() and tensor.dtype == view.dtype and tensor.stride() == view.stride()
+            if not same:
+                view.copy_(tensor)
+            if index not in seen:
+                seen.add(index)
+                if same:
+                    in_place += self.slots[index].nbytes
+                else:
+                    copied += self.slots[index].nbytes
+        return in_place, copied
+
+    def close(self) -> None:
+        """Close the file descriptor and unmap (the pages go once no view and no other process holds them)."""
+        self._by_name.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive; the mapping goes when it does
+            pass
+
+
+def _map(handle: dict, writable: bool) -> tuple[list[Slot], mmap.mmap, list[torch.Tensor]]:
+    slots = [Slot(tuple(s[0]), *s[1:]) for s in handle["slots"]]
+    fd = os.open(f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}", (os.O_RDWR if writable else os.O_RDONLY)
+                 | os.O_CLOEXEC)
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, int(handle["nbytes"]), mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+    return slots, mm, _views(mm, slots)
+
+
+class SharedWeightsReader:
+    """Read-only side: map another process's :class:`SharedWeights` file on this host and compute on it.
+
+    The views are backed by the owner's pages (no copy). They are mapped read-only: an in-place write to them
+    kills this process (``SIGSEGV``) instead of silently changing the owner's weights.
+
+    Args:
+        handle: :meth:`SharedWeights.handle` of the owner.
+
+    Raises:
+        OSError: the owner's file cannot be opened (another host, the owner has exited, or ``/proc`` access is
+            denied): fall back to another transport.
+    """
+
+    def __init__(self, handle: dict) -> None:
+        self.slots, self._mm, views = _map(handle, writable=False)
+        self.pid = int(handle["pid"])
+        self.tensors: dict[str, torch.Tensor] = {n: v for slot, v in zip(self.slots, views) for n in slot.names}
+
+    def close(self) -> None:
+        """Drop the views; the mapping goes once nothing else holds them."""
+        self.tensors.clear()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
 class SharedWeightsWriter:
     """Sender side: map a :class:`SharedWeights` file of another process on this host and write into it.
 
@@ -159,13 +289,7 @@ class SharedWeightsWriter:
     """
 
     def __init__(self, handle: dict) -> None:
-        self.slots = [Slot(tuple(s[0]), *s[1:]) for s in handle["slots"]]
-        fd = os.open(f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self._mm = mmap.mmap(fd, int(handle["nbytes"]), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        views = _views(torch.frombuffer(self._mm, dtype=torch.uint8), self.slots)
+        self.slots, self._mm, views = _map(handle, writable=True)
         self._by_name = {name: (i, view) for i, (slot, view) in enumerate(zip(self.slots, views)) for name in slot.names}
 
     @torch.no_grad()

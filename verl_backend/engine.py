@@ -206,6 +206,56 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     as does ``RL_TPU_RESPONSE_ONLY_LOGITS=0``.
     """
 
+    def initialize(self):
+        super().initialize()
+        global _TRAINER_WEIGHTS
+        self.shared_weights = None
+        reason = self._shared_weights_blocker()
+        if reason is None:
+            from rl_tpu.shared_weights import SharedWeightsError
+
+            try:
+                self.shared_weights = share_fsdp_parameters(self.module)
+            except (SharedWeightsError, OSError) as exc:
+                reason = str(exc)
+            else:
+                _TRAINER_WEIGHTS = self.shared_weights
+        self._shared_weights_reason = reason
+        if next(self.module.parameters()).device.type == "cpu":
+            from rl_tpu.device import freeze_long_lived_objects
+
+            freeze_long_lived_objects()  # VeRL's empty_cache collects garbage several times a step
+
+    def _shared_weights_blocker(self) -> str | None:
+        """Why this engine's parameters stay in private memory (``None``: they move into shared memory)."""
+        from verl_backend.rollout.server import SHARED_WEIGHTS_ENV
+
+        if os.environ.get(SHARED_WEIGHTS_ENV, "1") == "0":
+            return f"{SHARED_WEIGHTS_ENV}=0"
+        if self.engine_config.forward_only:
+            return "a forward-only engine (reference policy) sends no weights"
+        if next(self.module.parameters()).device.type != "cpu":
+            return "parameters on an accelerator"
+        if torch.distributed.get_world_size() != 1:
+            return "FSDP shards the parameters over several ranks: the rollout needs whole tensors"
+        if self._is_lora or self._qat_enabled or self._is_offload_param:
+            return "LoRA, QAT or parameter offload sends transformed weights"
+        return None
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """VeRL's weight export; with the parameters in shared memory, each yields its own storage (one rank
+        holds whole tensors, so ``full_tensor()``'s copy is skipped) and the rollout adapter finds it already in
+        place."""
+        if self.shared_weights is None:
+            return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done,
+                                                **kwargs)
+        from torch.distributed.tensor import DTensor
+        from verl.utils.model import convert_weight_keys
+
+        params = convert_weight_keys(self.module.state_dict(),
+                                     getattr(self.module, "_fsdp_wrapped_module", self.module))
+        return ((n, p.to_local() if isinstance(p, DTensor) else p) for n, p in params.items()), None
+
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
         get = tu.get_non_tensor_data
         if os.environ.get(RESPONSE_LOGITS_ENV, "1") == "0":
@@ -267,6 +317,64 @@ class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                                              entropy=entropy)
         return response_log_probs(output.logits, micro_batch["input_ids"], first, output_args["temperature"],
                                   entropy=entropy)
+
+
+_TRAINER_WEIGHTS = None  # the actor's SharedWeights in this process, if its parameters live in shared memory
+
+
+def trainer_shared_weights():
+    """The :class:`rl_tpu.shared_weights.SharedWeights` holding this process's actor parameters, or ``None``."""
+    return _TRAINER_WEIGHTS
+
+
+def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
+    """Move an FSDP2 module's parameter storage into one shared-memory file, in place (one rank: whole tensors).
+
+    Every ``FSDPParam``'s sharded storage (``_sharded_param_data`` and the ``DTensor``'s local tensor, what the
+    optimizer updates and the all-gather reads) becomes a view of the file, so a reader that maps it (the rollout
+    server, :class:`rl_tpu.shared_weights.SharedWeightsReader`) sees each optimizer step with no copy. The
+    ``Parameter`` objects stay the same (the optimizer's references remain valid); FSDP2's lazy init keeps the
+    storage since it is already padded (``FSDPParam.reset_sharded_param``, torch 2.13). Slot names are the
+    state-dict keys after VeRL's ``convert_weight_keys`` (the names ``get_per_tensor_param`` yields, i.e. the
+    rollout model's); tied weights share a slot.
+
+    Raises:
+        rl_tpu.shared_weights.SharedWeightsError: a parameter that is sharded (more than one rank), padded, or not
+            on the CPU; or any state-dict tensor FSDP does not manage.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from verl.utils.model import convert_weight_keys
+
+    from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
+
+    by_param = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    by_param[id(fp.sharded_param)] = fp
+    named = convert_weight_keys(module.state_dict(keep_vars=True),
+                                getattr(module, "_fsdp_wrapped_module", module))
+    groups: dict[int, tuple[list[str], object]] = {}
+    for key, param in named.items():
+        fp = by_param.get(id(param))
+        if fp is None or not isinstance(param, DTensor):
+            raise SharedWeightsError(f"{key!r} is not an FSDP2 parameter: shared-memory weights need every tensor of "
+                                     "the actor's state_dict managed by fully_shard")
+        if tuple(fp.padded_sharded_param_size) != tuple(fp._orig_size):
+            raise SharedWeightsError(f"{key!r} is sharded or padded ({tuple(fp._orig_size)} -> "
+                                     f"{tuple(fp.padded_sharded_param_size)}): shared-memory weights need one rank")
+        groups.setdefault(id(fp), ([], fp))[0].append(key)
+
+    def rebind_to(fp):
+        def rebind(_old: torch.Tensor, view: torch.Tensor) -> None:  # view: (orig shape) in the file
+            fp._sharded_param_data = view.view(-1)
+            fp.sharded_param._local_tensor = view
+        return rebind
+
+    entries = [(names, fp._sharded_param_data.view(fp._orig_size), rebind_to(fp)) for names, fp in groups.values()]
+    return SharedWeights.from_tensors(entries, name=name)
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)

@@ -3,9 +3,13 @@
 VeRL's colocated weight sync (``checkpoint_engine.backend=naive``) calls
 ``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. The leader rank of
 each replica sends the full tensors to its replica's server; the other ranks only drain the generator (which is
-collective under FSDP). No NCCL, no shared device memory. Two transports:
+collective under FSDP). No NCCL, no shared device memory. Three transports, the first that applies:
 
-- **shared memory** (server on this host, CPU): the leader maps the server's weight file
+- **shared memory, in place** (server on this host, CPU, one FSDP rank: the default CPU job): the actor's
+  parameters already live in a shared-memory file (:func:`verl_backend.engine.share_fsdp_parameters`) and the
+  server computes on them, mapped read-only (:meth:`NativeRolloutServer.attach_trainer_weights`, done at the first
+  sync). A sync copies nothing: it holds generation, checks each tensor is its slot, and tags the new step.
+- **shared memory, copied** (server on this host, CPU): the leader maps the server's weight file
   (:class:`rl_tpu.shared_weights.SharedWeightsWriter`) and copies each tensor into place: one memory copy.
 - **Ray object store** (otherwise, or ``RL_TPU_SHARED_WEIGHTS=0``): tensors are packed into buckets
   (:func:`rl_tpu.collectives.pack_bucket`); each bucket is ``ray.put`` and loaded by the server as it arrives.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from typing import Any, Generator
 
@@ -64,6 +69,7 @@ class NativeServerAdapter(BaseRollout):
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self._server = None
         self._writer = None  # SharedWeightsWriter once mapped; False: shared memory is not available
+        self._attached = None  # the actor's SharedWeights once the server computes on them; False: it does not
         self.last_sync: dict[str, float] = {}
         self.placement = sampler_placement(self.config)
         self.sampler = None
@@ -105,6 +111,24 @@ class NativeServerAdapter(BaseRollout):
                     else:
                         await server.shared_weights_attached.remote()
         return self._writer or None
+
+    async def _trainer_weights(self):
+        """The actor's parameters in shared memory (:func:`verl_backend.engine.trainer_shared_weights`) once this
+        replica's server computes on them; ``None`` if there are none in this process or the server cannot map
+        them (a warning says why; the sync then copies)."""
+        if self._attached is None:
+            self._attached = False
+            engine = sys.modules.get("verl_backend.engine")  # the actor's engine, when it runs in this process
+            published = engine.trainer_shared_weights() if engine is not None else None
+            if published is not None:
+                handle = published.handle(node_id=ray.get_runtime_context().get_node_id())
+                reason = await self._server_handle().attach_trainer_weights.remote(handle)
+                if reason is None:
+                    self._attached = published
+                else:
+                    logger.warning("weight sync copies into the rollout server: it cannot compute on the trainer's "
+                                   "weights (%s)", reason)
+        return self._attached or None
 
     async def resume(self, tags: list[str]):
         return None
@@ -149,6 +173,18 @@ class NativeServerAdapter(BaseRollout):
                 pass
             return
         server = self._server_handle()
+        published = await self._trainer_weights()
+        if published is not None:  # the server reads the trainer's parameters: check they are in place
+            await server.begin_weight_update.remote()
+            try:
+                in_place, copied = published.publish(cpu_full(weights))
+            finally:
+                await server.end_weight_update.remote([], global_steps)
+            self.last_sync = {"bytes": float(in_place + copied), "copied_bytes": float(copied),
+                              "seconds": time.perf_counter() - start, "buckets": 0.0, "transport": "shared_memory"}
+            self._report_first_sync(detail="in place: the rollout computes on the trainer's parameters, "
+                                           f"{copied / 1e6:.0f} MB copied")
+            return
         writer = await self._shared_writer()
         if writer is not None:
             await server.begin_weight_update.remote()
@@ -185,9 +221,9 @@ class NativeServerAdapter(BaseRollout):
                           "transport": "object_store"}
         self._report_first_sync()
 
-    def _report_first_sync(self) -> None:
+    def _report_first_sync(self, detail: str = "") -> None:
         if not getattr(self, "_reported", False):
             self._reported = True
             s = self.last_sync
-            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {s['transport'].replace('_', ' ')}, "
-                  f"{s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s", flush=True)
+            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {s['transport'].replace('_', ' ')}"
+                  f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s", flush=True)

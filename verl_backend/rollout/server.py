@@ -85,6 +85,7 @@ class NativeRolloutServer:
         self.sampler = None
         self.shared = None  # SharedWeights: the model's parameters in shared memory (CPU, sampler in this process)
         self._shared_attached = False  # a trainer on this host writes into them: release them while asleep
+        self.trainer_weights = None  # SharedWeightsReader: the model computes on the trainer's own parameters
         self.free_when_asleep = bool(getattr(rollout_config, "free_cache_engine", True))
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "generate_s": 0.0, "weight_sync_s": 0.0}
         self._build_sampler()
@@ -218,6 +219,9 @@ class NativeRolloutServer:
         """
         from rl_tpu.collectives import unpack_bucket
 
+        if self.trainer_weights is not None:
+            raise RuntimeError("this rollout computes on the trainer's weights in shared memory (read-only): a bucket "
+                               "sync cannot write them; restart the rollout server to sync through the object store")
         if not self._updating:
             self._updating, self._buckets_loaded = True, 0
         while self._batch_running:  # never copy weights under a running batch
@@ -242,6 +246,48 @@ class NativeRolloutServer:
 
         return self.shared.handle(node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
 
+    def attach_trainer_weights(self, handle: dict) -> str | None:
+        """Compute on the trainer's own parameters from now on: map its shared-memory file (read-only) and make
+        every model tensor a view of it, then free this server's copy. A weight sync then copies nothing: the
+        optimizer's steps are what the next batch reads (VeRL's colocated loop never generates during an update).
+
+        Args:
+            handle: :meth:`rl_tpu.shared_weights.SharedWeights.handle` of the trainer's parameters, with its node id.
+
+        Returns:
+            ``None`` once attached; otherwise why not (another host, no CPU sampler here, a name or shape the
+            model lacks, the file cannot be opened), and the server keeps its own weights.
+        """
+        import ray
+
+        from rl_tpu.collectives import weight_mismatch
+        from rl_tpu.shared_weights import SharedWeightsReader
+
+        if self.worker_method is not None or self.sampler is None or self.device.type != "cpu":
+            return "the sampler does not run on this server's CPU"
+        if ray.is_initialized() and handle.get("node_id") != ray.get_runtime_context().get_node_id():
+            return "the trainer runs on another host"
+        try:
+            reader = SharedWeightsReader(handle)
+        except OSError as exc:
+            return f"cannot map the trainer's weights ({exc})"
+        own = self.sampler._tensors  # name -> Parameter / buffer, every name (tied weights twice)
+        first = next(iter(reader.tensors), None)
+        for name, tensor in own.items():
+            problem = weight_mismatch("trainer weights", name, reader.tensors.get(name), tensor, first)
+            if problem or reader.tensors[name].dtype != tensor.dtype:
+                reader.close()
+                return problem or f"{name!r}: trainer holds {reader.tensors[name].dtype}, rollout {tensor.dtype}"
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.data = reader.tensors[name]
+        if self.shared is not None:  # our own file: nothing points into it any more
+            self.shared.close()
+            self.shared = None
+        self.trainer_weights = reader
+        trim_host_heap()
+        return None
+
     def shared_weights_attached(self) -> None:
         """A trainer on this host has mapped the weights and syncs through them from now on."""
         self._shared_attached = True
@@ -261,7 +307,8 @@ class NativeRolloutServer:
             rl_tpu.shared_weights.SharedWeightsError: the weights were released and not all slots were written.
         """
         try:
-            self.shared.mark_written(written)
+            if self.shared is not None:  # with the trainer's own weights (attach_trainer_weights) nothing to check
+                self.shared.mark_written(written)
             self.set_global_steps(global_steps)
         finally:
             self._updating = False
