@@ -17,8 +17,12 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
   actor (SmolLM2 loaded, its parameters in a shared-memory file) and the driver as the trainer: hold generation,
   write every tensor into the server's parameters with :class:`~rl_tpu.shared_weights.SharedWeightsWriter`, resume
   (both calls timed). Two cases: the weights resident (``free_cache_engine=False``) and released by ``sleep()``
-  before each sync (VeRL's default), where every page is faulted in again; the latter is set against a memcpy into
-  fresh (never touched) pages, the same work for the OS.
+  before each sync (``free_cache_engine``), where every page is faulted in again; the latter is set against a memcpy
+  into fresh (never touched) pages, the same work for the OS.
+- ``shared memory, in place``: the default CPU job (one FSDP rank). The trainer's parameters live in the shared file
+  and the server computes on them (:meth:`~verl_backend.rollout.server.NativeRolloutServer.attach_trainer_weights`);
+  a sync holds generation, checks each tensor is its slot (:meth:`~rl_tpu.shared_weights.SharedWeights.publish`)
+  and resumes: no byte is copied, so its "bandwidth" is bytes made visible per second.
 
     python benchmarks/bench_weight_sync.py [--bucket-mb 64] [--repeats 3] [--threads 1] [--synthetic-mb N]
 """
@@ -151,6 +155,34 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
     out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
     assert len(out.token_ids) >= 1  # the server serves from the written weights
     writer.close()
+
+    # The default CPU job: the trainer's parameters live in shared memory and the server computes on them. Here the
+    # driver's copy of the model stands in for the trainer (the job does the same to FSDP2's parameter storage:
+    # verl_backend.engine.share_fsdp_parameters). A sync holds generation, checks every tensor is in place, resumes.
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.shared_weights import SharedWeights
+
+    trainer = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.float32)
+    published = SharedWeights(trainer, name="bench_trainer")
+    reason = ray.get(server.attach_trainer_weights.remote(published.handle(ray.get_runtime_context().get_node_id())))
+    assert reason is None, reason
+
+    def in_place() -> float:
+        start = time.perf_counter()
+        ray.get(server.begin_weight_update.remote())
+        kept, copied = published.publish(trainer.state_dict().items())
+        ray.get(server.end_weight_update.remote([], 1))
+        seconds = time.perf_counter() - start
+        assert copied == 0 and kept >= nbytes(named) - max(t.numel() * t.element_size() for _, t in named)
+        return seconds
+
+    in_place()  # warm-up
+    rows["shared memory, in place (default)"] = [in_place() for _ in range(repeats)]
+    with torch.no_grad():  # an optimizer step in the trainer is what the server serves next: no copy
+        trainer.get_output_embeddings().weight.zero_()
+    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
+    assert all(lp == out.log_probs[0] for lp in out.log_probs)  # all-zero logits: every token equally likely
     return rows
 
 

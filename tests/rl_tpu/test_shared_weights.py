@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rl_tpu.shared_weights import SharedWeights, SharedWeightsWriter, shared_memory_supported
+from rl_tpu.shared_weights import SharedWeights, SharedWeightsError, SharedWeightsWriter, shared_memory_supported
 
 pytestmark = pytest.mark.skipif(not shared_memory_supported(), reason="needs Linux memfd_create and /proc")
 
@@ -60,3 +60,36 @@ def test_a_handle_of_a_process_that_has_gone_cannot_be_opened():
     handle = {**shared.handle(), "pid": 2 ** 22 + 12345}  # no such process
     with pytest.raises(OSError):
         SharedWeightsWriter(handle)
+
+
+def test_publish_copies_only_what_is_not_already_in_place():
+    model, other = _tiny(), _tiny()
+    shared = SharedWeights(model)
+    state = model.state_dict()
+    kept, copied = shared.publish(state.items())  # the owner's own parameters: all in place
+    assert copied == 0 and kept == sum(s.nbytes for s in shared.slots)
+    name = "model.layers.0.mlp.up_proj.weight"
+    new = other.state_dict()[name]
+    kept, copied = shared.publish([(name, new)])  # a tensor from elsewhere is copied into its slot
+    assert copied == new.numel() * 4 and kept == 0
+    assert torch.equal(model.get_parameter(name), new)
+    with pytest.raises(SharedWeightsError, match="has shape"):
+        shared.publish([(name, torch.zeros(2))])
+    shared.close()
+    assert shared.fd == -1
+
+
+def test_freeze_long_lived_objects_leaves_only_new_objects_to_collect():
+    import gc
+
+    from rl_tpu.device import freeze_long_lived_objects
+
+    try:
+        frozen = freeze_long_lived_objects()
+        assert frozen == gc.get_freeze_count() > 1000  # torch and transformers' objects, at least
+        cycle = []
+        cycle.append(cycle)  # garbage created after the freeze is still collected
+        del cycle
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()

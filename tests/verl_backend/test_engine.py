@@ -194,3 +194,79 @@ def test_shared_prefix_needs_a_shared_prompt_and_plain_positions():
     same["position_ids"] = torch.nested.as_nested_tensor([torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8])],
                                                          layout=torch.jagged)
     assert shared_prefix_inputs(same) is None  # positions that do not start at 0: keep VeRL's layout
+
+
+# ------------------------------------------------------------ the actor's parameters in shared memory (one rank)
+def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
+    """One gloo rank: two identical FSDP2 models train 3 AdamW steps, one with its storage moved to shared memory."""
+    import io
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.shared_weights import SharedWeightsReader
+    from verl_backend.engine import share_fsdp_parameters
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,))
+
+    def build():
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+
+    shared, plain = build(), build()
+    params = list(shared.parameters())
+    published = share_fsdp_parameters(shared)
+    out = {"same_params": all(a is b for a, b in zip(params, shared.parameters())),
+           "slot_names": [s.names for s in published.slots]}
+    reader = SharedWeightsReader(published.handle())  # what the rollout server maps (here: the same process)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (shared, plain)]
+    x = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        for m, opt in zip((shared, plain), opts):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    out["losses"] = losses
+    sd = plain.state_dict()
+    out["reader_max_diff"] = max(float((reader.tensors[k] - v.to_local()).abs().max()) for k, v in sd.items())
+    out["publish"] = published.publish((k, v.to_local()) for k, v in shared.state_dict().items())
+    buf = io.BytesIO()
+    torch.save(shared.state_dict(), buf)  # VeRL's checkpoint manager pickles the DTensors
+    out["saved_bytes"] = buf.tell()
+    dist.destroy_process_group()
+    conn.send(out)
+
+
+def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_dir):
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_fsdp_shared_child, args=(str(tiny_model_dir), port, child))
+    proc.start()
+    out = parent.recv() if parent.poll(300) else None
+    proc.join(60)
+    assert out is not None and proc.exitcode == 0
+    assert out["same_params"], "the optimizer's Parameter objects must stay the same"
+    # the tiny model ties its LM head to the embeddings: one slot, both names (as the rollout's state_dict has)
+    assert [tuple(n) for n in out["slot_names"] if len(n) > 1] == [("model.embed_tokens.weight", "lm_head.weight")]
+    shared_losses, plain_losses = out["losses"][0::2], out["losses"][1::2]
+    assert shared_losses == plain_losses and shared_losses[-1] < shared_losses[0]
+    assert out["reader_max_diff"] == 0.0, "the reader must see exactly the trained parameters"
+    kept, copied = out["publish"]
+    assert copied == 0 and kept > 0
+    assert out["saved_bytes"] > kept  # a checkpoint of the shared parameters pickles every tensor

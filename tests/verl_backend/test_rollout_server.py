@@ -150,3 +150,57 @@ def test_writer_refuses_unknown_names_and_shapes(server):
     with pytest.raises(SharedWeightsError, match=f"{name!r} has shape"):
         writer.write([(name, torch.zeros(3))])
     writer.close()
+
+
+def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model_dir):
+    """The default CPU job: the trainer's parameters live in shared memory and the server computes on them; what the
+    optimizer writes in place is what the next batch samples from."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.shared_weights import SharedWeights
+
+    trainer = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    published = SharedWeights(trainer, name="test_trainer")
+    own_file = server.shared
+    assert server.attach_trainer_weights(published.handle()) is None
+    assert server.shared is None and own_file.fd == -1, "the server's own weight file is closed once attached"
+    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
+    with torch.no_grad():  # "an optimizer step" in the trainer process
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+    async def scenario():
+        await server.begin_weight_update()
+        kept, copied = published.publish(trainer.state_dict().items())
+        await server.end_weight_update([], global_steps=5)
+        await server.sleep()  # nothing is given back: the pages are the trainer's
+        return kept, copied, await server.generate("a", prompt, greedy)
+
+    kept, copied, out = asyncio.run(scenario())
+    assert copied == 0 and kept == sum(s.nbytes for s in published.slots)
+    assert out.extra_fields["global_steps"] == 5
+    ids = torch.tensor([prompt + out.token_ids])  # the log-probs are the trainer model's, as it is now
+    with torch.no_grad():
+        logp = torch.log_softmax(trainer(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    got = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, torch.tensor(out.log_probs), rtol=1e-5, atol=1e-5)
+    for (name, mine), theirs in zip(server.sampler.model.state_dict().items(), trainer.state_dict().values()):
+        assert mine.data_ptr() != theirs.data_ptr() and torch.equal(mine, theirs), name  # same pages, two mappings
+    flat, meta = next(_buckets(dict(trainer.named_parameters()), 1))
+    with pytest.raises(RuntimeError, match="computes on the trainer's weights"):  # read-only: never written
+        asyncio.run(server.update_weights_bucket(flat, meta, last=True))
+
+
+def test_attach_refuses_a_different_model_and_keeps_its_own_weights(server):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl_tpu.shared_weights import SharedWeights
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    published = SharedWeights(other, name="test_other")
+    reason = server.attach_trainer_weights(published.handle())
+    assert reason is not None and ("has shape" in reason or "no tensor named" in reason), reason
+    assert server.shared is not None and server.trainer_weights is None
+    out = asyncio.run(server.generate("a", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
+    assert len(out.token_ids) >= 1
