@@ -309,6 +309,9 @@ def run_train(args) -> int:
     for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS"):
         if os.environ.get(flag, "1") not in ("0", "1"):
             raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
+    if os.environ.get(TASK_RUNNER_ENV, "driver") not in ("driver", "actor"):
+        raise BadInputError(f"{TASK_RUNNER_ENV}={os.environ[TASK_RUNNER_ENV]!r}: use driver (VeRL's TaskRunner in "
+                            "this process, the default) or actor (its own Ray actor), or unset it")
     if int(getattr(args, "max_restarts", 0) or 0) < 0:
         raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
     threads = args.num_threads or int(os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or 0)
@@ -480,13 +483,58 @@ def _run_with_restarts(config, max_restarts: int) -> None:
                 config.trainer.resume_mode = "auto"
 
 
+TASK_RUNNER_ENV = "RL_TPU_TASK_RUNNER"  # "driver" (default): VeRL's TaskRunner runs in this process; "actor": its own
+
+
+class _TaskRunnerInDriver:
+    """VeRL's ``TaskRunner`` class as ``run_ppo`` uses it (``.remote()``, then ``ray.get(runner.run.remote(config))``),
+    but run in this process instead of as a Ray actor.
+
+    The TaskRunner only orchestrates: it builds the worker groups, TransferQueue and the agent loop, then drives the
+    trainer's loop, while the driver waits on it. As an actor it is one more process that imports torch and VeRL
+    (0.45-0.5 GiB at the default job's peak); here it shares the driver's. Its ``run`` is VeRL's, unchanged.
+    """
+
+    def __init__(self, actor_class) -> None:
+        # Ray 2.60 keeps the undecorated class here (ray/actor.py, _modify_class); the class cannot be called as is
+        self._cls = actor_class.__ray_metadata__.modified_class.__ray_actor_class__
+
+    def options(self, **_):  # run_ppo's nsight branch (CUDA profiling) asks for actor options
+        return self
+
+    def remote(self):
+        import ray
+
+        runner = self._cls()
+
+        class _Run:
+            @staticmethod
+            def remote(config):
+                runner.run(config)
+                return ray.put(None)  # what run_ppo's ray.get waits on
+
+        return type("TaskRunnerInDriver", (), {"run": _Run})()
+
+
+def task_runner_class():
+    """The ``task_runner_class`` for VeRL's ``run_ppo``: in this process unless ``RL_TPU_TASK_RUNNER=actor`` (checked
+    by :func:`run_train`), or a Ray without the undecorated class where this looks for it."""
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    metadata = getattr(TaskRunnerV1, "__ray_metadata__", None)
+    if os.environ.get(TASK_RUNNER_ENV, "driver") == "actor" or \
+            not hasattr(getattr(metadata, "modified_class", None), "__ray_actor_class__"):
+        return TaskRunnerV1
+    return _TaskRunnerInDriver(TaskRunnerV1)
+
+
 def _run_verl(config) -> None:
     """VeRL's own entry (``verl.trainer.main_ppo.main``'s body): device check, config validation, ``run_ppo``."""
-    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=TaskRunnerV1)
+    run_ppo(config, task_runner_class=task_runner_class())

@@ -251,3 +251,28 @@ def test_on_off_switches_take_0_or_1(tmp_path):
                            str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
     line = _one_error_line(proc)
     assert "RL_TPU_SHARED_WEIGHTS='banana': set it to 1 (on, the default) or 0 (off)" in line
+
+
+def test_task_runner_placement_is_driver_or_actor(tmp_path):
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_TASK_RUNNER": "gpu"}
+    env.pop("VERL_PLATFORM", None)
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
+                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
+    line = _one_error_line(proc)
+    assert "RL_TPU_TASK_RUNNER='gpu': use driver" in line and "or actor" in line
+
+
+def test_task_runner_in_driver_is_verls_own_class(monkeypatch):
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    from verl_backend.train import TASK_RUNNER_ENV, _TaskRunnerInDriver, task_runner_class
+
+    monkeypatch.delenv(TASK_RUNNER_ENV, raising=False)
+    runner = task_runner_class()
+    assert isinstance(runner, _TaskRunnerInDriver)
+    # the undecorated class VeRL wrote, with its own run(): nothing of the trainer is re-implemented here
+    assert (runner._cls.__module__, runner._cls.__qualname__) == ("verl.trainer.main_ppo", "TaskRunnerV1")
+    assert runner._cls.run.__code__.co_filename.endswith("verl/trainer/main_ppo.py")
+    assert runner.options(runtime_env={}) is runner
+    monkeypatch.setenv(TASK_RUNNER_ENV, "actor")
+    assert task_runner_class() is TaskRunnerV1
