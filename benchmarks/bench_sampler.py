@@ -36,10 +36,12 @@ def chat_prompts(tokenizer, batch: int, seed: int) -> list[list[int]]:
 
 
 def run_native(sampler, prompts, setting, seed) -> tuple[float, float, int]:
-    """-> (wall seconds, process CPU seconds, generated tokens)."""
+    """-> (wall seconds, process CPU seconds, generated tokens). Each call starts as after a weight sync: the
+    sampler's packed weight copies are rebuilt inside the timed call (what a rollout pays once per step)."""
     from rl_tpu.sampler import SamplingParams
 
     params = SamplingParams(seed=seed, **setting)  # setting may carry n
+    sampler.weights_changed()
     wall, cpu = time.perf_counter(), time.process_time()
     outs = sampler.generate(prompts, params)
     return time.perf_counter() - wall, time.process_time() - cpu, sum(len(o.token_ids) for o in outs)
@@ -98,6 +100,7 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     prompts = chat_prompts(tokenizer, args.batch, seed=0)
     sampler = Sampler(model, pad_token_id=pad_id, eos_token_ids=[eos_id])
+    unpacked = Sampler(model, pad_token_id=pad_id, eos_token_ids=[eos_id], packed_weights=False)
 
     new = args.max_new_tokens
     plain = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=new)
@@ -110,25 +113,29 @@ def main() -> None:
     }
     # warm-up: first calls pay one-off allocation and lazy-init costs
     run_native(sampler, prompts[:2], dict(plain, max_new_tokens=4), 0)
+    run_native(unpacked, prompts[:2], dict(plain, max_new_tokens=4), 0)
     run_hf(model, prompts[:2], dict(plain, max_new_tokens=4), 0, pad_id, eos_id)
 
     print(f"model={args.model} rows={args.batch} prompt_tokens={min(map(len, prompts))}-{max(map(len, prompts))} "
           f"max_new_tokens={new} threads={torch.get_num_threads()} repeats={args.repeats} (median)")
-    print("tok/s over process CPU time (robust to other load on a shared machine) and over wall time")
-    header = (f"{'setting':<26} {'native cpu':>10} {'HF cpu':>7} {'ratio':>6} {'native wall':>11} {'HF wall':>8} "
-              f"{'ratio':>6} {'native tok':>10} {'HF tok':>7}")
+    print("tok/s over process CPU time (robust to other load on a shared machine) and over wall time; native: "
+          f"oneDNN-packed weights ({'on' if sampler.packed is not None else 'unavailable'}, repacked in every call), "
+          "unpacked: packed_weights=False")
+    header = (f"{'setting':<26} {'native cpu':>10} {'unpacked':>8} {'HF cpu':>7} {'ratio':>6} {'unp.':>6} "
+              f"{'native wall':>11} {'HF wall':>8} {'ratio':>6} {'native tok':>10} {'HF tok':>7}")
     print(header)
     print("-" * len(header), flush=True)
     for name, (setting, n_prompts) in settings.items():
-        nat, hf = [], []
+        nat, unp, hf = [], [], []
         for r in range(args.repeats):
             nat.append(run_native(sampler, prompts[:n_prompts], setting, seed=r))
+            unp.append(run_native(unpacked, prompts[:n_prompts], setting, seed=r))
             hf.append(run_hf(model, prompts[:n_prompts], setting, r, pad_id, eos_id))
-        n_cpu, h_cpu = (statistics.median(t / c for _, c, t in runs) for runs in (nat, hf))
+        n_cpu, u_cpu, h_cpu = (statistics.median(t / c for _, c, t in runs) for runs in (nat, unp, hf))
         n_wall, h_wall = (statistics.median(t / w for w, _, t in runs) for runs in (nat, hf))
         n_tok, h_tok = (statistics.median(t for _, _, t in runs) for runs in (nat, hf))
-        print(f"{name:<26} {n_cpu:>10.1f} {h_cpu:>7.1f} {n_cpu / h_cpu:>5.2f}x {n_wall:>11.1f} {h_wall:>8.1f} "
-              f"{n_wall / h_wall:>5.2f}x {n_tok:>10.0f} {h_tok:>7.0f}", flush=True)
+        print(f"{name:<26} {n_cpu:>10.1f} {u_cpu:>8.1f} {h_cpu:>7.1f} {n_cpu / h_cpu:>5.2f}x {u_cpu / h_cpu:>5.2f}x "
+              f"{n_wall:>11.1f} {h_wall:>8.1f} {n_wall / h_wall:>5.2f}x {n_tok:>10.0f} {h_tok:>7.0f}", flush=True)
     print(f"native forward shapes seen: {sorted(sampler.shapes_seen)}")
 
 

@@ -26,6 +26,7 @@ import torch
 from transformers import StaticCache
 
 from rl_tpu.sampler.attention import gqa_attention
+from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
 from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
 from rl_tpu.sampler.processing import choose_tokens
 
@@ -55,6 +56,9 @@ class Sampler:
         shrink_finished: drop finished rows (halving the batch bucket) during decoding; saves compute, adds at
             most ``log2(max batch)`` batch shapes.
         share_prefix: prefill each distinct prompt of a batch once and copy its KV cache to its ``n`` sample rows.
+        packed_weights: run the linear layers on oneDNN-packed copies of their weights
+            (:class:`rl_tpu.sampler.packed.PackedLinears`: faster decode, the weights' size again in memory while
+            packed); ``None``: on for a float32 model on the CPU where torch has oneDNN.
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
     top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as old log-probs.
@@ -79,6 +83,7 @@ class Sampler:
         device: torch.device | str | None = None,
         shrink_finished: bool = True,
         share_prefix: bool = True,
+        packed_weights: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
@@ -97,6 +102,15 @@ class Sampler:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
         # Parameters and persistent buffers by every name they have (tied weights appear under both names).
         self._tensors = model.state_dict(keep_vars=True)
+        if packed_weights is None:
+            packed_weights = self.device.type == "cpu" and packed_linear_supported()
+        self.packed = PackedLinears(model, batch_hint=16) if packed_weights else None
+
+    def weights_changed(self) -> None:
+        """Say the weights were written from outside this process (shared memory): derived copies are dropped (also
+        frees their memory; they are rebuilt at the next ``generate``)."""
+        if self.packed is not None:
+            self.packed.release()
 
     # ----------------------------------------------------------------------------------------------- weights
     @torch.no_grad()
@@ -117,6 +131,7 @@ class Sampler:
             if problem:
                 raise SamplerError(problem)
             dst.copy_(src)
+        self.weights_changed()
 
     # ------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[SampleOutput]:
@@ -143,7 +158,8 @@ class Sampler:
         outputs: list[SampleOutput | None] = [None] * len(rows)
         # enable_gqa is only measured on CPU here; other devices keep transformers' sdpa
         fast_gqa = gqa_attention(self.model) if self.device.type == "cpu" else contextlib.nullcontext()
-        with torch.inference_mode(), fast_gqa:
+        packed = self.packed.applied() if self.packed is not None else contextlib.nullcontext()
+        with torch.inference_mode(), fast_gqa, packed:
             for start in range(0, len(rows), step):
                 idx = order[start : start + step]
                 for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):

@@ -274,3 +274,52 @@ def test_choose_tokens_top_p_draws_stay_in_each_rows_nucleus() -> None:
     rank = (si == tokens[:, None]).float().argmax(-1)  # position of the drawn token in the sorted order
     assert bool((rank < nucleus_size).all()), "a draw fell outside its row's nucleus"
     assert int(rank.max()) > 1024  # draws reach beyond the partial-sort candidates
+
+
+# ------------------------------------------------------------------ decode on oneDNN-packed weights (CPU)
+def test_packed_linears_match_the_plain_forward_and_are_scoped(model) -> None:
+    from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
+
+    assert packed_linear_supported(), "this torch CPU build has no oneDNN packed linear"
+    assert make(model).packed is not None, "a float32 CPU model decodes on packed weights by default"
+    assert make(model, packed_weights=False).packed is None
+    ids = torch.tensor(random_prompts([9, 9, 9]))
+    packed = PackedLinears(model, batch_hint=3)
+    assert len(packed.modules) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer and the LM head
+    with torch.no_grad():
+        want = model(ids).logits
+        with packed.applied() as active:
+            assert active and all("forward" in m.__dict__ for m in packed.modules)
+            got = model(ids).logits
+    assert not any("forward" in m.__dict__ for m in packed.modules), "the plain forward is restored on exit"
+    assert packed.nbytes == sum(m.weight.numel() * 4 for m in packed.modules)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    packed.release()
+    assert packed.nbytes == 0 and packed._packed is None
+
+
+def test_packed_weights_follow_weight_changes() -> None:
+    """An in-place write in this process (version counter) repacks by itself; a write the sampler cannot see (another
+    process through shared memory, simulated by writing through a numpy view) needs ``weights_changed``."""
+    target, other = tiny_llama(seed=0), tiny_llama(seed=1)
+    prompts = random_prompts([8, 15])
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    want = make(other, packed_weights=False).generate(prompts, params)
+    sampler = make(target)
+    before = sampler.generate(prompts, params)
+    assert sampler.packed.nbytes > 0 and [o.token_ids for o in before] != [o.token_ids for o in want]
+    with torch.no_grad():
+        for p, q in zip(target.parameters(), other.parameters()):
+            p.copy_(q)
+    assert [o.token_ids for o in sampler.generate(prompts, params)] == [o.token_ids for o in want]
+
+    sampler = make(tiny_llama(seed=0))
+    sampler.generate(prompts, params)
+    for p, q in zip(sampler.model.parameters(), other.parameters()):
+        p.detach().numpy()[...] = q.detach().numpy()  # bypasses the version counter
+    sampler.weights_changed()
+    assert sampler.packed.nbytes == 0
+    after = sampler.generate(prompts, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in want]
+    for x, y in zip(after, want):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)

@@ -117,7 +117,10 @@ def test_sleep_releases_shared_weights_and_a_partial_sync_is_refused(server):
     prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
 
     async def scenario():
+        await server.generate("warm", prompt, greedy)
+        packed = server.sampler.packed.nbytes  # the sampler's oneDNN-packed weight copies, built for that batch
         await server.sleep()
+        assert packed > 0 and server.sampler.packed.nbytes == 0, "sleep() must drop the packed weight copies"
         released = _shared_file_bytes(server)
         with pytest.raises(RuntimeError, match="asleep: sleep\\(\\) released its weights"):
             await server.generate("a", prompt, greedy)
@@ -165,11 +168,13 @@ def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model
     assert server.attach_trainer_weights(published.handle()) is None
     assert server.shared is None and own_file.fd == -1, "the server's own weight file is closed once attached"
     prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
-    with torch.no_grad():  # "an optimizer step" in the trainer process
-        for p in trainer.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
 
     async def scenario():
+        await server.generate("warm", prompt, greedy)  # the sampler's packed weight copies now exist
+        assert server.sampler.packed is None or server.sampler.packed.nbytes > 0
+        with torch.no_grad():  # "an optimizer step" in the trainer process: the server's tensors see no version bump
+            for p in trainer.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
         await server.begin_weight_update()
         kept, copied = published.publish(trainer.state_dict().items())
         await server.end_weight_update([], global_steps=5)

@@ -285,6 +285,7 @@ class NativeRolloutServer:
             self.shared.close()
             self.shared = None
         self.trainer_weights = reader
+        self.sampler.weights_changed()
         trim_host_heap()
         return None
 
@@ -309,6 +310,8 @@ class NativeRolloutServer:
         try:
             if self.shared is not None:  # with the trainer's own weights (attach_trainer_weights) nothing to check
                 self.shared.mark_written(written)
+            if self.sampler is not None:  # written by another process: the sampler's packed copies are stale
+                self.sampler.weights_changed()
             self.set_global_steps(global_steps)
         finally:
             self._updating = False
@@ -329,12 +332,14 @@ class NativeRolloutServer:
     async def sleep(self):
         """VeRL puts the colocated rollout to sleep for the actor update: with ``free_cache_engine`` (VeRL's
         default) and a trainer writing through shared memory, give the weights' pages back to the OS (the next
-        sync writes all of them again). The KV cache lives only while a batch runs."""
-        if self.shared is None or not self._shared_attached or not self.free_when_asleep:
-            return None
+        sync writes all of them again). The sampler's packed weight copies are dropped whatever the transport (they
+        are rebuilt at the next batch, on the synced weights). The KV cache lives only while a batch runs."""
         while self._batch_running or self._updating:
             await asyncio.sleep(0.005)
-        self.shared.release()
+        if self.sampler is not None:
+            self.sampler.weights_changed()
+        if self.shared is not None and self._shared_attached and self.free_when_asleep:
+            self.shared.release()
         trim_host_heap()
 
     async def clear_kv_cache(self):
