@@ -390,6 +390,7 @@ def run_train(args) -> int:
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)
+    _apply_tq_num_threads(env["TQ_NUM_THREADS"])
     from omegaconf import OmegaConf, open_dict
 
     with open_dict(config):
@@ -481,6 +482,21 @@ def _run_with_restarts(config, max_restarts: int) -> None:
             ray.shutdown()
             with open_dict(config):
                 config.trainer.resume_mode = "auto"
+
+
+def _apply_tq_num_threads(threads: str) -> None:
+    """TransferQueue reads ``TQ_NUM_THREADS`` once, at import. With VeRL's TaskRunner in this process it may be
+    imported before the variable is set, and Ray ships its storage actor's methods with this process's module
+    globals, so set the value where it was already read (else every put and get warns that 8 threads exceed the
+    cores)."""
+    import sys
+
+    if not threads.strip().isdigit():
+        return  # TransferQueue's own int() names it
+    for name in ("transfer_queue.client", "transfer_queue.storage.simple_storage"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "TQ_NUM_THREADS"):
+            module.TQ_NUM_THREADS = int(threads)
 
 
 TASK_RUNNER_ENV = "RL_TPU_TASK_RUNNER"  # "driver" (default): VeRL's TaskRunner runs in this process; "actor": its own
