@@ -155,6 +155,14 @@ def test_writer_refuses_unknown_names_and_shapes(server):
     writer.close()
 
 
+def _this_node() -> str | None:
+    """This process's Ray node id, as the trainer puts it in its handle (``None`` when Ray is not initialised here:
+    an earlier test in the same session may have started it)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model_dir):
     """The default CPU job: the trainer's parameters live in shared memory and the server computes on them; what the
     optimizer writes in place is what the next batch samples from."""
@@ -165,7 +173,7 @@ def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model
     trainer = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     published = SharedWeights(trainer, name="test_trainer")
     own_file = server.shared
-    assert server.attach_trainer_weights(published.handle()) is None
+    assert server.attach_trainer_weights(published.handle(node_id=_this_node())) is None
     assert server.shared is None and own_file.fd == -1, "the server's own weight file is closed once attached"
     prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
 
@@ -204,7 +212,7 @@ def test_attach_refuses_a_different_model_and_keeps_its_own_weights(server):
     other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     published = SharedWeights(other, name="test_other")
-    reason = server.attach_trainer_weights(published.handle())
+    reason = server.attach_trainer_weights(published.handle(node_id=_this_node()))
     assert reason is not None and ("has shape" in reason or "no tensor named" in reason), reason
     assert server.shared is not None and server.trainer_weights is None
     out = asyncio.run(server.generate("a", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))

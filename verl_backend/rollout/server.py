@@ -266,7 +266,8 @@ class NativeRolloutServer:
         if self.worker_method is not None or self.sampler is None or self.device.type != "cpu":
             return "the sampler does not run on this server's CPU"
         if ray.is_initialized() and handle.get("node_id") != ray.get_runtime_context().get_node_id():
-            return "the trainer runs on another host"
+            return ("the trainer runs on another host" if handle.get("node_id") else
+                    "the trainer's weights handle names no Ray node (SharedWeights.handle(node_id=...))")
         try:
             reader = SharedWeightsReader(handle)
         except OSError as exc:
