@@ -107,8 +107,9 @@ class Sampler:
         self.packed = PackedLinears(model, batch_hint=16) if packed_weights else None
 
     def weights_changed(self) -> None:
-        """Say the weights were written from outside this process (shared memory): derived copies are dropped (also
-        frees their memory; they are rebuilt at the next ``generate``)."""
+        """Say the weights changed: the packed copies derived from them are dropped now (freeing their memory) and
+        rebuilt at the next ``generate``. Required after a write this process cannot see (another process through
+        shared memory); an in-place write here is also caught by the tensors' version counters."""
         if self.packed is not None:
             self.packed.release()
 
