@@ -161,6 +161,49 @@ def _check_prompt_lengths(config) -> None:
                   "(data.filter_overlong_prompts=true)")
 
 
+def fit_epochs_to_steps(config) -> None:
+    """Raise ``trainer.total_epochs`` so that ``trainer.total_training_steps`` is reached, or refuse an empty epoch.
+
+    VeRL 0.9.1's trainer (``verl/trainer/ppo/v1/trainer_base.py``, ``PPOTrainer._init_dataloader`` and ``fit``)
+    takes ``steps_per_epoch = len(train_dataset) // data.train_batch_size`` (the train loader drops the last
+    partial batch) and lets an explicit ``trainer.total_training_steps`` replace ``steps_per_epoch × total_epochs``,
+    but its loop also stops after ``total_epochs`` epochs and reports success: 6 steps asked of 4 batches × 1 epoch
+    ran 4. The rule here: rows = the train parquet rows (capped by ``data.train_max_samples``), batches =
+    rows // ``data.train_batch_size``; if ``total_training_steps > batches × total_epochs``, set ``total_epochs =
+    ceil(steps / batches)`` (VeRL still stops at the step count) and say so in one ``[rl-tpu]`` line. With
+    ``data.filter_overlong_prompts`` VeRL may drop rows, so the count is an upper bound and the line says so.
+
+    Raises:
+        BadInputError: fewer train rows than ``data.train_batch_size`` (VeRL would divide by zero, or assert).
+    """
+    import pyarrow.parquet as pq
+    from omegaconf import open_dict
+
+    files = _data_files(config.data.get("train_files"))
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    cap = int(config.data.get("train_max_samples") or -1)
+    if 0 < cap < rows:
+        rows = cap
+    batch = int(config.data.train_batch_size)
+    batches = rows // batch
+    if batches == 0:
+        raise BadInputError(
+            f"data.train_files ({', '.join(files)}) has {rows} rows, fewer than data.train_batch_size={batch}: "
+            f"an epoch would have no batch; {f'set data.train_batch_size={rows} or less, or ' if rows else ''}give "
+            "more rows (rl_tpu.train_size for the built-in data)"
+        )
+    steps, epochs = config.trainer.get("total_training_steps"), int(config.trainer.total_epochs)
+    if steps is None or int(steps) <= batches * epochs:
+        return
+    needed = -(-int(steps) // batches)
+    with open_dict(config):
+        config.trainer.total_epochs = needed
+    bound = (f" ({rows} rows is an upper bound: data.filter_overlong_prompts=true may drop some)"
+             if config.data.get("filter_overlong_prompts") else "")
+    print(f"[rl-tpu] trainer.total_training_steps={steps} needs {needed} epochs of {batches} batches ({rows} rows "
+          f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
+
+
 def _model_path(keys: dict[str, str]) -> list[str]:
     from verl_backend.models import ensure_default_model, is_hf_model_dir
 
@@ -371,6 +414,7 @@ def run_train(args) -> int:
         for f in _data_files(config.data.get(key)):
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
+    fit_epochs_to_steps(config)
 
     env = {
         "VERL_PLATFORM": os.environ["VERL_PLATFORM"],

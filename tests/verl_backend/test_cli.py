@@ -276,3 +276,78 @@ def test_task_runner_in_driver_is_verls_own_class(monkeypatch):
     assert runner.options(runtime_env={}) is runner
     monkeypatch.setenv(TASK_RUNNER_ENV, "actor")
     assert task_runner_class() is TaskRunnerV1
+
+
+def _epochs_config(tmp_path, rows: int, batch: int, steps, epochs: int = 1, files: int = 1, filter_overlong=False):
+    """A VeRL-shaped config over ``files`` small train parquet files of ``rows`` rows in all (no Ray, no model)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    paths = []
+    for i in range(files):
+        n = rows // files + (i < rows % files)
+        paths.append(str(tmp_path / f"train{i}.parquet"))
+        pq.write_table(pa.table({"x": list(range(n))}), paths[-1])
+    return OmegaConf.create({
+        "data": {"train_files": paths[0] if files == 1 else paths, "train_batch_size": batch,
+                 "filter_overlong_prompts": filter_overlong, "train_max_samples": -1},
+        "trainer": {"total_training_steps": steps, "total_epochs": epochs},
+    })
+
+
+@pytest.mark.parametrize("rows, batch, steps, epochs", [(16, 4, 4, 1), (16, 4, None, 1), (18, 4, 8, 2), (16, 4, 3, 1)])
+def test_steps_within_the_epochs_leave_total_epochs_alone(tmp_path, capsys, rows, batch, steps, epochs):
+    from verl_backend.train import fit_epochs_to_steps
+
+    config = _epochs_config(tmp_path, rows, batch, steps, epochs)
+    fit_epochs_to_steps(config)
+    assert config.trainer.total_epochs == epochs
+    assert capsys.readouterr().out == ""
+
+
+def test_steps_beyond_the_epochs_raise_total_epochs_with_one_line(tmp_path, capsys):
+    """VeRL 0.9.1 stops after total_epochs epochs: 6 steps of a 16-row set in batches of 4 ran 4 steps."""
+    from verl_backend.train import fit_epochs_to_steps
+
+    config = _epochs_config(tmp_path, 16, 4, 6)
+    fit_epochs_to_steps(config)
+    assert config.trainer.total_epochs == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "[rl-tpu] trainer.total_training_steps=6 needs 2 epochs of 4 batches (16 rows / data.train_batch_size 4); "
+        "trainer.total_epochs raised from 1 to 2"]
+    # rows summed over a list of files; the last partial batch is dropped (17 rows = 4 batches of 4); filtering
+    # overlong prompts makes the row count an upper bound
+    config = _epochs_config(tmp_path, 17, 4, 9, files=2, filter_overlong=True)
+    fit_epochs_to_steps(config)
+    assert config.trainer.total_epochs == 3
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[rl-tpu] trainer.total_training_steps=9 needs 3 epochs of 4 batches (17 rows / "
+                           "data.train_batch_size 4); trainer.total_epochs raised from 1 to 3")
+    assert "upper bound" in line and "data.filter_overlong_prompts" in line
+    # data.train_max_samples caps the rows VeRL uses
+    config = _epochs_config(tmp_path, 16, 4, 6)
+    config.data.train_max_samples = 8
+    fit_epochs_to_steps(config)
+    assert config.trainer.total_epochs == 3
+
+
+def test_batch_larger_than_the_train_rows_is_refused(tmp_path):
+    from verl_backend.errors import BadInputError
+    from verl_backend.train import fit_epochs_to_steps
+
+    config = _epochs_config(tmp_path, 3, 4, 6)
+    with pytest.raises(BadInputError) as err:
+        fit_epochs_to_steps(config)
+    msg = str(err.value)
+    assert "data.train_files" in msg and "train0.parquet" in msg and "has 3 rows" in msg
+    assert "data.train_batch_size=4" in msg and "set data.train_batch_size=3 or less" in msg
+    assert "\n" not in msg
+
+
+def test_batch_larger_than_the_built_in_train_set_is_one_line_before_ray(tmp_path, tiny_model_dir):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", "rl_tpu.train_size=2",
+                                "rl_tpu.val_size=2", "data.train_batch_size=4"))
+    assert "basic_arithmetic_train.parquet) has 2 rows, fewer than data.train_batch_size=4" in line
+    assert "set data.train_batch_size=2 or less, or give more rows (rl_tpu.train_size" in line
