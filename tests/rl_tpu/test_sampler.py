@@ -77,7 +77,8 @@ def test_greedy_matches_hf_generate(model) -> None:
 
 
 def test_buckets_bound_the_shapes(model) -> None:
-    sampler = make(model, prompt_buckets=(16, 32, 64), gen_buckets=(8, 16), max_batch_size=8)
+    # what an XLA/TPU device runs: packed prefill (CPU only) has one shape per batch
+    sampler = make(model, prompt_buckets=(16, 32, 64), gen_buckets=(8, 16), max_batch_size=8, packed_prefill=False)
     lengths = list(range(1, 65, 3))  # 22 different prompt lengths
     for i, batch_size in enumerate([1, 3, 5, 8, 11]):
         prompts = random_prompts([lengths[(i * 7 + j) % len(lengths)] for j in range(batch_size)], seed=i)
@@ -141,14 +142,43 @@ def test_shrinking_the_batch_keeps_results(model) -> None:
 def test_samples_of_one_prompt_share_one_prefill(model) -> None:
     prompts = random_prompts([9, 30])
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=4)
-    shared = make(model)
+    shared = make(model, packed_prefill=False)
     a = shared.generate(prompts, params)
-    b = make(model, share_prefix=False).generate(prompts, params)
+    b = make(model, share_prefix=False, packed_prefill=False).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for x, y in zip(a, b):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
     prefill_batches = {batch for batch, q, _ in shared.shapes_seen if q > 1}
     assert prefill_batches == {2}  # two distinct prompts prefilled, not eight rows
+
+
+@pytest.mark.parametrize("budget", [2048, 40], ids=["one-sequence", "several-sequences"])
+def test_packed_prefill_equals_padded_prefill(model, budget: int) -> None:
+    """Distinct prompts with a common prefix, some repeated (n samples): the unpadded packed prefill must give
+    the padded prefill's tokens and log-probs, compute the common prefix once per packed sequence, and keep each
+    sequence within the token budget."""
+    prefix = random_prompts([10], seed=7)[0]
+    prompts = [prefix + p for p in random_prompts([3, 17, 1, 30, 8], seed=8)] + [prefix[:4]]
+    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=12),
+                   SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=12, seed=3)):
+        packed = make(model, packed_prefill_tokens=budget)
+        a = packed.generate(prompts, params)
+        b = make(model, packed_prefill=False).generate(prompts, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+        prefill = sorted(q for batch, q, _ in packed.shapes_seen if q > 1)
+        assert all(batch == 1 for batch, q, _ in packed.shapes_seen if q > 1)
+        if budget == 2048:
+            # one sequence; the shortest prompt (4 tokens) caps the shared prefix at 3 tokens
+            assert prefill == [3 + sum(len(p) - 3 for p in prompts)]
+        else:
+            assert len(prefill) > 1 and max(prefill) <= max(budget, max(map(len, prompts)))
+        packed.shapes_seen.clear()
+    # without the short prompt the whole 10-token prefix is computed once
+    packed = make(model)
+    packed.generate(prompts[:-1], SamplingParams(temperature=0, max_new_tokens=2))
+    assert max(q for _, q, _ in packed.shapes_seen) == 10 + sum(len(p) - 10 for p in prompts[:-1])
 
 
 def test_gqa_attention_matches_sdpa_and_is_scoped(model) -> None:
