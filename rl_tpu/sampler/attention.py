@@ -61,7 +61,7 @@ def sdpa_gqa_attention(
         if attention_mask is not None:
             attention_mask = attention_mask[..., :kv_len]
     if query.shape[2] == 1 and query.device.type == "cpu" and query.dtype == torch.float32 and not dropout:
-        return _decode_attention(query, key, value, attention_mask, scaling), None
+        return decode_attention(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     out = F.scaled_dot_product_attention(
@@ -71,7 +71,7 @@ def sdpa_gqa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _decode_attention(
+def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
     """One query token: ``query (batch, heads, 1, dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, dim)``,

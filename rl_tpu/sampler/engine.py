@@ -29,6 +29,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from rl_tpu.sampler.attention import ATTN_NAME, gqa_attention
+from rl_tpu.sampler.lean import LeanDecoder
 from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
 from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
 from rl_tpu.sampler.processing import choose_tokens
@@ -81,6 +82,9 @@ class Sampler:
             models on ``sdpa`` attention (the mask is boolean).
         packed_prefill_tokens: most tokens in one packed prefill sequence (prompts beyond go to further ones); its
             attention mask is ``tokens**2`` bytes.
+        lean_decode: run decode steps through :class:`rl_tpu.sampler.lean.LeanDecoder` (the same modules and
+            weights without transformers' per-call overhead) when the model is a float32 Llama-architecture model;
+            ``None``: on for the CPU. Other models keep their own forward.
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
     top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as old log-probs.
@@ -108,6 +112,7 @@ class Sampler:
         packed_weights: bool | None = None,
         packed_prefill: bool | None = None,
         packed_prefill_tokens: int = 2048,
+        lean_decode: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
@@ -132,6 +137,9 @@ class Sampler:
         if packed_prefill is None:
             packed_prefill = self.device.type == "cpu"
         self.packed_prefill = bool(packed_prefill)
+        if lean_decode is None:
+            lean_decode = self.device.type == "cpu"
+        self.lean = LeanDecoder.build(model) if lean_decode else None
         if packed_prefill_tokens < 1:
             raise SamplerError(f"packed_prefill_tokens={packed_prefill_tokens!r}: give a positive token count")
         self.packed_prefill_tokens = int(packed_prefill_tokens)
@@ -283,6 +291,7 @@ class Sampler:
 
         cache = StaticCache(config=self.config, max_cache_len=cache_len)
         logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
+        lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
         sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
         for t in range(max_new):
             tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,)
@@ -300,9 +309,14 @@ class Sampler:
                 keep = self._shrink(done, n_alive)
                 self._reorder(cache, keep)
                 tok, done, row_ids, mask, real_len = tok[keep], done[keep], row_ids[keep], mask[keep], real_len[keep]
-            # the token chosen at step t sits at position real_len + t of its row
-            # (batch, vocab); the cache then holds prompt_len + t + 1 slots
-            logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
+                if lean_mask is not None:
+                    lean_mask = lean_mask[keep]
+            # the token chosen at step t sits at position real_len + t of its row and at cache slot prompt_len + t
+            if self.lean is not None:
+                self.shapes_seen.add((tok.shape[0], 1, mask.shape[1]))
+                logits = self.lean.step(tok, real_len + t, cache, prompt_len + t, lean_mask)  # (batch, vocab)
+            else:
+                logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
 
         return [self._output(out_tokens[i], out_logp[i], int(out_len[i]), bool(stopped[i])) for i in range(n_real)]
 

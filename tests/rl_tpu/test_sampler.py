@@ -181,6 +181,59 @@ def test_packed_prefill_equals_padded_prefill(model, budget: int) -> None:
     assert max(q for _, q, _ in packed.shapes_seen) == 10 + sum(len(p) - 10 for p in prompts[:-1])
 
 
+def _tiny(kind: str, **extra) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, pad_token_id=PAD,
+        eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False, **extra,
+    )
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "kind,extra",
+    [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+     ("qwen2", {}), ("mistral", {"sliding_window": None})],
+    ids=["llama", "llama-bias-rope-scaling", "qwen2-bias", "mistral"],
+)
+def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
+    """The lean decode step against the model's own forward: same tokens, same log-probs (which the log-prob
+    tests also hold to a separate cache-free forward), rows stopping at different steps."""
+    from rl_tpu.sampler.lean import LeanDecoder
+
+    model = _tiny(kind, **extra)
+    assert LeanDecoder.build(model) is not None
+    prompts = random_prompts([5, 19, 40, 11, 2, 27])
+    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=20, stop_token_ids=list(range(3, 12))),
+                   SamplingParams(n=2, temperature=1.0, top_k=30, max_new_tokens=20, seed=6)):
+        lean = make(model)
+        assert lean.lean is not None
+        a = lean.generate(prompts, params)
+        b = make(model, lean_decode=False).generate(prompts, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        for i, out in enumerate(a[:4]):
+            ref = reference_logprobs(model, prompts[i // 2], out.token_ids, params.temperature)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_lean_decode_refuses_other_structures() -> None:
+    """Models whose layers differ from Llama's keep their own forward (the sampler still works)."""
+    from rl_tpu.sampler.lean import LeanDecoder
+
+    others = [_tiny("qwen3"), _tiny("mistral", sliding_window=8), _tiny("llama").to(torch.bfloat16),
+              _tiny("llama", hidden_act="gelu")]
+    for model in others:
+        assert LeanDecoder.build(model) is None, type(model).__name__
+    out = make(others[0]).generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=4))
+    assert len(out[0].token_ids) >= 1
+
+
 def test_gqa_attention_matches_sdpa_and_is_scoped(model) -> None:
     from rl_tpu.sampler.attention import ATTN_NAME, gqa_attention
 
