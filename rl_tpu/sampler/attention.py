@@ -76,7 +76,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token: ``query (batch, heads, 1, dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, dim)``,
     ``mask`` boolean (True = attend) or additive, broadcastable to ``(batch, 1, 1, kv_len)``.
-    Returns ``(batch, 1, heads, dim)``."""
+    Returns ``(batch, 1, heads, value_dim)``."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads that share a key/value head
@@ -87,8 +87,8 @@ def decode_attention(
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask)
-    out = torch.matmul(scores.softmax(-1), value)  # (batch, kv_heads, group, dim)
-    return out.reshape(batch, 1, heads, dim)
+    out = torch.matmul(scores.softmax(-1), value)  # (batch, kv_heads, group, value_dim)
+    return out.reshape(batch, 1, heads, value.shape[-1])  # value heads may be narrower (DeepSeek's MLA)
 
 
 AttentionInterface.register(ATTN_NAME, sdpa_gqa_attention)

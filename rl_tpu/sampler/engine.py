@@ -71,7 +71,8 @@ class Sampler:
         device: device for the inputs and the cache; ``None``: the model's device.
         shrink_finished: drop finished rows (halving the batch bucket) during decoding; saves compute, adds at
             most ``log2(max batch)`` batch shapes.
-        share_prefix: prefill each distinct prompt of a batch once and copy its KV cache to its ``n`` sample rows.
+        share_prefix: prefill each distinct prompt of a batch once and copy its KV cache to its ``n`` sample rows
+            (with packed prefill, ``False`` prefills every row, though still their common prefix once).
         packed_weights: run the linear layers on oneDNN-packed copies of their weights
             (:class:`rl_tpu.sampler.packed.PackedLinears`: faster decode, the weights' size again in memory while
             packed); ``None``: on for a float32 model on the CPU where torch has oneDNN.
@@ -139,7 +140,8 @@ class Sampler:
         self.packed_prefill = bool(packed_prefill)
         if lean_decode is None:
             lean_decode = self.device.type == "cpu"
-        self.lean = LeanDecoder.build(model) if lean_decode else None
+        self.lean_decode = bool(lean_decode)
+        self.lean: LeanDecoder | None = None  # built per generate: the model may be cast or resized in between
         if packed_prefill_tokens < 1:
             raise SamplerError(f"packed_prefill_tokens={packed_prefill_tokens!r}: give a positive token count")
         self.packed_prefill_tokens = int(packed_prefill_tokens)
@@ -188,6 +190,9 @@ class Sampler:
                 above the largest generation bucket or past the model's context length.
         """
         self._check(prompts, params)
+        if not prompts:
+            return []
+        self.lean = LeanDecoder.build(self.model) if self.lean_decode else None
         rows = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # prompt-major
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths share a prompt bucket
         step = self.max_batch_size or len(rows)
@@ -414,6 +419,7 @@ class Sampler:
             layers_kv.append([(layer.keys[0], layer.values[0]) for layer in kv.layers])  # (kv_heads, n, dim)
 
         batch = len(rows)
+        index_of = {k: torch.tensor(v, device=dev) for k, v in src_index.items()}
         for li, layer in enumerate(cache.layers):
             keys_per_group = [kvs[li] for kvs in layers_kv]
             k0, v0 = keys_per_group[0]
@@ -424,7 +430,7 @@ class Sampler:
             for i in range(batch):
                 k = src[i]
                 keys, values = keys_per_group[group_of[k]]
-                idx = torch.tensor(src_index[k], device=dev)
+                idx = index_of[k]
                 start = prompt_len - len(rows[i])
                 layer.keys[i, :, start:prompt_len] = keys[:, idx]
                 layer.values[i, :, start:prompt_len] = values[:, idx]

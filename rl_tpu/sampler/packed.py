@@ -53,11 +53,16 @@ class PackedLinears:
     """
 
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16) -> None:
-        self.modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
-                        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+        self.model = model
+        self.modules: list[torch.nn.Linear] = self._eligible()
         self.batch_hint = max(1, int(batch_hint))
         self._packed: list[torch.Tensor] | None = None
         self._key: tuple | None = None
+
+    def _eligible(self) -> list[torch.nn.Linear]:
+        # looked up again at each pack: the model may have been cast (bfloat16 has no packed path here) or moved
+        return [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)
+                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +75,7 @@ class PackedLinears:
 
     def pack(self) -> None:
         """Build the packed copies now (each ``with`` block does it when they are missing or stale)."""
+        self.modules = self._eligible()
         with torch.inference_mode(False), torch.no_grad():
             self._packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
                             for m in self.modules]
@@ -88,11 +94,11 @@ class PackedLinears:
         (its version counter or storage moved); a weight written by *another* process through shared memory needs
         :meth:`release`.
         """
+        if self._packed is None or self._key != self._weights_key() or self.modules != self._eligible():
+            self.pack()
         if not self.modules:
             yield False
             return
-        if self._packed is None or self._key != self._weights_key():
-            self.pack()
         for m, w in zip(self.modules, self._packed):
             m.forward = _packed_forward(w, m.bias)
         try:

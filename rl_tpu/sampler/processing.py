@@ -61,19 +61,44 @@ def choose_tokens(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+#: :func:`_draw` over more weights than this goes through blocks of this many (two-level inverse CDF).
+DRAW_BLOCK = 1024
+
+
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """``(batch, k)`` non-negative weights -> ``(batch,)`` index drawn with probability proportional to weight.
 
-    Inverse-CDF sampling: one uniform per row against the running sum (float64 on CPU, so rounding over a
-    50k-token vocabulary stays far below any token's probability); several times cheaper on CPU than
-    ``torch.multinomial`` or a Gumbel draw, which need one random number per token.
+    Inverse-CDF sampling: one uniform per row against the running sum, accumulated in float64 on CPU so rounding
+    over a 50k-token vocabulary stays far below any token's probability; several times cheaper on CPU than
+    ``torch.multinomial`` or a Gumbel draw, which need one random number per token. Above ``2 * DRAW_BLOCK``
+    weights it is two-level: a block is chosen from the blocks' float64 sums, then a token inside it from that
+    block's float64 running sum, so only ``DRAW_BLOCK`` weights per row are converted and summed in float64 (a
+    50k vocabulary at batch 16: ~1 ms instead of ~2-6 ms for the full float64 running sum). Zero weights are
+    never drawn.
     """
     acc = torch.float64 if weights.device.type == "cpu" else torch.float32  # TPUs have no fast float64
-    cdf = weights.to(acc).cumsum(dim=-1)  # (batch, k)
+    batch, k = weights.shape
     # uniforms come from a CPU generator (any device can use it) and are moved: (batch, 1)
-    u = torch.rand((weights.shape[0], 1), dtype=torch.float64, generator=generator).to(weights.device, acc)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # first cdf > u: zero weights skipped
-    return idx.clamp_(max=weights.shape[-1] - 1)
+    u = torch.rand((batch, 1), dtype=torch.float64, generator=generator).to(weights.device, acc)
+    if k <= 2 * DRAW_BLOCK:
+        cdf = weights.to(acc).cumsum(dim=-1)  # (batch, k)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # first cdf > u: zero weights skipped
+        return idx.clamp_(max=k - 1)
+    n_blocks = -(-k // DRAW_BLOCK)
+    if n_blocks * DRAW_BLOCK != k:
+        weights = torch.nn.functional.pad(weights, (0, n_blocks * DRAW_BLOCK - k))  # zero weights: never drawn
+    blocks = weights.reshape(batch, n_blocks, DRAW_BLOCK)
+    block_mass = blocks.sum(dim=-1, dtype=acc)  # (batch, blocks)
+    block_cdf = block_mass.cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]  # (batch, 1)
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=n_blocks - 1)  # a block with mass > 0
+    rest = target - (block_cdf.gather(-1, b) - block_mass.gather(-1, b))  # mass to go inside block b
+    inner = blocks.gather(1, b[:, :, None].expand(batch, 1, DRAW_BLOCK)).squeeze(1).to(acc)  # (batch, block)
+    inner_cdf = inner.cumsum(dim=-1)
+    # rounding between the two sums must not step past the block's last positive weight, nor below its first
+    rest = torch.minimum(rest.clamp_(min=0), inner_cdf[:, -1:] * (1 - 1e-12))
+    j = torch.searchsorted(inner_cdf, rest, right=True)  # (batch, 1)
+    return (b * DRAW_BLOCK + j).squeeze(-1)
 
 
 def _nucleus(sorted_logp: torch.Tensor, top_p: float) -> torch.Tensor:

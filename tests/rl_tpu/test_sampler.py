@@ -211,8 +211,8 @@ def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
     for params in (SamplingParams(n=2, temperature=0, max_new_tokens=20, stop_token_ids=list(range(3, 12))),
                    SamplingParams(n=2, temperature=1.0, top_k=30, max_new_tokens=20, seed=6)):
         lean = make(model)
-        assert lean.lean is not None
         a = lean.generate(prompts, params)
+        assert lean.lean is not None
         b = make(model, lean_decode=False).generate(prompts, params)
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         for x, y in zip(a, b):
@@ -232,6 +232,36 @@ def test_lean_decode_refuses_other_structures() -> None:
         assert LeanDecoder.build(model) is None, type(model).__name__
     out = make(others[0]).generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=4))
     assert len(out[0].token_ids) >= 1
+    # decided per generate: a sampler whose model is cast to bfloat16 afterwards stops using it
+    model = _tiny("llama")
+    sampler = make(model)
+    sampler.generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=2))
+    assert sampler.lean is not None
+    model.to(torch.bfloat16)
+    sampler.generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=2))
+    assert sampler.lean is None
+
+
+def test_value_heads_narrower_than_query_heads() -> None:
+    """DeepSeek-V3's multi-head latent attention: value heads of 8 against query/key heads of 24 (the one-token
+    decode attention must take the value's width)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+        initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1,
+    )
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    prompts = random_prompts([5, 3, 9])
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    for out, prompt in zip(make(model).generate(prompts, params), prompts):
+        ref = reference_logprobs(model, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    assert make(model).generate([], params) == []
 
 
 def test_gqa_attention_matches_sdpa_and_is_scoped(model) -> None:
@@ -340,6 +370,30 @@ def test_choose_tokens_draws_from_the_truncated_distribution() -> None:
     torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
     # the log-prob is the untruncated tempered one
     torch.testing.assert_close(logp, probs.log()[tokens], atol=1e-6, rtol=0)
+
+
+def test_two_level_draw_matches_the_weights() -> None:
+    """Above 2 * DRAW_BLOCK weights the draw picks a block, then a token in it: frequencies still follow the
+    weights, zero weights (inside blocks, whole blocks, and the zero-padded tail of a vocabulary that is not a
+    multiple of the block) are never drawn."""
+    from rl_tpu.sampler.processing import DRAW_BLOCK, _draw
+
+    vocab = 5 * DRAW_BLOCK + 37
+    weights = torch.zeros(vocab)
+    hot = torch.tensor([0, 1, DRAW_BLOCK - 1, DRAW_BLOCK, 3 * DRAW_BLOCK + 5, vocab - 1])
+    weights[hot] = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 4.0])
+    g = torch.Generator().manual_seed(3)
+    tokens = _draw(weights.expand(40000, -1), g)
+    assert bool(torch.isin(tokens, hot).all()), "a zero weight was drawn"
+    freq = torch.bincount(tokens, minlength=vocab)[hot].float() / tokens.numel()
+    torch.testing.assert_close(freq, weights[hot] / weights.sum(), atol=0.01, rtol=0)
+    # one row, nearly all mass in one token: the rest still drawn at their rate
+    peaked = torch.full((vocab,), 1e-6)
+    peaked[DRAW_BLOCK + 3] = 1.0
+    tokens = _draw(peaked.expand(20000, -1), g)
+    other = (tokens != DRAW_BLOCK + 3).float().mean()
+    want = float((vocab - 1) * 1e-6 / ((vocab - 1) * 1e-6 + 1.0))
+    assert abs(float(other) - want) < 0.003
 
 
 def test_choose_tokens_top_p_draws_stay_in_each_rows_nucleus() -> None:
