@@ -95,15 +95,36 @@ AttentionInterface.register(ATTN_NAME, sdpa_gqa_attention)
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
+_DISPATCH: dict[type, bool] = {}
+
+
+def dispatches_through_interface(model: torch.nn.Module) -> bool:
+    """Whether every attention module of ``model`` (class name ending in ``Attention``) picks its function from
+    ``ALL_ATTENTION_FUNCTIONS`` in its ``forward`` (read from the source once per class); ``False`` when it has
+    none or a source cannot be read."""
+    import inspect
+
+    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")}
+    for cls in classes:
+        if cls not in _DISPATCH:
+            try:
+                _DISPATCH[cls] = "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+            except (OSError, TypeError):
+                _DISPATCH[cls] = False
+    return bool(classes) and all(_DISPATCH[c] for c in classes)
+
+
 @contextmanager
 def gqa_attention(model: torch.nn.Module) -> Iterator[bool]:
     """Within the block, run ``model``'s ``sdpa`` attention as :func:`sdpa_gqa_attention`; yields whether it did.
 
-    Models on another attention implementation (eager, flash, ...) are left alone. The previous setting is
-    restored on exit, so a model shared with other code is only affected while the sampler runs.
+    Models on another attention implementation (eager, flash, ...) are left alone, and so are models whose
+    attention modules do not look their function up in transformers' registry (Falcon compares the setting with
+    ``"sdpa"`` by name and would take its eager branch). The previous setting is restored on exit, so a model
+    shared with other code is only affected while the sampler runs.
     """
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not dispatches_through_interface(model):
         yield False
         return
     config._attn_implementation = ATTN_NAME

@@ -79,8 +79,8 @@ class Sampler:
         packed_prefill: prefill the distinct prompts of a batch without padding, as one packed sequence with a
             block-diagonal causal mask whose common prefix is computed once, then scatter its KV cache into the
             batch's rows. Fewer tokens through the model (the 16 chat prompts of ``benchmarks/bench_sampler.py``:
-            ~430 instead of 1,024) but one prefill shape per batch, so ``None``: on for the CPU only, and only for
-            models on ``sdpa`` attention (the mask is boolean).
+            ~430 instead of 1,024) but one prefill shape per batch, so ``None``: on for the CPU only; used only
+            while :func:`rl_tpu.sampler.attention.gqa_attention` runs the model's attention (it reads the mask).
         packed_prefill_tokens: most tokens in one packed prefill sequence (prompts beyond go to further ones); its
             attention mask is ``tokens**2`` bytes.
         lean_decode: run decode steps through :class:`rl_tpu.sampler.lean.LeanDecoder` (the same modules and
@@ -338,7 +338,7 @@ class Sampler:
         uniq = sorted(set(src))
         if (
             self.packed_prefill
-            and getattr(self.config, "_attn_implementation", None) in ("sdpa", ATTN_NAME)
+            and getattr(self.config, "_attn_implementation", None) == ATTN_NAME  # our attention reads the mask
             and all(type(layer) is StaticLayer for layer in cache.layers)  # not sliding-window layers
         ):
             if not self.share_prefix:

@@ -242,6 +242,27 @@ def test_lean_decode_refuses_other_structures() -> None:
     assert sampler.lean is None
 
 
+def test_models_that_check_sdpa_by_name_keep_it() -> None:
+    """Falcon picks its attention by comparing the setting with "sdpa": the sampler must not rename it (Falcon
+    then ran its eager branch on a boolean mask, log-probs off by ~2.5), nor pack its prefill."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from rl_tpu.sampler.attention import dispatches_through_interface
+
+    torch.manual_seed(0)
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    model = FalconForCausalLM(cfg).eval()
+    assert not dispatches_through_interface(model) and dispatches_through_interface(tiny_llama())
+    prompts = random_prompts([5, 12, 3])
+    sampler = make(model)
+    for out, prompt in zip(sampler.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6)), prompts):
+        ref = reference_logprobs(model, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    assert all(batch > 1 for batch, q, _ in sampler.shapes_seen if q > 1)  # padded prefill, not packed
+
+
 def test_value_heads_narrower_than_query_heads() -> None:
     """DeepSeek-V3's multi-head latent attention: value heads of 8 against query/key heads of 24 (the one-token
     decode attention must take the value's width)."""
