@@ -204,6 +204,8 @@ class Sampler:
         fast_gqa = gqa_attention(self.model) if self.device.type == "cpu" else contextlib.nullcontext()
         packed = self.packed.applied() if self.packed is not None else contextlib.nullcontext()
         with torch.inference_mode(), fast_gqa, packed:
+            if self.lean is not None:
+                self.lean.use_packed(self.packed)
             for start in range(0, len(rows), step):
                 idx = order[start : start + step]
                 for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):

@@ -53,6 +53,15 @@ class LeanDecoder:
         self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
         self.head_dim = int(first.head_dim)
         self.hidden = int(model.config.hidden_size)
+        self.qkv: list = [None] * len(self.layers)  # per layer: fused q/k/v function, or None
+
+    def use_packed(self, packed) -> None:
+        """Compute each layer's query, key and value projections as one product on ``packed``'s fused copy
+        (:meth:`rl_tpu.sampler.packed.PackedLinears.fused`; call within its ``applied`` block)."""
+        self.qkv = [
+            packed.fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) if packed is not None else None
+            for l in self.layers
+        ]
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> LeanDecoder | None:
@@ -113,12 +122,13 @@ class LeanDecoder:
         h = self.embed(tokens[:, None])  # (batch, 1, hidden)
         cos, sin = self.rotary(h, position_ids=positions[:, None])  # (batch, 1, head_dim) each
         hd = self.head_dim
-        for layer, cached in zip(self.layers, cache.layers):
+        for layer, cached, qkv in zip(self.layers, cache.layers, self.qkv):
             attn, mlp = layer.self_attn, layer.mlp
             x = self._rms(h, layer.input_layernorm)
-            q = attn.q_proj(x).view(batch, 1, -1, hd).transpose(1, 2)  # (batch, heads, 1, head_dim)
-            k = attn.k_proj(x).view(batch, 1, -1, hd).transpose(1, 2)  # (batch, kv_heads, 1, head_dim)
-            v = attn.v_proj(x).view(batch, 1, -1, hd).transpose(1, 2)
+            q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            q = q.view(batch, 1, -1, hd).transpose(1, 2)  # (batch, heads, 1, head_dim)
+            k = k.view(batch, 1, -1, hd).transpose(1, 2)  # (batch, kv_heads, 1, head_dim)
+            v = v.view(batch, 1, -1, hd).transpose(1, 2)
             q, k = self.apply_rotary(q, k, cos, sin)
             cached.keys.index_copy_(2, where, k)
             cached.values.index_copy_(2, where, v)

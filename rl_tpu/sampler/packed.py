@@ -13,7 +13,12 @@ shows the end-to-end effect).
 The result is float32 as before, summed in a different order: it differs from ``F.linear`` by float32 rounding
 (relative ~1e-6), far below anything a sampled token or its log-prob reflects.
 
-The packed copies cost the weights' size again while they exist. :class:`PackedLinears` builds them on first use,
+Linear layers that read the same input (a layer's query, key and value projections) can also be packed as one
+concatenated matrix (:meth:`PackedLinears.fused`): one product of width ``q + k + v`` instead of three narrow ones
+cut the decode step's query/key/value time by ~10% in a cold-cache measurement (30 layers of SmolLM2-135M); the
+gate and up projections of the MLP, already wide, gained nothing, so the lean decoder fuses only the former.
+
+The packed copies cost the weights' size again while they exist (fused groups once more). :class:`PackedLinears` builds them on first use,
 and they are dropped with :meth:`PackedLinears.release` (the rollout server does so whenever weights change or it
 sleeps) and rebuilt at the next generation.
 """
@@ -58,6 +63,7 @@ class PackedLinears:
         self.batch_hint = max(1, int(batch_hint))
         self._packed: list[torch.Tensor] | None = None
         self._key: tuple | None = None
+        self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
 
     def _eligible(self) -> list[torch.nn.Linear]:
         # looked up again at each pack: the model may have been cast (bfloat16 has no packed path here) or moved
@@ -67,7 +73,10 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """Bytes the packed copies hold now (0 when released)."""
-        return sum(m.weight.numel() * m.weight.element_size() for m in self.modules) if self._packed is not None else 0
+        if self._packed is None:
+            return 0
+        own = sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
+        return own + sum(sum(splits) * w.shape[-1] * 4 for w, _, splits in self._fused.values())
 
     def _weights_key(self) -> tuple:
         # a copy_ in this process bumps _version; the data_ptr catches a rebind (param.data = ...)
@@ -76,6 +85,7 @@ class PackedLinears:
     def pack(self) -> None:
         """Build the packed copies now (each ``with`` block does it when they are missing or stale)."""
         self.modules = self._eligible()
+        self._fused = {}
         with torch.inference_mode(False), torch.no_grad():
             self._packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
                             for m in self.modules]
@@ -83,7 +93,28 @@ class PackedLinears:
 
     def release(self) -> None:
         """Drop the packed copies (weights changed elsewhere, or memory is needed); the next use packs again."""
-        self._packed, self._key = None, None
+        self._packed, self._key, self._fused = None, None, {}
+
+    def fused(self, group: tuple[torch.nn.Linear, ...]):
+        """A function computing every layer of ``group`` (linear layers of one input width, all packed here) as one
+        product on their concatenated packed weights: ``x (..., in) -> tuple of (..., out_i)`` (views of one
+        output), or ``None`` when a layer of the group is not packed. Call within :meth:`applied`; the packed
+        concatenation is built on first request and dropped with the others."""
+        if self._packed is None or not {id(m) for m in group} <= {id(n) for n in self.modules}:
+            return None
+        key = tuple(id(m) for m in group)
+        if key not in self._fused:
+            with torch.inference_mode(False), torch.no_grad():
+                weight = torch.cat([m.weight.detach() for m in group])  # (sum out, in)
+                biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in group]
+                bias = torch.cat(biases) if any(m.bias is not None for m in group) else None
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+            self._fused[key] = (packed, bias, [m.out_features for m in group])
+        packed, bias, splits = self._fused[key]
+
+        def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(splits, dim=-1)
+        return forward
 
     @contextmanager
     def applied(self) -> Iterator[bool]:

@@ -452,8 +452,19 @@ def test_packed_linears_match_the_plain_forward_and_are_scoped(model) -> None:
     assert not any("forward" in m.__dict__ for m in packed.modules), "the plain forward is restored on exit"
     assert packed.nbytes == sum(m.weight.numel() * 4 for m in packed.modules)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a fused group: one product on the concatenated q/k/v weights equals the three layers
+    attn = model.model.layers[1].self_attn
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(3, 1, 64)
+    with torch.no_grad(), packed.applied():
+        fused = packed.fused(group)
+        got = fused(x)
+    want = [torch.nn.functional.linear(x, m.weight, m.bias) for m in group]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert packed.nbytes == sum(m.weight.numel() * 4 for m in packed.modules + list(group))
     packed.release()
-    assert packed.nbytes == 0 and packed._packed is None
+    assert packed.nbytes == 0 and packed._packed is None and packed.fused(group) is None
 
 
 def test_packed_weights_follow_weight_changes() -> None:
