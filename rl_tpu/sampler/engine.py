@@ -46,16 +46,13 @@ def _check_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
-    """Longest list that starts every one of ``seqs``."""
-    first = seqs[0]
-    n = min(map(len, seqs))
-    for s in seqs[1:]:
-        i = 0
-        while i < n and s[i] == first[i]:
-            i += 1
-        n = i
-    return list(first[:n])
+def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common start of ``a`` and ``b``, at most ``limit``."""
+    n = min(limit, len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class Sampler:
@@ -367,7 +364,7 @@ class Sampler:
         and a boolean mask lets a token of ``s_j`` see ``prefix`` and the earlier tokens of ``s_j``, nothing else:
         each prompt's keys, values and last logits are those of a forward of that prompt alone (RoPE depends only
         on the position id). Row ``i``'s cache slots ``[prompt_len - len_i, prompt_len)`` then receive its
-        prompt's keys and values (the left-padding slots get a copy of slot 0, hidden by the attention mask).
+        prompt's keys and values (the left-padding slots get its first token's, hidden by the attention mask).
 
         Args:
             rows: the batch's prompts (left-padded to ``prompt_len`` in the cache).
@@ -379,32 +376,30 @@ class Sampler:
         from transformers import DynamicCache
 
         dev = self.device
+        # greedy groups within the token budget (a prompt longer than it gets a group alone); each group's shared
+        # prefix is kept shorter than its shortest prompt, so every prompt has a token of its own
+        groups: list[tuple[list[int], int]] = []  # (members, prefix length)
+        for j in uniq:
+            if groups:
+                members, plen = groups[-1]
+                plen = min(_common_prefix_len(rows[members[0]], rows[j], plen), len(rows[j]) - 1)
+                if plen + sum(len(rows[k]) - plen for k in members) + len(rows[j]) - plen <= self.packed_prefill_tokens:
+                    groups[-1] = (members + [j], plen)
+                    continue
+            groups.append(([j], len(rows[j]) - 1))
         last: dict[int, torch.Tensor] = {}  # uniq row -> (vocab,) logits
-        src_index: dict[int, list[int]] = {}  # uniq row -> index in its group's packed sequence, per prompt token
-        layers_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # group -> layer -> (keys, values)
-        group_of: dict[int, int] = {}
-        groups: list[list[int]] = [[]]
-        budget = self.packed_prefill_tokens
-        for j in uniq:  # greedy groups within the token budget (a prompt longer than it gets a group alone)
-            trial = groups[-1] + [j]
-            plen = min(len(_common_prefix([rows[k] for k in trial])), min(len(rows[k]) for k in trial) - 1)
-            if groups[-1] and plen + sum(len(rows[k]) - plen for k in trial) > budget:
-                groups.append([j])
-            else:
-                groups[-1] = trial
-        for g, members in enumerate(groups):
-            prompts = [rows[k] for k in members]
-            plen = min(len(_common_prefix(prompts)), min(map(len, prompts)) - 1)
-            tokens, pos, seg = list(prompts[0][:plen]), list(range(plen)), [-1] * plen
-            ends = []
-            for m, (k, p) in enumerate(zip(members, prompts)):
+        token_index: dict[int, list[int]] = {}  # uniq row -> its prompt tokens' places in the concatenated sequences
+        keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # group -> layer -> (keys, values)
+        offset = 0  # start of the group's sequence once all groups' keys are concatenated
+        for members, plen in groups:
+            tokens, pos, seg, ends = list(rows[members[0]][:plen]), list(range(plen)), [-1] * plen, []
+            for m, k in enumerate(members):
                 start = len(tokens)
-                tokens += p[plen:]
-                pos += range(plen, len(p))
-                seg += [m] * (len(p) - plen)
+                tokens += rows[k][plen:]
+                pos += range(plen, len(rows[k]))
+                seg += [m] * (len(rows[k]) - plen)
                 ends.append(len(tokens) - 1)
-                src_index[k] = list(range(plen)) + list(range(start, len(tokens)))
-                group_of[k] = g
+                token_index[k] = [offset + i for i in (*range(plen), *range(start, len(tokens)))]
             seg_t = torch.tensor(seg, device=dev)
             n = len(tokens)
             causal = torch.ones((n, n), dtype=torch.bool, device=dev).tril()
@@ -416,29 +411,24 @@ class Sampler:
                 position_ids=torch.tensor([pos], device=dev), past_key_values=kv, use_cache=True,
                 logits_to_keep=torch.tensor(ends, device=dev),
             )
-            for k, row_logits in zip(members, out.logits[0]):
-                last[k] = row_logits
-            layers_kv.append([(layer.keys[0], layer.values[0]) for layer in kv.layers])  # (kv_heads, n, dim)
+            last.update(zip(members, out.logits[0]))
+            keys_values.append([(layer.keys[0], layer.values[0]) for layer in kv.layers])  # (kv_heads, n, dim)
+            offset += n
 
-        batch = len(rows)
-        index_of = {k: torch.tensor(v, device=dev) for k, v in src_index.items()}
+        # row i's cache slot s <- place of its prompt token s - (prompt_len - len_i); left-padding slots take the
+        # row's first token (finite values, hidden by the attention mask)
+        index = torch.tensor(
+            [[token_index[src[i]][max(0, s - (prompt_len - len(r)))] for s in range(prompt_len)] for i, r in enumerate(rows)],
+            device=dev,
+        )  # (batch, prompt_len)
         for li, layer in enumerate(cache.layers):
-            keys_per_group = [kvs[li] for kvs in layers_kv]
-            k0, v0 = keys_per_group[0]
+            keys = torch.cat([kvs[li][0] for kvs in keys_values], dim=1)  # (kv_heads, all tokens, dim)
+            values = torch.cat([kvs[li][1] for kvs in keys_values], dim=1)
             if not layer.is_initialized:
-                layer.lazy_initialization(
-                    k0.new_empty((batch, k0.shape[0], 1, k0.shape[2])), v0.new_empty((batch, v0.shape[0], 1, v0.shape[2]))
-                )
-            for i in range(batch):
-                k = src[i]
-                keys, values = keys_per_group[group_of[k]]
-                idx = index_of[k]
-                start = prompt_len - len(rows[i])
-                layer.keys[i, :, start:prompt_len] = keys[:, idx]
-                layer.values[i, :, start:prompt_len] = values[:, idx]
-                if start:  # padding slots: any finite values (masked); slot 0's keep them out of NaN territory
-                    layer.keys[i, :, :start] = keys[:, :1]
-                    layer.values[i, :, :start] = values[:, :1]
+                layer.lazy_initialization(keys[None, :, :1].expand(len(rows), -1, -1, -1),
+                                          values[None, :, :1].expand(len(rows), -1, -1, -1))
+            layer.keys[:, :, :prompt_len] = keys[:, index].transpose(0, 1)  # (batch, kv_heads, prompt_len, dim)
+            layer.values[:, :, :prompt_len] = values[:, index].transpose(0, 1)
             layer.cumulative_length.fill_(prompt_len)
         return torch.stack([last[k] for k in src])  # (batch, vocab)
 
