@@ -161,6 +161,38 @@ def _check_prompt_lengths(config) -> None:
                   "(data.filter_overlong_prompts=true)")
 
 
+def check_rope_switch(config) -> None:
+    """Refuse lengths that cross a longrope model's RoPE switch before any process starts.
+
+    A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
+    call's sequence passes ``original_max_position_embeddings`` (:func:`rl_tpu.sampler.engine.longrope_switch_length`).
+    The native rollout fills its KV cache below the switch, the trainer's forward sees the whole sequence above it:
+    their log-probs differ by whole nats and the policy-gradient ratio is meaningless.
+
+    Raises:
+        BadInputError: ``data.max_prompt_length + data.max_response_length`` past the switch with the native rollout.
+    """
+    if str(config.actor_rollout_ref.rollout.get("name")) != "native":
+        return
+    from transformers import AutoConfig
+
+    from rl_tpu.sampler.engine import longrope_switch_length
+
+    model = config.actor_rollout_ref.model
+    try:
+        hf = AutoConfig.from_pretrained(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    except (OSError, ValueError):
+        return  # not a model folder: the model check reports it
+    switch = longrope_switch_length(hf)
+    need = int(config.data.max_prompt_length) + int(config.data.max_response_length)
+    if switch is not None and need > switch:
+        raise BadInputError(
+            f"data.max_prompt_length + data.max_response_length = {need} tokens is past {switch}, where "
+            f"{model.path}'s longrope RoPE switches from its short to its long factors: rollout and trainer "
+            f"log-probs would disagree for sequences that cross it; lower them to {switch} tokens or less in total"
+        )
+
+
 def fit_epochs_to_steps(config) -> None:
     """Raise ``trainer.total_epochs`` so that ``trainer.total_training_steps`` is reached, or refuse an empty epoch.
 
@@ -414,6 +446,7 @@ def run_train(args) -> int:
         for f in _data_files(config.data.get(key)):
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
+    check_rope_switch(config)
     fit_epochs_to_steps(config)
 
     env = {

@@ -46,6 +46,26 @@ def _check_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def longrope_switch_length(config) -> int | None:
+    """The sequence length (tokens) past which a ``longrope`` model (Phi-3 style, transformers'
+    ``modeling_rope_utils.dynamic_rope_update``) switches every position's RoPE from ``short_factor`` to
+    ``long_factor``, or ``None`` when the model has no such switch. The choice is made per forward call from the
+    largest position id, so a KV cache filled below the switch disagrees with a forward over the whole sequence above
+    it. Reads ``config.rope_parameters`` (transformers >= 5, possibly one dict per layer type) or ``rope_scaling``."""
+    found = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        spec = getattr(config, attr, None)
+        if not isinstance(spec, dict):
+            continue
+        for d in [spec, *(v for v in spec.values() if isinstance(v, dict))]:
+            if d.get("rope_type", d.get("type")) == "longrope":
+                orig = d.get("original_max_position_embeddings",
+                             getattr(config, "original_max_position_embeddings", None))
+                if orig is not None:
+                    found.append(int(orig))
+    return min(found) if found else None
+
+
 def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the longest common start of ``a`` and ``b``, at most ``limit``."""
     n = min(limit, len(a), len(b))
@@ -238,6 +258,14 @@ class Sampler:
             raise SamplerError(
                 f"prompt + max_new_tokens = {need} tokens is past the model's context length ({ctx}): "
                 "lower max_new_tokens or shorten the prompts"
+            )
+        switch = longrope_switch_length(self.config)
+        if switch is not None and need > switch:
+            raise SamplerError(
+                f"prompt + max_new_tokens = {need} tokens is past {switch}, where this model's longrope RoPE switches "
+                "from its short to its long factors: a sequence that crosses it is sampled with short-factor keys "
+                "that a forward pass over the whole sequence computes with long factors (log-probs off by whole "
+                f"nats). Keep prompt + max_new_tokens <= {switch}"
             )
 
     def _bucket(self, buckets: tuple[int, ...], length: int) -> int:

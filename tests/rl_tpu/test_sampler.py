@@ -492,3 +492,37 @@ def test_packed_weights_follow_weight_changes() -> None:
     assert [o.token_ids for o in after] == [o.token_ids for o in want]
     for x, y in zip(after, want):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+def _tiny_longrope(switch: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    half = 64 // 4 // 2  # head_dim / 2 factors
+    cfg = AutoConfig.for_model(
+        "phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4 * switch, original_max_position_embeddings=switch,
+        initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [4.0] * half,
+                      "original_max_position_embeddings": switch},
+    )
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_longrope_models_match_below_the_switch_and_are_refused_past_it() -> None:
+    """Phi-3-style longrope picks short or long RoPE factors per forward call from the largest position: a sequence
+    that crosses the switch was sampled with short-factor keys that a whole-sequence forward computes with long ones
+    (log-probs off by ~6.7 nats in this model). Below it the sampler matches a forward pass; past it, a clear error."""
+    from rl_tpu.sampler.engine import longrope_switch_length
+
+    model = _tiny_longrope(48)
+    assert longrope_switch_length(model.config) == 48 and longrope_switch_length(tiny_llama().config) is None
+    prompts = random_prompts([5, 19, 40, 11])  # 40 pads to the 64 prompt bucket on the padded path
+    params = SamplingParams(temperature=0, max_new_tokens=8)  # 40 + 8 = 48: at the switch, not past it
+    for kw in ({}, {"packed_prefill": False, "lean_decode": False, "packed_weights": False}):
+        for i, out in enumerate(make(model, **kw).generate(prompts, params)):
+            ref = reference_logprobs(model, prompts[i], out.token_ids, 0.0)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    with pytest.raises(SamplerError, match=r"49 tokens is past 48.*longrope.*<= 48"):
+        make(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=9))

@@ -120,6 +120,29 @@ def test_overlong_prompts_are_refused_when_filtering_is_off(tmp_path, tiny_model
     assert "longer than data.max_prompt_length=16" in line
 
 
+def test_lengths_past_a_longrope_switch_are_refused(tmp_path, default_model_dir):
+    """Phi-3-style longrope switches RoPE factors at original_max_position_embeddings: the rollout's KV cache and
+    the trainer's forward would disagree for sequences that cross it, so such lengths are refused up front."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    cfg = AutoConfig.for_model(
+        "phi3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        original_max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                     "long_factor": [4.0] * 8, "original_max_position_embeddings": 128},
+    )
+    torch.manual_seed(0)
+    model_dir = tmp_path / "phi3"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}"))
+    assert "= 192 tokens is past 128" in line and "longrope" in line, line
+
+
 def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
     import pandas as pd
 
