@@ -447,6 +447,13 @@ def run_train(args) -> int:
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
     check_rope_switch(config)
+    if str(config.actor_rollout_ref.rollout.get("name")) == "native":
+        from verl_backend.rollout.adapter import sampler_placement
+
+        try:
+            sampler_placement(config.actor_rollout_ref.rollout)
+        except ValueError as exc:
+            raise BadInputError(str(exc)) from None
     fit_epochs_to_steps(config)
 
     env = {

@@ -41,7 +41,8 @@ def sampler_placement(rollout_config) -> str:
     worker samples on its own device; needed on TPU where each worker owns its chip).
 
     Raises:
-        ValueError: any other value.
+        ValueError: any other value, or ``worker`` without ``checkpoint_engine.backend=native`` (the engine that
+            serves the worker's sampler to the rollout server; without it every generate fails).
     """
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     native = kwargs.get("native", None) or {}
@@ -49,6 +50,14 @@ def sampler_placement(rollout_config) -> str:
     if placement not in PLACEMENTS:
         raise ValueError(
             f"actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement={placement!r}: choose one of {PLACEMENTS}"
+        )
+    engine = getattr(rollout_config, "checkpoint_engine", None)
+    backend = engine.get("backend", None) if engine is not None else None
+    if placement == "worker" and backend != "native":
+        raise ValueError(
+            "actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker needs "
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend=native (it is {backend!r}): the native engine "
+            "serves the worker's sampler to the rollout server; set it, or drop sampler_placement"
         )
     return placement
 
