@@ -90,17 +90,17 @@ def main() -> int:
     ours_peak = None
     if args.bench_json:
         try:
-            results = json.loads(Path(args.bench_json).read_text())["results"]
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"bench_process_floor: error: --bench-json {args.bench_json}: {exc}; give the file that "
+            for r in json.loads(Path(args.bench_json).read_text())["results"]:
+                if r["framework"].startswith("ours"):
+                    ours_peak = float(r["memory"]["peak_pss_total_gib"])
+                    peak_roles = {k: float(v[1]) for k, v in r["memory"]["pss_at_peak_gib_by_role"].items()}
+                else:
+                    trl.append((r["framework"], float(r["memory"]["peak_pss_total_gib"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            why = f"no key {exc}" if isinstance(exc, KeyError) else str(exc) or type(exc).__name__
+            print(f"bench_process_floor: error: --bench-json {args.bench_json}: {why}; give the file that "
                   "`bench_grpo_step.py --out FILE` wrote", file=sys.stderr)
             return 2
-        for r in results:
-            if r["framework"].startswith("ours"):
-                ours_peak = r["memory"]["peak_pss_total_gib"]
-                peak_roles = {k: v[1] for k, v in r["memory"]["pss_at_peak_gib_by_role"].items()}
-            else:
-                trl.append((r["framework"], r["memory"]["peak_pss_total_gib"]))
 
     rows, floor = [], 0.0
     for role, imports in ROLES:
