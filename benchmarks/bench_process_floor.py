@@ -88,7 +88,7 @@ def main() -> int:
     peak_roles: dict[str, float] = {}
     trl: list[tuple[str, float]] = []
     ours_peak = None
-    if args.bench_json:
+    if args.bench_json is not None:
         try:
             for r in json.loads(Path(args.bench_json).read_text())["results"]:
                 if r["framework"].startswith("ours"):

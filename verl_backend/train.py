@@ -139,8 +139,9 @@ def _check_prompt_lengths(config) -> None:
     import pandas as pd
     from transformers import AutoTokenizer
 
+    limit = _int_key(config.data, "max_prompt_length", "data")
+    _int_key(config.data, "max_response_length", "data")
     tok = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    limit = int(config.data.max_prompt_length)
     for key in ("train_files", "val_files"):
         for f in _data_files(config.data.get(key)):
             df = pd.read_parquet(f)
@@ -184,13 +185,29 @@ def check_rope_switch(config) -> None:
     except (OSError, ValueError):
         return  # not a model folder: the model check reports it
     switch = longrope_switch_length(hf)
-    need = int(config.data.max_prompt_length) + int(config.data.max_response_length)
-    if switch is not None and need > switch:
+    if switch is None:
+        return
+    # The rollout's own lengths bound what it samples (VeRL fills them from data.max_prompt_length /
+    # data.max_response_length unless set)
+    rollout = config.actor_rollout_ref.rollout
+    need = _int_key(rollout, "prompt_length", "actor_rollout_ref.rollout") + _int_key(
+        rollout, "response_length", "actor_rollout_ref.rollout")
+    if need > switch:
         raise BadInputError(
-            f"data.max_prompt_length + data.max_response_length = {need} tokens is past {switch}, where "
-            f"{model.path}'s longrope RoPE switches from its short to its long factors: rollout and trainer "
-            f"log-probs would disagree for sequences that cross it; lower them to {switch} tokens or less in total"
+            f"actor_rollout_ref.rollout.prompt_length + response_length = {need} tokens (from data.max_prompt_length "
+            f"and data.max_response_length unless set) is past {switch}, where {model.path}'s longrope RoPE switches "
+            "from its short to its long factors: rollout and trainer log-probs would disagree for sequences that "
+            f"cross it; lower them to {switch} tokens or less in total"
         )
+
+
+def _int_key(node, key: str, where: str) -> int:
+    """``node[key]`` as an int, or one :class:`BadInputError` naming ``where.key``."""
+    value = node.get(key)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadInputError(f"{where}.{key}={value!r}: give a whole number of tokens") from None
 
 
 def fit_epochs_to_steps(config) -> None:

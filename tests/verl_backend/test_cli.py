@@ -140,7 +140,13 @@ def test_lengths_past_a_longrope_switch_are_refused(tmp_path, default_model_dir)
     tok.save_pretrained(model_dir)
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
                                 f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}"))
-    assert "= 192 tokens is past 128" in line and "longrope" in line, line
+    assert "= 192 tokens" in line and "is past 128" in line and "longrope" in line, line
+    # the rollout's own length keys, set past the switch while data.* fit, are what it samples with
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+                                "data.max_prompt_length=96", "data.max_response_length=32",
+                                "actor_rollout_ref.rollout.response_length=96"))
+    assert "prompt_length + response_length = 192 tokens" in line and "is past 128" in line, line
 
 
 def test_worker_sampler_placement_without_the_native_engine_is_one_line(tmp_path, tiny_model_dir):
@@ -149,6 +155,16 @@ def test_worker_sampler_placement_without_the_native_engine_is_one_line(tmp_path
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
                                 "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}"))
     assert "sampler_placement=worker needs actor_rollout_ref.rollout.checkpoint_engine.backend=native" in line, line
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "+actor_rollout_ref.rollout.engine_kwargs.native=worker"))
+    assert "engine_kwargs.native='worker': give a mapping" in line, line
+
+
+def test_length_that_is_not_a_number_is_one_line(tmp_path, tiny_model_dir):
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=abc"))
+    assert "data.max_response_length='abc': give a whole number of tokens" in line, line
 
 
 def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):

@@ -46,7 +46,13 @@ def sampler_placement(rollout_config) -> str:
     """
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     native = kwargs.get("native", None) or {}
-    placement = str(native.get("sampler_placement", "server"))
+    if not hasattr(native, "get"):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.native={native!r}: give a mapping, e.g. "
+            "'+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}'"
+        )
+    placement = native.get("sampler_placement", None)
+    placement = "server" if placement is None else str(placement)
     if placement not in PLACEMENTS:
         raise ValueError(
             f"actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement={placement!r}: choose one of {PLACEMENTS}"
