@@ -253,6 +253,24 @@ def fit_epochs_to_steps(config) -> None:
           f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
 
 
+PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "actor_rollout_ref.model.tokenizer_path",
+             "critic.model.tokenizer_path")
+
+
+def _normalized_path(override: str) -> str:
+    """A model-path override with ``~`` expanded and no trailing ``/``: VeRL 0.9.1's ``HFModelConfig`` asserts
+    on a trailing slash (a traceback deep in Hydra instantiation) and does not expand ``~``."""
+    key, sep, value = override.partition("=")
+    if not sep or key.lstrip("+~") not in PATH_KEYS:
+        return override
+    raw = value.strip("\"'")
+    if raw in ("", "null", "None"):
+        return override
+    path = os.path.expanduser(raw)
+    path = path.rstrip("/") or "/"
+    return f"{key}={path}"
+
+
 def _model_path(keys: dict[str, str]) -> list[str]:
     from verl_backend.models import ensure_default_model, is_hf_model_dir
 
@@ -437,7 +455,7 @@ def run_train(args) -> int:
         defaults.update(slice_keys)
     elif getattr(args, "slice", None):
         raise BadInputError(f"--slice applies to --backend tpu (or cpu, as a dry run), not {backend}")
-    merged = merge_overrides(defaults, file_overrides, cli_overrides)
+    merged = [_normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
     experiment = keys.get("trainer.experiment_name", "grpo_smollm2").strip("\"'")
@@ -467,6 +485,13 @@ def run_train(args) -> int:
     if str(config.actor_rollout_ref.rollout.get("name")) == "native":
         from verl_backend.rollout.adapter import sampler_placement
 
+        engine = config.actor_rollout_ref.rollout.get("checkpoint_engine")
+        if not hasattr(engine, "get"):
+            raise BadInputError(
+                f"actor_rollout_ref.rollout.checkpoint_engine={engine!r}: the native rollout's weight sync needs one; "
+                "drop the override (VeRL's default) or set actor_rollout_ref.rollout.checkpoint_engine.backend="
+                "naive|native"
+            )
         try:
             sampler_placement(config.actor_rollout_ref.rollout)
         except ValueError as exc:

@@ -159,12 +159,32 @@ def test_worker_sampler_placement_without_the_native_engine_is_one_line(tmp_path
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
                                 "+actor_rollout_ref.rollout.engine_kwargs.native=worker"))
     assert "engine_kwargs.native='worker': give a mapping" in line, line
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "actor_rollout_ref.rollout.checkpoint_engine=null"))
+    assert "checkpoint_engine=None: the native rollout's weight sync needs one" in line, line
 
 
 def test_length_that_is_not_a_number_is_one_line(tmp_path, tiny_model_dir):
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=abc"))
     assert "data.max_response_length='abc': give a whole number of tokens" in line, line
+
+
+def test_model_path_with_a_trailing_slash_or_tilde_is_normalised(tmp_path, tiny_model_dir, monkeypatch):
+    """VeRL 0.9.1's HFModelConfig asserts on a trailing '/' (a traceback inside Hydra) and does not expand '~'."""
+    from verl_backend.train import _normalized_path
+
+    assert _normalized_path(f"actor_rollout_ref.model.path={tiny_model_dir}/") == \
+        f"actor_rollout_ref.model.path={tiny_model_dir}"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _normalized_path("+critic.model.path='~/m/'") == f"+critic.model.path={tmp_path}/m"
+    assert _normalized_path("data.train_files=/x/") == "data.train_files=/x/"  # not a model path: untouched
+    proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"), "--print-config",
+                f"actor_rollout_ref.model.path={tiny_model_dir}/", f"critic.model.path={tiny_model_dir}/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert cfg["actor_rollout_ref"]["model"]["path"] == str(tiny_model_dir)
 
 
 def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
