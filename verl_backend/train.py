@@ -140,7 +140,7 @@ def _check_prompt_lengths(config) -> None:
     from transformers import AutoTokenizer
 
     limit = _int_key(config.data, "max_prompt_length", "data")
-    _int_key(config.data, "max_response_length", "data")
+    _int_key(config.data, "max_response_length", "data")  # checked here too: VeRL would fail on it inside Ray
     tok = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     for key in ("train_files", "val_files"):
         for f in _data_files(config.data.get(key)):
@@ -162,23 +162,39 @@ def _check_prompt_lengths(config) -> None:
                   "(data.filter_overlong_prompts=true)")
 
 
-def check_rope_switch(config) -> None:
-    """Refuse lengths that cross a longrope model's RoPE switch before any process starts.
+def check_native_rollout(config) -> None:
+    """Refuse, before any process starts, native-rollout settings that would only fail inside Ray.
 
-    A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
-    call's sequence passes ``original_max_position_embeddings`` (:func:`rl_tpu.sampler.engine.longrope_switch_length`).
-    The native rollout fills its KV cache below the switch, the trainer's forward sees the whole sequence above it:
-    their log-probs differ by whole nats and the policy-gradient ratio is meaningless.
+    - ``actor_rollout_ref.rollout.checkpoint_engine`` must be a mapping (the weight sync reads its bucket size).
+    - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`).
+    - A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
+      call's sequence passes ``original_max_position_embeddings``
+      (:func:`rl_tpu.sampler.engine.longrope_switch_length`). The rollout fills its KV cache below the switch, the
+      trainer's forward sees the whole sequence above it: their log-probs differ by whole nats. So the rollout's
+      ``prompt_length + response_length`` (filled from ``data.max_*`` unless set) must not pass the switch.
 
     Raises:
-        BadInputError: ``data.max_prompt_length + data.max_response_length`` past the switch with the native rollout.
+        BadInputError: one of the above, naming the config key and the fix.
     """
-    if str(config.actor_rollout_ref.rollout.get("name")) != "native":
+    rollout = config.actor_rollout_ref.rollout
+    if str(rollout.get("name")) != "native":
         return
+    engine = rollout.get("checkpoint_engine")
+    if not hasattr(engine, "get"):
+        raise BadInputError(
+            f"actor_rollout_ref.rollout.checkpoint_engine={engine!r}: the native rollout's weight sync needs one; "
+            "drop the override (VeRL's default) or set actor_rollout_ref.rollout.checkpoint_engine.backend="
+            "naive|native"
+        )
     from transformers import AutoConfig
 
     from rl_tpu.sampler.engine import longrope_switch_length
+    from verl_backend.rollout.adapter import sampler_placement
 
+    try:
+        sampler_placement(rollout)
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
     model = config.actor_rollout_ref.model
     try:
         hf = AutoConfig.from_pretrained(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
@@ -187,11 +203,8 @@ def check_rope_switch(config) -> None:
     switch = longrope_switch_length(hf)
     if switch is None:
         return
-    # The rollout's own lengths bound what it samples (VeRL fills them from data.max_prompt_length /
-    # data.max_response_length unless set)
-    rollout = config.actor_rollout_ref.rollout
-    need = _int_key(rollout, "prompt_length", "actor_rollout_ref.rollout") + _int_key(
-        rollout, "response_length", "actor_rollout_ref.rollout")
+    where = "actor_rollout_ref.rollout"
+    need = _int_key(rollout, "prompt_length", where) + _int_key(rollout, "response_length", where)
     if need > switch:
         raise BadInputError(
             f"actor_rollout_ref.rollout.prompt_length + response_length = {need} tokens (from data.max_prompt_length "
@@ -481,21 +494,7 @@ def run_train(args) -> int:
         for f in _data_files(config.data.get(key)):
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
-    check_rope_switch(config)
-    if str(config.actor_rollout_ref.rollout.get("name")) == "native":
-        from verl_backend.rollout.adapter import sampler_placement
-
-        engine = config.actor_rollout_ref.rollout.get("checkpoint_engine")
-        if not hasattr(engine, "get"):
-            raise BadInputError(
-                f"actor_rollout_ref.rollout.checkpoint_engine={engine!r}: the native rollout's weight sync needs one; "
-                "drop the override (VeRL's default) or set actor_rollout_ref.rollout.checkpoint_engine.backend="
-                "naive|native"
-            )
-        try:
-            sampler_placement(config.actor_rollout_ref.rollout)
-        except ValueError as exc:
-            raise BadInputError(str(exc)) from None
+    check_native_rollout(config)
     fit_epochs_to_steps(config)
 
     env = {
