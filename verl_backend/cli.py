@@ -91,16 +91,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """Unwrap Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker) to the original exception."""
+USER_ERRORS = ("BadInputError", "DeviceError", "TopologyError", "ClusterError")
+
+
+def _user_error(exc: BaseException) -> BaseException | None:
+    """The outermost user-fixable error in ``exc``'s chain, or ``None``.
+
+    Follows Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker; its ``cause``) and ``__cause__``, so both a
+    worker's own error and one the driver re-raised from a VeRL failure (``raise BadInputError(...) from exc``) count.
+    """
     seen = set()
-    while id(exc) not in seen:
+    while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        nxt = getattr(exc, "cause", None) or exc.__cause__
-        if nxt is None:
-            break
-        exc = nxt
-    return exc
+        if type(exc).__name__ in USER_ERRORS:
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_train(args)
     except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found
-        root = _root_cause(exc)
-        if type(root).__name__ in ("BadInputError", "DeviceError", "TopologyError", "ClusterError"):
-            print(f"verl: error: {root}", file=sys.stderr)
+        user = _user_error(exc)
+        if user is not None:
+            print(f"verl: error: {user}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:

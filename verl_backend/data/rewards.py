@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any
 
-from verl_backend.errors import BadInputError
+from verl_backend.errors import BadInputError, record_bad_input
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
@@ -86,7 +86,7 @@ def compute_score(
         score = 1.0 if got is not None and want is not None and math.isclose(got, want, abs_tol=1e-6) else 0.0
     else:
         raise BadInputError(
-            f"no reward function for data_source {data_source!r}; use 'reasoning_gym/<task>' or 'openai/gsm8k', "
+            f"no reward function for data_source {str(data_source)!r}; use 'reasoning_gym/<task>' or 'openai/gsm8k', "
             "or set reward.custom_reward_function.path to your own compute_score"
         )
     if not math.isfinite(score):
@@ -109,9 +109,21 @@ def guarded_score(
     raises, or returns NaN/inf, stops the run with one line naming the function, the sample and the fix, instead
     of a stack trace from inside a Ray reward worker or a silently poisoned advantage.
 
+    The error is also recorded for ``verl train``'s driver (:func:`verl_backend.errors.record_bad_input`): VeRL's
+    agent loop, which calls this through its reward worker, logs a failed reward and marks the prompt group failed
+    rather than passing the error on.
+
     Raises:
         BadInputError: the function raised, or returned a non-finite or non-numeric score.
     """
+    try:
+        return _police_score(data_source, solution_str, ground_truth, extra_info, user_fn_path, user_fn_name, **kwargs)
+    except BadInputError as exc:
+        record_bad_input(exc)
+        raise
+
+
+def _police_score(data_source, solution_str, ground_truth, extra_info, user_fn_path, user_fn_name, **kwargs) -> float:
     if user_fn_path:
         from verl.utils.import_utils import load_extern_object
 
