@@ -312,15 +312,22 @@ PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "actor_rollout
              "critic.model.tokenizer_path")
 
 
+DATA_FILE_KEYS = ("data.train_files", "data.val_files")
+
+
 def _normalized_path(override: str) -> str:
     """A model-path override with ``~`` expanded and no trailing ``/``: VeRL 0.9.1's ``HFModelConfig`` asserts
-    on a trailing slash (a traceback deep in Hydra instantiation) and does not expand ``~``."""
+    on a trailing slash (a traceback deep in Hydra instantiation) and does not expand ``~``. A data file given as
+    one ``~/...`` path is expanded too (Hydra's override grammar rejects a bare ``~`` there)."""
     key, sep, value = override.partition("=")
-    if not sep or key.lstrip("+~") not in PATH_KEYS:
+    bare = key.lstrip("+~")
+    if not sep or bare not in PATH_KEYS + DATA_FILE_KEYS:
         return override
     raw = value.strip("\"'")
     if raw in ("", "null", "None"):
         return override
+    if bare in DATA_FILE_KEYS:
+        return f"{key}={os.path.expanduser(raw)}" if raw.startswith("~") else override
     path = os.path.expanduser(raw)
     path = path.rstrip("/") or "/"
     return f"{key}={path}"
@@ -590,7 +597,14 @@ def run_train(args) -> int:
     from verl_backend.data import validate_rl_parquet
 
     for key in ("train_files", "val_files"):
-        for f in _data_files(config.data.get(key)):
+        files = _data_files(config.data.get(key))
+        if not files:
+            raise BadInputError(f"data.{key} is empty: give one or more parquet files (or leave data.train_files "
+                                "and data.val_files unset for the built-in rl_tpu.* data)")
+        for f in files:
+            if not Path(f).is_file() and f"data.{key}" not in keys:
+                raise BadInputError(f"data.{key} is VeRL's default {f}, which does not exist: set data.{key} too "
+                                    "when you set data.train_files or data.val_files")
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
     check_native_rollout(config)

@@ -247,12 +247,29 @@ def test_model_path_with_a_trailing_slash_or_tilde_is_normalised(tmp_path, tiny_
         f"actor_rollout_ref.model.path={tiny_model_dir}"
     monkeypatch.setenv("HOME", str(tmp_path))
     assert _normalized_path("+critic.model.path='~/m/'") == f"+critic.model.path={tmp_path}/m"
-    assert _normalized_path("data.train_files=/x/") == "data.train_files=/x/"  # not a model path: untouched
+    assert _normalized_path("data.train_files=/x/") == "data.train_files=/x/"  # a data file keeps its slash
+    assert _normalized_path("data.val_files=~/v.parquet") == f"data.val_files={tmp_path}/v.parquet"
+    assert _normalized_path("data.val_files=[~/v.parquet]") == "data.val_files=[~/v.parquet]"  # a list: Hydra's
     proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"), "--print-config",
                 f"actor_rollout_ref.model.path={tiny_model_dir}/", f"critic.model.path={tiny_model_dir}/")
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
     assert cfg["actor_rollout_ref"]["model"]["path"] == str(tiny_model_dir)
+
+
+def test_train_files_without_val_files_names_verls_default(tmp_path, tiny_model_dir):
+    import pandas as pd
+
+    good = tmp_path / "train.parquet"
+    pd.DataFrame([{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+                   "ability": "math", "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 0}}]).to_parquet(good)
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={good}",
+                                "data.val_files=[]"))
+    assert "data.val_files is empty: give one or more parquet files" in line, line
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={good}"))
+    assert "data.val_files is VeRL's default" in line and "set data.val_files too" in line, line
 
 
 def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
