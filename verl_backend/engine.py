@@ -9,7 +9,9 @@ subclasses for our devices rather than copying the engine.
 from __future__ import annotations
 
 import inspect
+import json
 import os
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
@@ -183,8 +185,62 @@ def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor,
     return out
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def match_saved_config_dtype(hf_dir: str | os.PathLike) -> str | None:
+    """Make an HF checkpoint's ``config.json`` name the dtype its ``*.safetensors`` weights are stored in.
+
+    VeRL 0.9.1's ``FSDPCheckpointManager.save_checkpoint`` (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``)
+    builds the model it saves with ``torch_dtype=torch.bfloat16`` and then writes the trainer's state dict into it:
+    on our float32 CPU engine the file holds F32 tensors under a config saying ``"dtype": "bfloat16"``, so
+    ``AutoModelForCausalLM.from_pretrained(ckpt)`` silently loads the trained model in bfloat16. The config is
+    rewritten atomically (a temporary file renamed over it).
+
+    Args:
+        hf_dir: the checkpoint's ``huggingface`` folder.
+
+    Returns:
+        The dtype name now in the config (e.g. ``"float32"``), or ``None`` when there is no config, no safetensors
+        file, or no floating-point tensor to read it from.
+    """
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    config_path, files = hf_dir / "config.json", sorted(hf_dir.glob("*.safetensors"))
+    if not config_path.is_file() or not files:
+        return None
+    name = None
+    with safe_open(str(files[0]), framework="pt") as f:
+        for key in f.keys():
+            name = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+            if name is not None:
+                break
+    if name is None:
+        return None
+    config = json.loads(config_path.read_text())
+    stale = [k for k in ("dtype", "torch_dtype") if k in config and config[k] != name]
+    if stale:
+        for k in stale:
+            config[k] = name
+        tmp = config_path.with_name(f".{config_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, config_path)
+    return name
+
+
+class _HFConfigDtypeOnSave:
+    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`)."""
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
+                                max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            match_saved_config_dtype(Path(local_path) / "huggingface")
+
+
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+class RlTpuFSDPEngineWithLMHead(_HFConfigDtypeOnSave, FSDPEngineWithLMHead):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU).
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
@@ -378,7 +434,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithValueHead(FSDPEngineWithValueHead):
+class RlTpuFSDPEngineWithValueHead(_HFConfigDtypeOnSave, FSDPEngineWithValueHead):
     """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU)."""
 
 

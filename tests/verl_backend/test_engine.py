@@ -270,3 +270,25 @@ def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_
     kept, copied = out["publish"]
     assert copied == 0 and kept > 0
     assert out["saved_bytes"] > kept  # a checkpoint of the shared parameters pickles every tensor
+
+
+def test_saved_checkpoint_config_names_the_dtype_of_its_weights(tmp_path, tiny_model_dir):
+    """VeRL 0.9.1's checkpoint manager writes float32 weights under a config saying bfloat16."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from verl_backend.engine import match_saved_config_dtype
+
+    ckpt = tmp_path / "huggingface"
+    shutil.copytree(tiny_model_dir, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # what VeRL writes
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert AutoModelForCausalLM.from_pretrained(ckpt).dtype == torch.bfloat16  # the silent down-cast
+    assert match_saved_config_dtype(ckpt) == "float32"
+    assert AutoModelForCausalLM.from_pretrained(ckpt).dtype == torch.float32
+    assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == config["vocab_size"]
+    assert not list(ckpt.glob(".config.json.*"))  # the temporary file was renamed over the config
+    assert match_saved_config_dtype(tmp_path / "missing") is None

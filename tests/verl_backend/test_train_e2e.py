@@ -89,6 +89,8 @@ def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
     out, proc = run
     ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
     assert (ckpt / "config.json").is_file()
+    # VeRL 0.9.1 labels the config bfloat16 over float32 weights; the engine relabels it (match_saved_config_dtype)
+    assert AutoModelForCausalLM.from_pretrained(ckpt).dtype == torch.float32
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     deltas = [
