@@ -120,8 +120,10 @@ def _slice(a) -> int:
     s = parse_slice(a.accelerator_type, a.topology)
     print(f"{s.accelerator_type} ({s.generation}), topology {s.topology}: {s.hosts} host(s) x "
           f"{s.chips_per_host} chips = {s.chips} chips, {s.cores} TensorCores, mesh {s.mesh_shape}")
-    for w in range(min(s.hosts, 2)):
-        print(f"  worker {w} Ray resources: {json.dumps(host_resources(s, w, 'SLICE'))}")
+    print(f"  worker 0 Ray resources: {json.dumps(host_resources(s, 0, 'SLICE'))}")
+    if s.hosts > 1:  # every other host offers the same, without the head resource
+        others = "worker 1" if s.hosts == 2 else f"workers 1-{s.hosts - 1} (each)"
+        print(f"  {others} Ray resources: {json.dumps(host_resources(s, 1, 'SLICE'))}")
     print(f"  worker 0 env: {json.dumps(host_env(s, 0, 'SLICE'))}")
     return 0
 

@@ -308,6 +308,35 @@ def fit_epochs_to_steps(config) -> None:
           f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
 
 
+def announce_resume(config) -> None:
+    """Say when VeRL will resume from a checkpoint already in the run folder, and refuse a run with nothing left.
+
+    VeRL's default ``trainer.resume_mode=auto`` continues from ``<trainer.default_local_dir>/
+    latest_checkpointed_iteration.txt``. Rerunning a finished job's command (same experiment name, so the same
+    ``outputs/<experiment>``) used to train 0 steps and print the earlier run's accuracy as if it were new.
+
+    Raises:
+        BadInputError: the folder's last checkpoint is already at ``trainer.total_training_steps``.
+    """
+    if str(config.trainer.get("resume_mode", "auto")) != "auto":
+        return
+    folder = Path(str(config.trainer.default_local_dir))
+    tracker = folder / "latest_checkpointed_iteration.txt"
+    try:
+        step = int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return  # no checkpoint (or an unreadable tracker: VeRL starts over and says so)
+    total = config.trainer.get("total_training_steps")
+    if total is not None and step >= int(total):
+        raise BadInputError(
+            f"{folder} already holds the checkpoint of step {step}, the last of trainer.total_training_steps={total}: "
+            "nothing to train; give another --output-dir (or trainer.experiment_name), raise "
+            "trainer.total_training_steps to train on, or set trainer.resume_mode=disable to start over"
+        )
+    print(f"[rl-tpu] resuming from the checkpoint of step {step} in {folder} (VeRL's trainer.resume_mode=auto); "
+          "give another --output-dir or trainer.resume_mode=disable to start over", flush=True)
+
+
 PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "actor_rollout_ref.model.tokenizer_path",
              "critic.model.tokenizer_path")
 
@@ -418,6 +447,38 @@ def slice_defaults(slice_arg: str | None) -> dict[str, str]:
         raise BadInputError(f"--slice {slice_arg or acc}: {exc}") from None
     os.environ["RL_TPU_SLICE"] = f"{spec.accelerator_type}:{spec.topology}"  # SLICE_ENV: the TaskRunner reserves it
     return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
+
+
+DEFAULT_MICRO_KEYS = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+
+
+def fit_default_micro_batches(config, user_keys: set[str]) -> None:
+    """Lower the embedded default config's micro batch sizes to what each worker gets, when there are many workers.
+
+    ``verl_backend/configs/grpo_cpu.yaml`` sizes its micro batches for one worker (log-prob 8, update 4 of 16
+    sequences a step). On a slice (``--slice v6e-16``: 16 workers) each worker gets 1 sequence, which VeRL's engine
+    cannot split into micro batches of 8, and :func:`check_batch_sizes` would refuse the README's own command. A
+    micro batch size the user set (``user_keys``: on the command line) is never changed; that one is refused there.
+    Each change is printed as one ``[rl-tpu]`` line.
+    """
+    from omegaconf import OmegaConf
+
+    workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
+    mini = config.actor_rollout_ref.actor.get("ppo_mini_batch_size")
+    for key in DEFAULT_MICRO_KEYS:
+        micro = OmegaConf.select(config, key)
+        if key in user_keys or not micro:
+            continue
+        share = (int(mini) * n if key.endswith("ppo_micro_batch_size_per_gpu") and mini else batch * n) // workers
+        if share < 1 or share % int(micro) == 0:
+            continue  # divides, or nothing to split (check_batch_sizes names that)
+        fitted = math.gcd(int(micro), share)
+        OmegaConf.update(config, key, fitted)
+        print(f"[rl-tpu] {key} lowered from {micro} (the embedded default) to {fitted}: each of the {workers} "
+              f"workers gets {share} sequence(s) at a time", flush=True)
 
 
 def check_batch_sizes(config, workers_from: str = "") -> None:
@@ -584,6 +645,8 @@ def run_train(args) -> int:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     config = compose_config(merged + extra)
     check_whole_numbers(config)
+    if config_path == DEFAULT_CONFIG:
+        fit_default_micro_batches(config, {o.split("=", 1)[0].lstrip("+~") for o in cli_overrides})
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=(f"--slice {args.slice}" if getattr(args, "slice", None) else
                                             "$TPU_ACCELERATOR_TYPE") if from_slice else "")
@@ -609,6 +672,7 @@ def run_train(args) -> int:
     _check_prompt_lengths(config)
     check_native_rollout(config)
     fit_epochs_to_steps(config)
+    announce_resume(config)
 
     env = {
         "VERL_PLATFORM": os.environ["VERL_PLATFORM"],

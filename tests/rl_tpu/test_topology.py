@@ -163,3 +163,16 @@ def test_host_resources_and_env():
         host_resources(s, 4, "slice-a")
     with pytest.raises(TopologyError, match="give exactly one per host"):
         host_env(s, 0, "slice-a", ["h0"])
+
+
+def test_slice_command_shows_the_head_host_and_what_every_other_host_offers(capsys):
+    """``rl-tpu slice v6e-16``: 4 hosts; it listed workers 0 and 1 only, as if the slice had two."""
+    from ray_cluster.cli import main
+
+    assert main(["slice", "v6e-16"]) == 0
+    out = capsys.readouterr().out
+    assert "4 host(s) x 4 chips = 16 chips" in out
+    assert "worker 0 Ray resources:" in out and '"TPU-v6e-16-head": 1.0' in out
+    assert "workers 1-3 (each) Ray resources:" in out
+    assert main(["slice", "v4-16"]) == 0  # 8 chips on 2 hosts (v4 names TensorCores)
+    assert "  worker 1 Ray resources:" in capsys.readouterr().out

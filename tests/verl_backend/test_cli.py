@@ -294,6 +294,21 @@ def test_tpu_slice_sets_one_node_per_host_and_one_worker_per_chip(tmp_path):
     assert cfg["actor_rollout_ref"]["rollout"]["name"] == "native"
 
 
+def test_default_job_on_a_fake_slice_fits_its_micro_batches_to_the_workers(tmp_path):
+    """The README's dry run (``--slice v6e-16``: 16 workers, 1 sequence each) was refused over the embedded default's
+    micro batch of 8; a micro batch size given on the command line is still the user's to fix."""
+    proc = verl("train", "--backend", "cpu", "--slice", "v6e-16", "--output-dir", str(tmp_path), "--print-config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "log_prob_micro_batch_size_per_gpu lowered from 8 (the embedded default) to 1" in proc.stdout
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert cfg["trainer"]["nnodes"] * cfg["trainer"]["n_gpus_per_node"] == 16
+    assert cfg["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] == 1
+    assert cfg["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 1
+    line = _one_error_line(verl("train", "--backend", "cpu", "--slice", "v6e-4", "--output-dir", str(tmp_path),
+                                "--print-config", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"))
+    assert "log_prob_micro_batch_size_per_gpu=8 does not divide the 4 sequences" in line, line
+
+
 def test_bad_slice_is_one_line():
     line = _one_error_line(verl("train", "--backend", "tpu", "--slice", "v6e-16:2x2", "--print-config"))
     assert "v6e-16" in line
@@ -388,7 +403,8 @@ def test_micro_batches_that_do_not_divide_a_workers_share_are_one_line(tmp_path)
     """GRPO default with rollout.n=1: 4 sequences a step, log-prob micro batches of 8 (VeRL asserts inside a
     worker: 'data size must be divisible by ... micro_batch_size_per_gpu')."""
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
-                                "actor_rollout_ref.rollout.n=1"))
+                                "actor_rollout_ref.rollout.n=1",
+                                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"))
     assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 does not divide the 4 sequences" in line
     assert "set it to a divisor of 4" in line
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
@@ -507,3 +523,25 @@ def test_batch_larger_than_the_built_in_train_set_is_one_line_before_ray(tmp_pat
                                 "rl_tpu.val_size=2", "data.train_batch_size=4"))
     assert "basic_arithmetic_train.parquet) has 2 rows, fewer than data.train_batch_size=4" in line
     assert "set data.train_batch_size=2 or less, or give more rows (rl_tpu.train_size" in line
+
+
+def test_rerun_of_a_finished_run_is_refused_and_a_resume_is_announced(tmp_path, capsys):
+    """VeRL's resume_mode=auto: the same command twice trained 0 steps and reprinted the first run's accuracy."""
+    from omegaconf import OmegaConf
+
+    from verl_backend.errors import BadInputError
+    from verl_backend.train import announce_resume
+
+    config = OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(tmp_path),
+                                           "total_training_steps": 12}})
+    announce_resume(config)  # no checkpoint yet: silent
+    assert capsys.readouterr().out == ""
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    announce_resume(config)
+    assert f"resuming from the checkpoint of step 6 in {tmp_path}" in capsys.readouterr().out
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("12")
+    with pytest.raises(BadInputError, match=r"already holds the checkpoint of step 12, the last of "
+                                            r"trainer.total_training_steps=12: nothing to train"):
+        announce_resume(config)
+    config.trainer.resume_mode = "disable"
+    announce_resume(config)  # starting over was asked for
