@@ -35,19 +35,40 @@ def _guard_user_reward(overrides: list[str]) -> list[str]:
     """Route a user's ``reward.custom_reward_function.path/name`` through :func:`guarded_score`.
 
     The user's function is still the one that scores; the wrapper turns an exception or a NaN into one clear
-    error naming the function and the sample.
+    error naming the function and the sample. VeRL's older top-level ``custom_reward_function.path/name`` (which
+    VeRL 0.9.1 migrates under ``reward.``) is routed the same way; before, it was passed on and silently lost.
     """
     out = []
     for o in overrides:
         key, _, value = o.partition("=")
-        bare = key.lstrip("+")
-        if bare == "reward.custom_reward_function.path" and value.strip("\"'") not in ("", "null", "pkg://verl_backend.data.rewards"):
+        bare = key.lstrip("+").removeprefix("reward.")  # VeRL's old top-level custom_reward_function.* too
+        if bare == "custom_reward_function.path" and value.strip("\"'") not in ("", "null", "pkg://verl_backend.data.rewards"):
             out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_path={value}")
-        elif bare == "reward.custom_reward_function.name":
+        elif bare == "custom_reward_function.name":
             out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_name={value}")
         else:
             out.append(o)
     return out
+
+
+def check_user_reward(config) -> None:
+    """Import the user's reward function in this process before Ray starts (its file, module and name).
+
+    Inside Ray a missing file, a syntax error or a wrong name failed every sample in VeRL's reward worker, and the
+    run ended some 90 s later on the replay buffer's ``RuntimeError``.
+
+    Raises:
+        BadInputError: one line naming ``reward.custom_reward_function.path/name`` and what went wrong.
+    """
+    kwargs = config.reward.custom_reward_function.get("reward_kwargs") or {}
+    path = kwargs.get("user_fn_path")
+    if not path:
+        return
+    name = kwargs.get("user_fn_name") or "compute_score"
+    from verl_backend.data.rewards import load_user_reward
+
+    if not callable(load_user_reward(str(path), str(name))):
+        raise BadInputError(f"reward.custom_reward_function.name={name}: {path} defines it, but not as a function")
 
 
 def _check_backend(backend: str) -> None:
@@ -670,6 +691,7 @@ def run_train(args) -> int:
                                     "when you set data.train_files or data.val_files")
             validate_rl_parquet(f)
     _check_prompt_lengths(config)
+    check_user_reward(config)
     check_native_rollout(config)
     fit_epochs_to_steps(config)
     announce_resume(config)

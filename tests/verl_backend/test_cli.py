@@ -272,6 +272,16 @@ def test_train_files_without_val_files_names_verls_default(tmp_path, tiny_model_
     assert "data.val_files is VeRL's default" in line and "set data.val_files too" in line, line
 
 
+def test_reward_file_is_loaded_before_ray_starts(tmp_path, tiny_model_dir):
+    """A syntax error in the user's reward file failed every sample inside Ray, ~90 s in."""
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("def compute_score(a, b\n")
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", "rl_tpu.train_size=8",
+                                "rl_tpu.val_size=4", f"reward.custom_reward_function.path={broken}"))
+    assert "broken_reward.py (name=compute_score) cannot be loaded: SyntaxError" in line, line
+
+
 def test_bad_data_file_names_the_row(tmp_path, tiny_model_dir):
     import pandas as pd
 

@@ -126,3 +126,27 @@ def test_guarded_score_turns_raising_and_nan_rewards_into_one_line(tmp_path):
         guarded_score("openai/gsm8k", "1", "1", {"index": 4}, user_fn_path=str(mod), user_fn_name="nan")
     assert guarded_score("openai/gsm8k", "1", "1", {}, user_fn_path=str(mod), user_fn_name="ok") == 0.5
     assert math.isclose(guarded_score("openai/gsm8k", "<answer>2</answer>", "2", {}), 1.0)
+    with pytest.raises(BadInputError, match=r"my_reward.py \(name=missing\) cannot be loaded: AttributeError"):
+        guarded_score("openai/gsm8k", "1", "1", {}, user_fn_path=str(mod), user_fn_name="missing")
+
+
+def test_reward_file_that_cannot_be_loaded_is_one_line(tmp_path):
+    from verl_backend.data.rewards import load_user_reward
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(a, b\n")
+    with pytest.raises(BadInputError, match=r"broken.py \(name=compute_score\) cannot be loaded: SyntaxError"):
+        load_user_reward(str(broken), "compute_score")
+    with pytest.raises(BadInputError, match=r"nope.py \(name=compute_score\) cannot be loaded: FileNotFoundError"):
+        load_user_reward(str(tmp_path / "nope.py"), "compute_score")
+
+
+def test_verls_old_top_level_reward_key_is_guarded_too():
+    """VeRL 0.9.1 migrates custom_reward_function.* under reward.; passed on as is it was silently lost."""
+    from verl_backend.train import _guard_user_reward
+
+    assert _guard_user_reward(["custom_reward_function.path=/r.py", "custom_reward_function.name=f", "a.b=1"]) == [
+        "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py",
+        "+reward.custom_reward_function.reward_kwargs.user_fn_name=f", "a.b=1"]
+    assert _guard_user_reward(["reward.custom_reward_function.path=/r.py"]) == [
+        "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py"]

@@ -123,11 +123,30 @@ def guarded_score(
         raise
 
 
+def load_user_reward(path: str, name: str):
+    """The user's reward function ``name`` from the Python file (or ``pkg://module``) ``path``, as VeRL loads it
+    (``verl.utils.import_utils.load_extern_object``).
+
+    Raises:
+        BadInputError: the file is missing, does not import (its error's first line), or lacks ``name``.
+    """
+    from verl.utils.import_utils import load_extern_object
+
+    try:
+        return load_extern_object(module_path=path, object_name=name)
+    except Exception as exc:
+        while exc.__cause__ is not None:  # VeRL wraps an import failure in a RuntimeError
+            exc = exc.__cause__
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise BadInputError(
+            f"reward.custom_reward_function.path={path} (name={name}) cannot be loaded: {type(exc).__name__}: {text}; "
+            "fix the file, or the path and name of its compute_score-style function"
+        ) from None
+
+
 def _police_score(data_source, solution_str, ground_truth, extra_info, user_fn_path, user_fn_name, **kwargs) -> float:
     if user_fn_path:
-        from verl.utils.import_utils import load_extern_object
-
-        fn = load_extern_object(module_path=user_fn_path, object_name=user_fn_name)
+        fn = load_user_reward(user_fn_path, user_fn_name)
         where = f"{user_fn_path}:{user_fn_name}"
     else:
         fn, where = compute_score, "verl_backend.data.rewards:compute_score"
