@@ -329,33 +329,91 @@ def fit_epochs_to_steps(config) -> None:
           f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
 
 
-def announce_resume(config) -> None:
-    """Say when VeRL will resume from a checkpoint already in the run folder, and refuse a run with nothing left.
+RUN_ARTIFACTS = ("metrics.jsonl", "tensorboard", "reward_curve.png", "summary.json")
+
+
+def prepare_run_folder(config, out: Path) -> None:
+    """Resume, refuse, or start over cleanly in a run folder that may hold an earlier run.
 
     VeRL's default ``trainer.resume_mode=auto`` continues from ``<trainer.default_local_dir>/
-    latest_checkpointed_iteration.txt``. Rerunning a finished job's command (same experiment name, so the same
-    ``outputs/<experiment>``) used to train 0 steps and print the earlier run's accuracy as if it were new.
+    latest_checkpointed_iteration.txt`` and appends to ``metrics.jsonl``. Before this, rerunning a finished job's
+    command trained 0 steps and printed the earlier run's accuracy as new, and a run with nothing to resume (no
+    checkpoint, or ``resume_mode=disable``) wrote its metrics after the earlier run's and its checkpoints among them.
+
+    - a checkpoint to resume, before the last step: say so; end ``metrics.jsonl`` with a newline if a kill cut it;
+    - a checkpoint at ``trainer.total_training_steps`` already (and ``resume_mode=auto``): refuse, nothing to train;
+    - no resume but earlier metrics or checkpoints here: move them into ``<out>/earlier/<time>/`` (renames, so
+      nothing is lost) and say so. Checkpoints kept outside ``out`` (a ``trainer.default_local_dir`` elsewhere)
+      are not moved; with ``resume_mode=disable`` over them the run is refused instead.
 
     Raises:
-        BadInputError: the folder's last checkpoint is already at ``trainer.total_training_steps``.
+        BadInputError: nothing left to train, or earlier checkpoints outside ``out`` that a fresh run would mix into.
     """
-    if str(config.trainer.get("resume_mode", "auto")) != "auto":
-        return
-    folder = Path(str(config.trainer.default_local_dir))
-    tracker = folder / "latest_checkpointed_iteration.txt"
+    mode = str(config.trainer.get("resume_mode", "auto"))
+    ckpts = Path(str(config.trainer.default_local_dir))
     try:
-        step = int(tracker.read_text().strip())
+        step = int((ckpts / "latest_checkpointed_iteration.txt").read_text().strip())
     except (OSError, ValueError):
-        return  # no checkpoint (or an unreadable tracker: VeRL starts over and says so)
-    total = config.trainer.get("total_training_steps")
-    if total is not None and step >= int(total):
+        step = None  # no checkpoint (or an unreadable tracker: VeRL starts over)
+    if mode == "auto" and step is not None:
+        total = config.trainer.get("total_training_steps")
+        if total is not None and step >= int(total):
+            raise BadInputError(
+                f"{ckpts} already holds the checkpoint of step {step}, the last of trainer.total_training_steps="
+                f"{total}: nothing to train; give another --output-dir (or trainer.experiment_name), or raise "
+                "trainer.total_training_steps to train on"
+            )
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size and not metrics.read_bytes().endswith(b"\n"):
+            with open(metrics, "ab") as f:  # a cut last line would swallow the resumed run's first row
+                f.write(b"\n")
+        print(f"[rl-tpu] resuming from the checkpoint of step {step} in {ckpts} (VeRL's trainer.resume_mode=auto); "
+              "give another --output-dir, or move that folder away, to start over", flush=True)
+        return
+    earlier = [out / name for name in RUN_ARTIFACTS if (out / name).exists()]
+    has_steps = ckpts.is_dir() and any(ckpts.glob("global_step_*"))
+    inside = ckpts.resolve().parent == out.resolve()
+    if has_steps and not inside:
         raise BadInputError(
-            f"{folder} already holds the checkpoint of step {step}, the last of trainer.total_training_steps={total}: "
-            "nothing to train; give another --output-dir (or trainer.experiment_name), raise "
-            "trainer.total_training_steps to train on, or set trainer.resume_mode=disable to start over"
+            f"trainer.default_local_dir={ckpts} holds checkpoints of an earlier run that trainer.resume_mode={mode} "
+            "would mix new ones into; give another trainer.default_local_dir, or move those away"
         )
-    print(f"[rl-tpu] resuming from the checkpoint of step {step} in {folder} (VeRL's trainer.resume_mode=auto); "
-          "give another --output-dir or trainer.resume_mode=disable to start over", flush=True)
+    if has_steps:
+        earlier.append(ckpts)
+    if not earlier:
+        return
+    dest = out / "earlier" / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=False)
+    for path in earlier:
+        path.rename(dest / path.name)
+    print(f"[rl-tpu] {out} held an earlier run with nothing to resume ({', '.join(p.name for p in earlier)}): moved "
+          f"to {dest}; starting over", flush=True)
+
+
+_RUN_LOCK_FD: int | None = None  # held open (and locked) for this process's life
+
+
+def lock_run_folder(out: Path) -> None:
+    """Take ``<out>/.verl_train.lock`` (``fcntl.flock``) for this process, so a second ``verl train`` into the same
+    folder stops at once instead of interleaving its metrics and checkpoints with the first's.
+
+    Raises:
+        BadInputError: another live process holds the folder (its pid named).
+    """
+    import fcntl
+
+    global _RUN_LOCK_FD
+    fd = os.open(out / ".verl_train.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise BadInputError(f"{out} is in use by another verl train (pid {holder}): give another --output-dir, or "
+                            "wait for that run to end") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _RUN_LOCK_FD = fd
 
 
 PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "actor_rollout_ref.model.tokenizer_path",
@@ -661,6 +719,8 @@ def run_train(args) -> int:
     except OSError as exc:
         raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
             from None
+    if not args.print_config:
+        lock_run_folder(out)
     extra = _model_path(keys) + _prepare_data(keys, ours, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
@@ -694,7 +754,7 @@ def run_train(args) -> int:
     check_user_reward(config)
     check_native_rollout(config)
     fit_epochs_to_steps(config)
-    announce_resume(config)
+    prepare_run_folder(config, out)
 
     env = {
         "VERL_PLATFORM": os.environ["VERL_PLATFORM"],

@@ -535,23 +535,64 @@ def test_batch_larger_than_the_built_in_train_set_is_one_line_before_ray(tmp_pat
     assert "set data.train_batch_size=2 or less, or give more rows (rl_tpu.train_size" in line
 
 
-def test_rerun_of_a_finished_run_is_refused_and_a_resume_is_announced(tmp_path, capsys):
-    """VeRL's resume_mode=auto: the same command twice trained 0 steps and reprinted the first run's accuracy."""
+def test_run_folder_resumes_refuses_or_moves_an_earlier_run_aside(tmp_path, capsys):
+    """VeRL's resume_mode=auto: the same command twice trained 0 steps and reprinted the first run's accuracy; a run
+    with nothing to resume appended its metrics to the earlier run's."""
     from omegaconf import OmegaConf
 
     from verl_backend.errors import BadInputError
-    from verl_backend.train import announce_resume
+    from verl_backend.train import prepare_run_folder
 
-    config = OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(tmp_path),
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    config = OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(ckpts),
                                            "total_training_steps": 12}})
-    announce_resume(config)  # no checkpoint yet: silent
-    assert capsys.readouterr().out == ""
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
-    announce_resume(config)
-    assert f"resuming from the checkpoint of step 6 in {tmp_path}" in capsys.readouterr().out
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("12")
+    prepare_run_folder(config, out)  # a new folder: silent, nothing moved
+    assert capsys.readouterr().out == "" and not (out / "earlier").exists()
+
+    (ckpts / "global_step_6").mkdir()
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("6")
+    (out / "metrics.jsonl").write_text('{"step": 1, "data": {}}\n{"step": 2, "da')  # cut by a kill
+    prepare_run_folder(config, out)
+    assert f"resuming from the checkpoint of step 6 in {ckpts}" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text().endswith('"da\n')  # the resumed run's rows start on a new line
+
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("12")
     with pytest.raises(BadInputError, match=r"already holds the checkpoint of step 12, the last of "
                                             r"trainer.total_training_steps=12: nothing to train"):
-        announce_resume(config)
-    config.trainer.resume_mode = "disable"
-    announce_resume(config)  # starting over was asked for
+        prepare_run_folder(config, out)
+
+    config.trainer.resume_mode = "disable"  # start over: the earlier run is moved aside, not mixed in
+    prepare_run_folder(config, out)
+    assert "held an earlier run with nothing to resume (metrics.jsonl, checkpoints)" in capsys.readouterr().out
+    moved = next((out / "earlier").iterdir())
+    assert (moved / "metrics.jsonl").is_file() and (moved / "checkpoints" / "global_step_6").is_dir()
+    assert not (out / "metrics.jsonl").exists() and not ckpts.exists()
+
+    elsewhere = tmp_path / "shared_ckpts"
+    (elsewhere / "global_step_2").mkdir(parents=True)
+    config.trainer.default_local_dir = str(elsewhere)
+    with pytest.raises(BadInputError, match=r"trainer.default_local_dir=.*shared_ckpts holds checkpoints of an "
+                                            r"earlier run"):
+        prepare_run_folder(config, out)
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    """Two runs into one --output-dir both ran to the end with their metrics interleaved."""
+    import textwrap
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, sys, time
+        from verl_backend.train import lock_run_folder
+        lock_run_folder(pathlib.Path({str(tmp_path)!r}))
+        print("locked", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                    "trainer.total_training_steps=1"))
+        assert f"{tmp_path} is in use by another verl train (pid {holder.pid})" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
