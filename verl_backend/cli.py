@@ -127,8 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         if user is not None:
             print(f"verl: error: {user}", file=sys.stderr)
             return 2
+        if type(exc).__name__ == "ActorFailedError":  # verl_backend.train: a dead actor, no restart left
+            import traceback
+
+            traceback.print_exception(exc.__cause__ or exc)  # for diagnosis; the last line says what to do
+            print(f"verl: error: {exc}", file=sys.stderr)
+            return 1
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if type(exc).__name__ == "Terminated":  # verl_backend.train.Terminated: SIGTERM during the run
+            print("verl: terminated (SIGTERM); checkpoints already written are kept", file=sys.stderr)
+            return 143
         print("verl: interrupted; checkpoints already written are kept", file=sys.stderr)
         return 130
     return 0

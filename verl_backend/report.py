@@ -12,9 +12,14 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill or a full disk: the rest of the file still counts
+                print(f"[rl-tpu] {path} line {number} is not complete JSON (cut by a kill?); left out of the report",
+                      flush=True)
+                continue
             # A resumed run logs the steps after its checkpoint again: the later values win.
             by_step.setdefault(int(row["step"]), {}).update(row["data"])
     return [{"step": s, "data": d} for s, d in sorted(by_step.items())]

@@ -102,7 +102,12 @@ def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list
             import pandas as pd
 
             df = pd.read_parquet(train)
-            n_val = max(1, int(len(df) * _number(ours, "gsm8k_val_fraction", 0.1, float, 0.0, 0.9)))
+            fraction = _number(ours, "gsm8k_val_fraction", 0.1, float, 0.0, 0.9)
+            n_val = max(1, int(len(df) * fraction))
+            if len(df) - n_val < 1:
+                raise BadInputError(f"rl_tpu.gsm8k_jsonl={src}: {len(df)} row(s), too few to hold out "
+                                    f"{n_val} for validation (rl_tpu.gsm8k_val_fraction={fraction}) and train on "
+                                    "the rest; give more rows")
             val = data_dir / "gsm8k_val.parquet"
             df.iloc[-n_val:].to_parquet(val, index=False)
             df.iloc[:-n_val].to_parquet(train, index=False)
@@ -840,6 +845,11 @@ def _dead_actor_in_cluster() -> str | None:
     return None
 
 
+class ActorFailedError(RuntimeError):
+    """A Ray actor of the run died (killed, crashed, OOM, node lost) with no restart left; the message names it and
+    the checkpoint to resume from. ``verl`` prints the cause's traceback, then this line, and exits 1."""
+
+
 def _run_with_restarts(config, max_restarts: int) -> None:
     """Run VeRL; after a dead actor, start again from the last checkpoint (VeRL's ``resume_mode=auto``).
 
@@ -860,10 +870,16 @@ def _run_with_restarts(config, max_restarts: int) -> None:
                 raise BadInputError(recorded) from exc
             failure = _actor_failure(exc)
             name = type(failure).__name__ if failure is not None else _dead_actor_in_cluster()
-            if name is None or attempt == max_restarts:
+            if name is None:
                 raise
             tracker = Path(config.trainer.default_local_dir) / "latest_checkpointed_iteration.txt"
             step = tracker.read_text().strip() if tracker.is_file() else "none (starting over)"
+            if attempt == max_restarts:
+                dead = _dead_actor_in_cluster() or name
+                raise ActorFailedError(
+                    f"a Ray actor of this run failed ({dead}) and no restart is left (--max-restarts {max_restarts}); "
+                    f"last checkpoint: step {step}; run the same command again to resume from it"
+                ) from exc
             print(f"[rl-tpu] a Ray actor failed ({name}); restarting from checkpoint step {step} "
                   f"(restart {attempt + 1} of {max_restarts})", flush=True)
             ray.shutdown()
@@ -886,6 +902,14 @@ def _apply_tq_num_threads(threads: str) -> None:
             module.TQ_NUM_THREADS = int(threads)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, SLURM, Kubernetes) while VeRL runs in this process: ends the run like Ctrl-C does."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 TASK_RUNNER_ENV = "RL_TPU_TASK_RUNNER"  # "driver" (default): VeRL's TaskRunner runs in this process; "actor": its own
 
 
@@ -906,8 +930,15 @@ class _TaskRunnerInDriver:
         return self
 
     def remote(self):
+        import signal
+        import threading
+
         import ray
 
+        if threading.current_thread() is threading.main_thread():
+            # ray.init (just run by run_ppo) leaves its core worker's failure handler on SIGTERM: a crash dump and
+            # SIGABRT (exit 134). Handle it as an interrupt instead: VeRL's finally blocks run, checkpoints stay.
+            signal.signal(signal.SIGTERM, _raise_terminated)
         runner = self._cls()
 
         class _Run:

@@ -150,3 +150,21 @@ def test_verls_old_top_level_reward_key_is_guarded_too():
         "+reward.custom_reward_function.reward_kwargs.user_fn_name=f", "a.b=1"]
     assert _guard_user_reward(["reward.custom_reward_function.path=/r.py"]) == [
         "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py"]
+
+
+def test_report_reads_metrics_past_a_line_cut_by_a_kill(tmp_path, capsys):
+    from verl_backend.report import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "data": {"a": 1}}\n{"step": 2, "da\n{"step": 2, "data": {"a": 3}}\n')
+    assert read_metrics(metrics) == [{"step": 1, "data": {"a": 1}}, {"step": 2, "data": {"a": 3}}]
+    assert "metrics.jsonl line 2 is not complete JSON" in capsys.readouterr().out
+
+
+def test_gsm8k_jsonl_too_small_to_split_is_one_line(tmp_path):
+    from verl_backend.train import _prepare_data
+
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
+    with pytest.raises(BadInputError, match=r"rl_tpu.gsm8k_jsonl=.*one.jsonl: 1 row\(s\), too few to hold out 1"):
+        _prepare_data({}, {"gsm8k_jsonl": str(src)}, tmp_path / "out")

@@ -100,3 +100,67 @@ def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny
     for step in (1, 2, 3):
         hf = ckpts / f"global_step_{step}" / "actor" / "huggingface"
         assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
+
+
+@pytest.mark.parametrize("sig,code,says", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                           (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_or_ctrl_c_mid_run_ends_with_one_line_and_no_leftover_processes(tmp_path, tiny_model_dir, sig, code,
+                                                                                 says):
+    """SIGTERM (timeout, SLURM, Kubernetes) hit Ray's core-worker failure handler: a crash dump and exit 134."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
+           f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=20",
+           "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=80",
+           "rl_tpu.val_size=4", "data.max_response_length=8"]
+    log = open(tmp_path / "stderr.txt", "w+")  # files, not pipes: VeRL prints its whole config (> a pipe's 64 KiB)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        metrics = tmp_path / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(1)  # wait for the first training step: VeRL's trainer is running in the driver
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        err = (tmp_path / "stderr.txt").read_text()
+        assert proc.returncode == code, err[-3000:]
+        assert f"verl: {says}; checkpoints already written are kept" in err
+        assert "SIGTERM received" not in err  # no core-worker crash dump
+        time.sleep(5)
+        left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert left == [], left  # Ray's processes for this run (same session) are gone
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny_model_dir):
+    """With --max-restarts 0 a killed rollout server ended on VeRL's replay-buffer RuntimeError, naming no actor."""
+    out = tmp_path / "run"
+    temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
+        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=4",
+        "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "rl_tpu.train_size=16",
+        "rl_tpu.val_size=4", "data.max_response_length=8", f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
+    ]
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        _kill_when(proc, out / "metrics.jsonl", temp_dir, 1, "NativeRolloutServer")
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 1, text[-4000:]
+    last = [l for l in text.splitlines() if l.startswith("verl: error:")]
+    assert len(last) == 1 and "a Ray actor of this run failed (NativeRolloutServer) and no restart is left " \
+        "(--max-restarts 0); last checkpoint: step 1" in last[0], text[-3000:]

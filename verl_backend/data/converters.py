@@ -160,7 +160,8 @@ def validate_rl_parquet(path: str | os.PathLike) -> int:
     if missing:
         raise BadInputError(
             f"{p}: missing column(s) {missing}; VeRL needs {list(REQUIRED_COLUMNS)} "
-            "(convert with `verl data` / verl_backend.data converters)"
+            "(write it with verl_backend.data.gsm8k_jsonl_to_parquet or reasoning_gym_to_parquet, or use "
+            "rl_tpu.gsm8k_jsonl=FILE / rl_tpu.task=NAME for the built-in conversion)"
         )
     for i, row in enumerate(df.itertuples(index=False)):
         prompt = row.prompt
