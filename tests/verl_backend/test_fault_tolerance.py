@@ -22,6 +22,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+def _verl_env() -> dict[str, str]:
+    """This process's environment for a ``verl train`` child: its own local Ray, CPU, one thread, no auth."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 def _metrics_steps(path: Path) -> set[int]:
     if not path.is_file():
         return set()
@@ -62,9 +70,7 @@ def _kill_when(proc, metrics: Path, temp_dir: str, step: int, actor: str, timeou
 def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
+    env = _verl_env()
     cmd = [
         sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
         "--max-restarts", "2", f"actor_rollout_ref.model.path={tiny_model_dir}",
@@ -102,14 +108,11 @@ def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny
         assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
 
 
-@pytest.mark.parametrize("sig,code,says", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
-                                           (signal.SIGINT, 130, "interrupted")])
-def test_sigterm_or_ctrl_c_mid_run_ends_with_one_line_and_no_leftover_processes(tmp_path, tiny_model_dir, sig, code,
-                                                                                 says):
-    """SIGTERM (timeout, SLURM, Kubernetes) hit Ray's core-worker failure handler: a crash dump and exit 134."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
+def test_sigterm_mid_run_ends_with_one_line_and_no_leftover_processes(tmp_path, tiny_model_dir):
+    """SIGTERM (timeout, SLURM, Kubernetes) hit Ray's core-worker failure handler: a crash dump and exit 134. It now
+    ends like Ctrl-C (which takes the same path with KeyboardInterrupt: exit 130, "interrupted")."""
+    sig, code, says = signal.SIGTERM, 143, "terminated (SIGTERM)"
+    env = _verl_env()
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
            f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=20",
            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=80",
@@ -141,9 +144,7 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
     """With --max-restarts 0 a killed rollout server ended on VeRL's replay-buffer RuntimeError, naming no actor."""
     out = tmp_path / "run"
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
+    env = _verl_env()
     cmd = [
         sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
         "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=4",
