@@ -355,6 +355,8 @@ def prepare_run_folder(config, out: Path) -> None:
         BadInputError: nothing left to train, or earlier checkpoints outside ``out`` that a fresh run would mix into.
     """
     mode = str(config.trainer.get("resume_mode", "auto"))
+    if mode not in ("auto", "disable"):
+        return  # resume_path: VeRL resumes the checkpoint the user named (trainer.resume_from_path), as it is
     ckpts = Path(str(config.trainer.default_local_dir))
     try:
         step = int((ckpts / "latest_checkpointed_iteration.txt").read_text().strip())

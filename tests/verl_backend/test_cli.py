@@ -569,6 +569,12 @@ def test_run_folder_resumes_refuses_or_moves_an_earlier_run_aside(tmp_path, caps
     assert (moved / "metrics.jsonl").is_file() and (moved / "checkpoints" / "global_step_6").is_dir()
     assert not (out / "metrics.jsonl").exists() and not ckpts.exists()
 
+    (ckpts / "global_step_3").mkdir(parents=True)
+    config.trainer.resume_mode = "resume_path"  # the user names the checkpoint: nothing is moved
+    prepare_run_folder(config, out)
+    assert (ckpts / "global_step_3").is_dir() and capsys.readouterr().out == ""
+    config.trainer.resume_mode = "disable"
+
     elsewhere = tmp_path / "shared_ckpts"
     (elsewhere / "global_step_2").mkdir(parents=True)
     config.trainer.default_local_dir = str(elsewhere)
