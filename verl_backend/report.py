@@ -97,7 +97,8 @@ def write_report(out: Path, wall_s: float) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     lines = [
-        f"[rl-tpu] run finished in {wall_s / 60:.1f} min: {summary['training_steps']} steps",
+        f"[rl-tpu] run finished in {wall_s / 60:.1f} min: {summary['training_steps']} "
+        f"step{'' if summary['training_steps'] == 1 else 's'}",
         f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after {pct(summary['val_accuracy_after'])}",
         f"[rl-tpu] output folder: {out}",
         f"[rl-tpu]   metrics:     {out / 'metrics.jsonl'}  (TensorBoard: {out / 'tensorboard'})",
