@@ -40,12 +40,9 @@ def record_bad_input(exc: BaseException) -> None:
         pass
 
 
-def recorded_bad_input(clear: bool = True) -> str | None:
-    """The first bad input a worker of this Ray job recorded, or ``None`` (also when Ray is not running).
-
-    Args:
-        clear: delete it once read, so a restarted attempt starts clean.
-    """
+def recorded_bad_input() -> str | None:
+    """The first bad input a worker of this Ray job recorded, or ``None`` (also when Ray is not running). It is
+    deleted once read, so a restarted attempt starts clean."""
     try:
         from ray.experimental import internal_kv
 
@@ -53,7 +50,7 @@ def recorded_bad_input(clear: bool = True) -> str | None:
         if key is None or not internal_kv._internal_kv_initialized():
             return None
         value = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
-        if value is not None and clear:
+        if value is not None:
             internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
         return value.decode() if value is not None else None
     except Exception:

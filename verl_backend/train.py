@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -160,14 +161,20 @@ def _n_prompt_tokens(tok, messages: list) -> int:
     return len(ids)
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path)``, loaded once per path for the checks that run before Ray starts."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _check_prompt_lengths(config) -> None:
     """Count prompts longer than ``data.max_prompt_length`` and say what happens to them (never silent)."""
     import pandas as pd
-    from transformers import AutoTokenizer
 
-    limit = _int_key(config.data, "max_prompt_length", "data")
-    _int_key(config.data, "max_response_length", "data")  # checked here too: VeRL would fail on it inside Ray
-    tok = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    limit = int(config.data.max_prompt_length)  # a whole number: check_whole_numbers ran first
+    tok = _tokenizer(str(config.actor_rollout_ref.model.path))
     for key in ("train_files", "val_files"):
         for f in _data_files(config.data.get(key)):
             df = pd.read_parquet(f)
@@ -229,8 +236,7 @@ def check_native_rollout(config) -> None:
     switch = longrope_switch_length(hf)
     if switch is None:
         return
-    where = "actor_rollout_ref.rollout"
-    need = _int_key(rollout, "prompt_length", where) + _int_key(rollout, "response_length", where)
+    need = int(rollout.prompt_length) + int(rollout.response_length)  # whole numbers: check_whole_numbers
     if need > switch:
         raise BadInputError(
             f"actor_rollout_ref.rollout.prompt_length + response_length = {need} tokens (from data.max_prompt_length "
@@ -238,15 +244,6 @@ def check_native_rollout(config) -> None:
             "from its short to its long factors: rollout and trainer log-probs would disagree for sequences that "
             f"cross it; lower them to {switch} tokens or less in total"
         )
-
-
-def _int_key(node, key: str, where: str) -> int:
-    """``node[key]`` as an int, or one :class:`BadInputError` naming ``where.key``."""
-    value = node.get(key)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise BadInputError(f"{where}.{key}={value!r}: give a whole number of tokens") from None
 
 
 # Counts the planning below and VeRL's trainer do arithmetic with: (key, smallest value, may be null)
@@ -334,6 +331,15 @@ def fit_epochs_to_steps(config) -> None:
           f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
 
 
+def last_checkpoint_step(ckpts: Path) -> int | None:
+    """The step in VeRL's ``<trainer.default_local_dir>/latest_checkpointed_iteration.txt``, or ``None`` when there
+    is none (or it is unreadable: VeRL then starts over)."""
+    try:
+        return int((Path(ckpts) / "latest_checkpointed_iteration.txt").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 RUN_ARTIFACTS = ("metrics.jsonl", "tensorboard", "reward_curve.png", "summary.json")
 
 
@@ -358,10 +364,7 @@ def prepare_run_folder(config, out: Path) -> None:
     if mode not in ("auto", "disable"):
         return  # resume_path: VeRL resumes the checkpoint the user named (trainer.resume_from_path), as it is
     ckpts = Path(str(config.trainer.default_local_dir))
-    try:
-        step = int((ckpts / "latest_checkpointed_iteration.txt").read_text().strip())
-    except (OSError, ValueError):
-        step = None  # no checkpoint (or an unreadable tracker: VeRL starts over)
+    step = last_checkpoint_step(ckpts)
     if mode == "auto" and step is not None:
         total = config.trainer.get("total_training_steps")
         if total is not None and step >= int(total):
@@ -465,7 +468,7 @@ def _check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> Non
             f"{key}={path} is not a model folder (needs config.json and *.safetensors); "
             "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
         )
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     def first_line(exc: Exception) -> str:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -484,7 +487,7 @@ def _check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> Non
         )
     tok = Path(os.path.expanduser(tokenizer_path.strip("\"'"))) if tokenizer_path else path
     try:
-        AutoTokenizer.from_pretrained(tok)
+        _tokenizer(str(tok))
     except Exception as exc:
         raise BadInputError(
             f"{key}={path}: transformers cannot load a tokenizer from {tok} ({first_line(exc)}); copy the base "
@@ -499,8 +502,7 @@ def _model_path(keys: dict[str, str]) -> list[str]:
     for role in ("actor_rollout_ref.model", "critic.model"):
         raw = keys.get(f"{role}.path", "").strip("\"'")
         if raw not in ("", "null", "None") and not raw.startswith("${"):
-            _check_model_folder(f"{role}.path", Path(os.path.expanduser(keys[f"{role}.path"].strip("\"'"))),
-                                keys.get(f"{role}.tokenizer_path"))
+            _check_model_folder(f"{role}.path", Path(os.path.expanduser(raw)), keys.get(f"{role}.tokenizer_path"))
     if "actor_rollout_ref.model.path" in keys:
         return []
     path = ensure_default_model()
@@ -874,8 +876,8 @@ def _run_with_restarts(config, max_restarts: int) -> None:
             name = type(failure).__name__ if failure is not None else _dead_actor_in_cluster()
             if name is None:
                 raise
-            tracker = Path(config.trainer.default_local_dir) / "latest_checkpointed_iteration.txt"
-            step = tracker.read_text().strip() if tracker.is_file() else "none (starting over)"
+            step = last_checkpoint_step(Path(config.trainer.default_local_dir))
+            step = "none (starting over)" if step is None else step
             if attempt == max_restarts:
                 dead = _dead_actor_in_cluster() or name
                 raise ActorFailedError(

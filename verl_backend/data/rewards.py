@@ -123,9 +123,11 @@ def guarded_score(
         raise
 
 
+@functools.lru_cache(maxsize=8)
 def load_user_reward(path: str, name: str):
     """The user's reward function ``name`` from the Python file (or ``pkg://module``) ``path``, as VeRL loads it
-    (``verl.utils.import_utils.load_extern_object``).
+    (``verl.utils.import_utils.load_extern_object``), once per process: VeRL's loader runs the file again on every
+    call, and the reward is called per sample. A failure is not cached.
 
     Raises:
         BadInputError: the file is missing, does not import (its error's first line), or lacks ``name``.
