@@ -163,5 +163,9 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
     text = (tmp_path / "log.txt").read_text()
     assert rc == 1, text[-4000:]
     last = [l for l in text.splitlines() if l.startswith("verl: error:")]
+    # The kill lands after step 1's metrics; a tiny model may finish (and save) step 2 before the death is seen,
+    # so the line must name whatever checkpoint the tracker holds, which is at least step 1.
+    saved = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 1
     assert len(last) == 1 and "a Ray actor of this run failed (NativeRolloutServer) and no restart is left " \
-        "(--max-restarts 0); last checkpoint: step 1" in last[0], text[-3000:]
+        f"(--max-restarts 0); last checkpoint: step {saved};" in last[0], text[-3000:]
