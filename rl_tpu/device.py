@@ -265,14 +265,18 @@ def set_num_threads(n: int | None = None) -> int:
 
 _LIBC: Any = None
 
+# glibc malloc settings for a process whose tensors live on the host (the CPU backend's trainer and rollout).
+# ``MALLOC_MMAP_THRESHOLD_``: every allocation of 128 KiB or more (a tensor of 32k float32 values) gets its own
+# mmap and goes back to the OS when freed. Left unset, glibc raises the threshold each time it frees a mapped block
+# (up to 32 MiB), so activations and gradient buckets come from the heap, whose freed gaps are too small or too
+# fragmented for the next phase's sizes: the trainer's backward grew its resident memory by ~0.75 GiB
+# (SmolLM2-135M, measured with benchmarks/bench_grpo_step.py). ``MALLOC_ARENA_MAX``: at most two heaps however
+# many threads (gRPC, Ray, TransferQueue) allocate. Both are read by glibc when a process starts (mallopt(3)).
+HOST_MALLOC_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "2"}
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}  # M_MMAP_THRESHOLD, M_ARENA_MAX (malloc.h)
 
-def trim_host_heap() -> bool:
-    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``, a few ms).
 
-    CPU tensors live on the C heap; glibc keeps what they free, so a process whose phases allocate differently
-    (prefill, decode, a forward/backward) ratchets its resident memory up. Call between phases.
-    Returns False where there is no glibc (nothing is done).
-    """
+def _libc():
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -281,11 +285,49 @@ def trim_host_heap() -> bool:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         except (OSError, AttributeError):
             _LIBC = False
-    if not _LIBC:
+    return _LIBC
+
+
+def host_malloc_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The glibc malloc settings a host-memory process should start with: :data:`HOST_MALLOC_ENV`, each one the
+    user already set in ``environ`` (default ``os.environ``) kept as given. Pass the result as environment
+    variables to the processes to start (a Ray ``runtime_env``'s ``env_vars``)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ.get(k, v) for k, v in HOST_MALLOC_ENV.items()}
+
+
+def tune_host_malloc(settings: dict[str, str] | None = None) -> bool:
+    """Apply :func:`host_malloc_env`'s settings to this already running process (glibc ``mallopt``), for the
+    process that starts the others and so could not be started with them.
+
+    Returns False where there is no glibc, or a setting is not a whole number or is refused (nothing more is done).
+    """
+    libc = _libc()
+    if not libc:
         return False
-    _LIBC.malloc_trim(0)
+    for key, value in (host_malloc_env() if settings is None else settings).items():
+        try:
+            if libc.mallopt(_MALLOPT[key], int(value)) != 1:
+                return False
+        except (KeyError, ValueError):
+            return False
+    return True
+
+
+def trim_host_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``, a few ms).
+
+    CPU tensors live on the C heap; glibc keeps what they free, so a process whose phases allocate differently
+    (prefill, decode, a forward/backward) ratchets its resident memory up. Call between phases.
+    Returns False where there is no glibc (nothing is done).
+    """
+    libc = _libc()
+    if not libc:
+        return False
+    libc.malloc_trim(0)
     return True
 
 

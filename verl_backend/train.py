@@ -778,6 +778,11 @@ def run_train(args) -> int:
         # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
+    if backend == "cpu":  # the model's tensors live on the host: see rl_tpu.device.HOST_MALLOC_ENV
+        from rl_tpu.device import host_malloc_env, tune_host_malloc
+
+        env.update(host_malloc_env())
+        tune_host_malloc(host_malloc_env())  # this process hosts VeRL's TaskRunner
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
               "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S"):
         if k in os.environ:
