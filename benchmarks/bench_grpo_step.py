@@ -12,6 +12,10 @@ Gradient checkpointing is the one setting where the two defaults differ: TRL 1.1
 (recompute activations in the backward: slower update, less memory), our CPU default leaves VeRL's off. By default
 TRL runs twice, once each way, and the table gives the ratio to both.
 
+``verl train --backend cpu`` starts every process of its job with glibc malloc settings that keep the trainer's
+backward from fragmenting the heap (``rl_tpu.device.HOST_MALLOC_ENV``). TRL runs with glibc's defaults, as a TRL user
+gets it; ``--trl-malloc tuned`` (or ``both``) also runs TRL with our settings, for the ratio at equal allocators.
+
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
 
 - ``rollout``: ours ``timing_s/gen`` (agent loop: generation by the rollout server, plus reward scoring); TRL
@@ -267,16 +271,23 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
 
 # ------------------------------------------------------------------------------------------------ TRL
 def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: float,
-            gradient_checkpointing: bool = True) -> dict:
-    result = work / f"trl_result_gc{int(gradient_checkpointing)}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+            gradient_checkpointing: bool = True, tuned_malloc: bool = False) -> dict:
+    tag = f"gc{int(gradient_checkpointing)}" + ("_malloc" if tuned_malloc else "")
+    result = work / f"trl_result_{tag}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    if tuned_malloc:  # the glibc settings `verl train --backend cpu` gives its own processes
+        from rl_tpu.device import HOST_MALLOC_ENV
+
+        env.update(HOST_MALLOC_ENV)
     cmd = [sys.executable, __file__, "--trl-worker", "--train-file", train_file, "--steps", str(steps),
            "--threads", str(threads), "--work", str(work), "--result", str(result),
            "--trl-gradient-checkpointing", "on" if gradient_checkpointing else "off"]
-    memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / f"trl_gc{int(gradient_checkpointing)}.log",
-                               timeout_s)
+    memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / f"trl_{tag}.log", timeout_s)
     out = json.loads(result.read_text())
+    if tuned_malloc:
+        out["framework"] += ", our malloc settings"
     out.update(wall_s=wall, memory=memory)
     return out
 
@@ -407,7 +418,8 @@ def table(results: list[dict]) -> str:
         return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
     for trl in (r for r in results if ours is not None and r is not ours):
-        gc = "GC on" if "checkpointing on" in trl["framework"] else "GC off"
+        gc = ("GC on" if "checkpointing on" in trl["framework"] else "GC off") + \
+            (", our malloc" if "malloc" in trl["framework"] else "")
         cells = [f"ratio ours/TRL ({gc})"] + [ratio(ours["mean"][k], trl["mean"][k]) for _, k in COLUMNS]
         cells += [ratio(ours["memory"][k], trl["memory"][k]) for _, k in MEMORY]
         lines.append("| " + " | ".join(cells) + " |")
@@ -427,6 +439,9 @@ def main() -> int:
     ap.add_argument("--trl-gradient-checkpointing", choices=["on", "off", "both"], default="both",
                     help="TRL's gradient checkpointing: on (TRL 1.16's default), off (as our CPU default), or both "
                     "(two TRL runs; default)")
+    ap.add_argument("--trl-malloc", choices=["default", "tuned", "both"], default="default",
+                    help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
+                    "verl train --backend cpu sets, rl_tpu.device.HOST_MALLOC_ENV), or both (twice the TRL runs)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -452,10 +467,12 @@ def main() -> int:
             train_file = _prepare_train_file(work)
         if args.only != "ours":
             modes = {"on": [True], "off": [False], "both": [True, False]}[args.trl_gradient_checkpointing]
+            mallocs = {"default": [False], "tuned": [True], "both": [False, True]}[args.trl_malloc]
             for gc in modes:
-                print(f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}), {args.steps} steps",
-                      flush=True)
-                results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout, gc))
+                for tuned in mallocs:
+                    print(f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}, "
+                          f"{'our' if tuned else 'default'} malloc settings), {args.steps} steps", flush=True)
+                    results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout, gc, tuned))
     except BenchError as exc:
         print(f"bench_grpo_step: error: {exc}", file=sys.stderr)
         return 1
