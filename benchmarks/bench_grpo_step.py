@@ -12,9 +12,10 @@ Gradient checkpointing is the one setting where the two defaults differ: TRL 1.1
 (recompute activations in the backward: slower update, less memory), our CPU default leaves VeRL's off. By default
 TRL runs twice, once each way, and the table gives the ratio to both.
 
-``verl train --backend cpu`` starts every process of its job with glibc malloc settings that keep the trainer's
-backward from fragmenting the heap (``rl_tpu.device.HOST_MALLOC_ENV``). TRL runs with glibc's defaults, as a TRL user
-gets it; ``--trl-malloc tuned`` (or ``both``) also runs TRL with our settings, for the ratio at equal allocators.
+Both run with glibc's default allocator settings. ``RL_TPU_COMPACT_MALLOC=1`` (set it for this script to have our run
+use it) starts every process of ``verl train --backend cpu`` with settings that keep the trainer's backward from
+fragmenting the heap, at the price of speed (``rl_tpu.device.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
+runs TRL with the same settings.
 
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
 
@@ -252,7 +253,10 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
         return [sum(float(r["data"].get(k, 0.0)) for k in keys) for r in rows]
 
     return {
-        "framework": "ours: verl train --backend cpu" + (f" ({' '.join(overrides)})" if overrides else ""),
+        "framework": "ours: verl train --backend cpu" + "".join(
+            f" {k}={v}" for k, v in sorted(os.environ.items()) if k in ("RL_TPU_COMPACT_MALLOC", "RL_TPU_FORK_SERVER",
+                                                                        "RL_TPU_TASK_RUNNER", "RL_TPU_SHARED_WEIGHTS"))
+        + (f" ({' '.join(overrides)})" if overrides else ""),
         "steps": len(rows),
         "step_s": col("timing_s/step"),
         "rollout_s": col("timing_s/gen"),
@@ -277,7 +281,7 @@ def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: fl
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                 "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
-    if tuned_malloc:  # the glibc settings `verl train --backend cpu` gives its own processes
+    if tuned_malloc:  # the glibc settings RL_TPU_COMPACT_MALLOC=1 gives the processes of `verl train --backend cpu`
         from rl_tpu.device import HOST_MALLOC_ENV
 
         env.update(HOST_MALLOC_ENV)
@@ -287,7 +291,7 @@ def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: fl
     memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / f"trl_{tag}.log", timeout_s)
     out = json.loads(result.read_text())
     if tuned_malloc:
-        out["framework"] += ", our malloc settings"
+        out["framework"] += ", compact malloc settings"
     out.update(wall_s=wall, memory=memory)
     return out
 
@@ -419,7 +423,7 @@ def table(results: list[dict]) -> str:
 
     for trl in (r for r in results if ours is not None and r is not ours):
         gc = ("GC on" if "checkpointing on" in trl["framework"] else "GC off") + \
-            (", our malloc" if "malloc" in trl["framework"] else "")
+            (", compact malloc" if "malloc" in trl["framework"] else "")
         cells = [f"ratio ours/TRL ({gc})"] + [ratio(ours["mean"][k], trl["mean"][k]) for _, k in COLUMNS]
         cells += [ratio(ours["memory"][k], trl["memory"][k]) for _, k in MEMORY]
         lines.append("| " + " | ".join(cells) + " |")
@@ -441,7 +445,8 @@ def main() -> int:
                     "(two TRL runs; default)")
     ap.add_argument("--trl-malloc", choices=["default", "tuned", "both"], default="default",
                     help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
-                    "verl train --backend cpu sets, rl_tpu.device.HOST_MALLOC_ENV), or both (twice the TRL runs)")
+                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, rl_tpu.device.HOST_MALLOC_ENV), or both (twice the "
+                    "TRL runs)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -471,7 +476,7 @@ def main() -> int:
             for gc in modes:
                 for tuned in mallocs:
                     print(f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}, "
-                          f"{'our' if tuned else 'default'} malloc settings), {args.steps} steps", flush=True)
+                          f"{'compact' if tuned else 'default'} malloc settings), {args.steps} steps", flush=True)
                     results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout, gc, tuned))
     except BenchError as exc:
         print(f"bench_grpo_step: error: {exc}", file=sys.stderr)

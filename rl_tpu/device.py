@@ -265,13 +265,15 @@ def set_num_threads(n: int | None = None) -> int:
 
 _LIBC: Any = None
 
-# glibc malloc settings for a process whose tensors live on the host (the CPU backend's trainer and rollout).
-# ``MALLOC_MMAP_THRESHOLD_``: every allocation of 128 KiB or more (a tensor of 32k float32 values) gets its own
-# mmap and goes back to the OS when freed. Left unset, glibc raises the threshold each time it frees a mapped block
-# (up to 32 MiB), so activations and gradient buckets come from the heap, whose freed gaps are too small or too
-# fragmented for the next phase's sizes: the trainer's backward grew its resident memory by ~0.75 GiB
-# (SmolLM2-135M, measured with benchmarks/bench_grpo_step.py). ``MALLOC_ARENA_MAX``: at most two heaps however
+# Compact glibc malloc settings for a process whose tensors live on the host (``RL_TPU_COMPACT_MALLOC=1`` on
+# ``verl train --backend cpu``). ``MALLOC_MMAP_THRESHOLD_``: every allocation of 128 KiB or more (a tensor of 32k
+# float32 values) gets its own mmap and goes back to the OS when freed. Left unset, glibc raises the threshold each
+# time it frees a mapped block (up to 32 MiB), so activations and gradient buckets come from the heap, whose freed
+# gaps are too small or too fragmented for the next phase's sizes. ``MALLOC_ARENA_MAX``: at most two heaps however
 # many threads (gRPC, Ray, TransferQueue) allocate. Both are read by glibc when a process starts (mallopt(3)).
+# The price is a page fault for every page of every such tensor, each time: on SmolLM2-135M the trainer's peak was
+# ~0.45-0.75 GiB lower and its update 1.3-2x slower (benchmarks/bench_grpo_step.py, a plain FSDP2 loop), so it is
+# not the default.
 HOST_MALLOC_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "2"}
 _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}  # M_MMAP_THRESHOLD, M_ARENA_MAX (malloc.h)
 

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -661,6 +662,18 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
 
 
 def run_train(args) -> int:
+    """``verl train``: check and compose the config, then run VeRL's trainer (see the README)."""
+    fork_server: dict = {}  # the fork server started for this run (verl_backend.zygote), stopped whatever happens
+    try:
+        return _run_train(args, fork_server)
+    finally:
+        if fork_server.get("pid"):
+            from verl_backend import zygote
+
+            zygote.stop(fork_server["pid"])
+
+
+def _run_train(args, fork_server: dict) -> int:
     backend = str(args.backend).strip().lower()
     if not (backend == "tpu" and args.print_config):  # a dry run composes the TPU config without a chip
         _check_backend(backend)
@@ -671,9 +684,17 @@ def run_train(args) -> int:
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
     if args.num_threads is not None and args.num_threads < 1:
         raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
-    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS"):
+    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS", "RL_TPU_FORK_SERVER"):
         if os.environ.get(flag, "1") not in ("0", "1"):
             raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
+    if os.environ.get(COMPACT_MALLOC_ENV, "0") not in ("0", "1"):
+        raise BadInputError(f"{COMPACT_MALLOC_ENV}={os.environ[COMPACT_MALLOC_ENV]!r}: set it to 1 (on) or 0 (off, the "
+                            "default), or unset it")
+    if backend == "cpu" and os.environ.get(COMPACT_MALLOC_ENV, "0") == "1":
+        from rl_tpu.device import host_malloc_env, tune_host_malloc
+
+        os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
+        tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.zygote)
     if os.environ.get(TASK_RUNNER_ENV, "driver") not in ("driver", "actor"):
         raise BadInputError(f"{TASK_RUNNER_ENV}={os.environ[TASK_RUNNER_ENV]!r}: use driver (VeRL's TaskRunner in "
                             "this process, the default) or actor (its own Ray actor), or unset it")
@@ -729,6 +750,7 @@ def run_train(args) -> int:
         raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
             from None
     if not args.print_config:
+        _fork_server_here(backend, fork_server)  # first: while this process has one thread and no Ray
         lock_run_folder(out)
     extra = _model_path(keys) + _prepare_data(keys, ours, out)
     if "trainer.default_local_dir" not in keys:
@@ -778,13 +800,8 @@ def run_train(args) -> int:
         # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
-    if backend == "cpu":  # the model's tensors live on the host: see rl_tpu.device.HOST_MALLOC_ENV
-        from rl_tpu.device import host_malloc_env, tune_host_malloc
-
-        env.update(host_malloc_env())
-        tune_host_malloc(host_malloc_env())  # this process hosts VeRL's TaskRunner
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
-              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S"):
+              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)
@@ -799,6 +816,10 @@ def run_train(args) -> int:
             # scheduled; on a 2-core machine Ray's default (one slot per core) leaves the job waiting forever.
             config.ray_kwargs.ray_init.num_cpus = max(16, os.cpu_count() or 1)
         config.ray_kwargs.ray_init.setdefault("include_dashboard", False)
+        if fork_server.get("socket") and not runtime_env.get("py_executable"):
+            from verl_backend.zygote import worker_py_executable
+
+            runtime_env["py_executable"] = worker_py_executable(fork_server["socket"])
     OmegaConf.save(config, out / "config.yaml")
 
     from verl_backend.report import write_report
@@ -857,6 +878,19 @@ def _dead_actor_in_cluster() -> str | None:
 class ActorFailedError(RuntimeError):
     """A Ray actor of the run died (killed, crashed, OOM, node lost) with no restart left; the message names it and
     the checkpoint to resume from. ``verl`` prints the cause's traceback, then this line, and exits 1."""
+
+
+def _fork_server_here(backend: str, fork_server: dict) -> None:
+    """Fork :mod:`verl_backend.zygote`'s server from this process for a local CPU job (its pid and socket go into
+    ``fork_server``); nothing where it does not apply: another backend, a Ray cluster (``RAY_ADDRESS``), not Linux,
+    ``RL_TPU_FORK_SERVER=0``, or Ray already imported here (the workers then start as plain processes)."""
+    from verl_backend import zygote
+
+    if os.environ.get(zygote.FORK_SERVER_ENV, "1") == "0" or backend != "cpu" or os.environ.get("RAY_ADDRESS") or not sys.platform.startswith("linux"):
+        return
+    started = zygote.fork_here()
+    if started is not None:
+        fork_server["pid"], fork_server["socket"] = started
 
 
 def _run_with_restarts(config, max_restarts: int) -> None:
@@ -919,6 +953,7 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+COMPACT_MALLOC_ENV = "RL_TPU_COMPACT_MALLOC"  # 1: rl_tpu.device.HOST_MALLOC_ENV for every process of a CPU job
 TASK_RUNNER_ENV = "RL_TPU_TASK_RUNNER"  # "driver" (default): VeRL's TaskRunner runs in this process; "actor": its own
 
 

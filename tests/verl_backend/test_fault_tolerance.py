@@ -2,7 +2,7 @@
 finishes with no completed step lost and every checkpoint loadable.
 
 The rollout server is killed after step 1, then a trainer worker after step 2 (in the restarted run). The test
-finds the processes through its own Ray session (a private temp dir), so nothing else on the machine is touched.
+finds the processes by a marker in their environment, so nothing else on the machine is touched.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -22,9 +23,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+MARKER = "RL_TPU_TEST_RUN"  # in the environment of every process of one test's run
+
+
 def _verl_env() -> dict[str, str]:
     """This process's environment for a ``verl train`` child: its own local Ray, CPU, one thread, no auth."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1",
+           MARKER: uuid.uuid4().hex}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     return env
@@ -42,24 +47,24 @@ def _metrics_steps(path: Path) -> set[int]:
     return steps
 
 
-def _session_actor(temp_dir: str, actor: str) -> psutil.Process | None:
-    for raylet in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(raylet.info["cmdline"] or [])
-        if "raylet" in cmd and temp_dir in cmd:
-            for child in raylet.children(recursive=True):
-                try:
-                    if " ".join(child.cmdline()).startswith(f"ray::{actor}"):
-                        return child
-                except psutil.NoSuchProcess:
-                    continue
+def _session_actor(marker: str, actor: str) -> psutil.Process | None:
+    """The process of this run's Ray actor ``actor``: named ``ray::<actor>``, with the run's marker in its environment
+    (a Ray worker is a child of the raylet, or of the fork server, verl_backend.zygote; both started from the run)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if " ".join(proc.info["cmdline"] or []).startswith(f"ray::{actor}") and \
+                    proc.environ().get(MARKER) == marker:
+                return proc
+        except psutil.Error:
+            continue
     return None
 
 
-def _kill_when(proc, metrics: Path, temp_dir: str, step: int, actor: str, timeout_s: float = 900) -> int:
+def _kill_when(proc, metrics: Path, marker: str, step: int, actor: str, timeout_s: float = 900) -> int:
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         if step in _metrics_steps(metrics):
-            target = _session_actor(temp_dir, actor)
+            target = _session_actor(marker, actor)
             if target is not None:
                 target.send_signal(signal.SIGKILL)
                 return target.pid
@@ -82,13 +87,13 @@ def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         metrics = out / "metrics.jsonl"
-        _kill_when(proc, metrics, temp_dir, 1, "NativeRolloutServer")
+        _kill_when(proc, metrics, env[MARKER], 1, "NativeRolloutServer")
         # the restarted run resumes at step 1 and must reach step 2 before the trainer worker is killed
         deadline = time.time() + 900
         while 2 not in _metrics_steps(metrics):
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-4000:]
             time.sleep(0.5)
-        _kill_when(proc, metrics, temp_dir, 2, "WorkerDict")
+        _kill_when(proc, metrics, env[MARKER], 2, "WorkerDict")
         rc = proc.wait(timeout=1200)
     finally:
         if proc.poll() is None:
@@ -154,7 +159,7 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        _kill_when(proc, out / "metrics.jsonl", temp_dir, 1, "NativeRolloutServer")
+        _kill_when(proc, out / "metrics.jsonl", env[MARKER], 1, "NativeRolloutServer")
         rc = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:

@@ -56,9 +56,9 @@ def test_run_exits_cleanly_and_reports(run):
     assert summary["training_steps"] == 2
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
-    # the glibc malloc settings reach every Ray worker (rl_tpu.device.HOST_MALLOC_ENV)
-    env_vars = yaml.safe_load((out / "config.yaml").read_text())["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
-    assert env_vars["MALLOC_MMAP_THRESHOLD_"] == "131072" and env_vars["MALLOC_ARENA_MAX"] == "2"
+    # the workers were started by the fork server (verl_backend.zygote), and the run worked
+    runtime_env = yaml.safe_load((out / "config.yaml").read_text())["ray_kwargs"]["ray_init"]["runtime_env"]
+    assert "zygote_client.py" in runtime_env["py_executable"]
 
 
 def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):

@@ -1,0 +1,315 @@
+"""A fork server for the Ray workers of a local ``verl train --backend cpu`` job: they share one copy of the imports.
+
+VeRL 0.9.1's trainer runs as eight Python processes (TaskRunner, trainer, rollout server, agent loop, reward loop,
+load balancer, TransferQueue controller and storage). Each imports torch, VeRL, transformers, tensordict and
+TransferQueue before it does any work: ~0.25-0.3 GiB of private memory per process (``Pss_Anon``;
+``benchmarks/bench_process_floor.py``), 2.4 GiB for the job, and 10-15 CPU seconds each.
+
+This server imports almost all of it once (:data:`PRELOAD`: everything but Ray and what imports Ray), freezes the objects out of the garbage collector's reach
+(``gc.freeze``: a collection would otherwise write to every object and un-share its page), and then forks one child
+per Ray worker. A child's pages stay shared with the server and its siblings until written (copy-on-write), so what
+the imports built is held once. The idea is Android's zygote and the ``forkserver`` start method of
+:mod:`multiprocessing`; Ray itself has no such mode.
+
+Ray starts each worker through the runtime environment's ``py_executable`` (:func:`worker_py_executable`): a tiny
+client (:mod:`verl_backend.zygote_client`) that passes its arguments, environment, working directory and standard
+streams over a Unix socket and stays as the worker's stand-in for the raylet (signals passed on, the child's exit
+status returned). The child replaces its environment with the client's, re-seeds its random generators, and runs
+Ray's ``default_worker.py`` as ``__main__``.
+
+Only for local CPU runs: a worker on another host (a Ray cluster) starts as usual. ``RL_TPU_FORK_SERVER=0`` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FORK_SERVER_ENV = "RL_TPU_FORK_SERVER"
+
+# What VeRL's eight processes import to host their classes (benchmarks/bench_process_floor.py's roles), less Ray
+# and what imports it (VeRL, TransferQueue, this package): Ray's core library reads the worker's job id from the
+# environment once, when it is loaded (RayConfig), so it must be loaded by each worker itself, after the fork.
+# These are ~95% of the import memory (372 of 391 MiB of Pss_Anon with VeRL).
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "tensordict",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "datasets",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "omegaconf",
+    "hydra",
+    "reasoning_gym",
+)
+
+
+class ForkServerError(RuntimeError):
+    """The fork server did not start (its message names the log file)."""
+
+
+def worker_py_executable(socket_path: str | os.PathLike) -> str:
+    """The Ray ``runtime_env`` ``py_executable`` that starts workers through the fork server at ``socket_path``."""
+    client = Path(__file__).with_name("zygote_client.py")
+    return f"{sys.executable} -I -S {client} {socket_path} {sys.executable}"
+
+
+def start(env: dict[str, str], folder: str | os.PathLike | None = None, ready_timeout_s: float = 60.0,
+          preload: tuple[str, ...] = PRELOAD):
+    """Start the fork server with ``env`` (the environment the job's workers get); return ``(process, socket)``.
+
+    Returns once it listens; it then imports ``preload`` (:data:`PRELOAD`: ~15 s on 2 cores) while the caller goes
+    on, and workers that ask meanwhile wait. The server ends when the process that started it does
+    (``PR_SET_PDEATHSIG``) or when it is sent SIGTERM.
+
+    Raises:
+        ForkServerError: it exited or did not listen within ``ready_timeout_s`` seconds.
+    """
+    folder = Path(folder or tempfile.mkdtemp(prefix="rlz"))  # short: a Unix socket path must fit 107 bytes
+    sock, log = folder / "fork.sock", folder / "fork_server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "verl_backend.zygote", str(sock), ",".join(preload)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.time() + ready_timeout_s
+    while not sock.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            tail = log.read_text(errors="replace")[-2000:]
+            raise ForkServerError(f"the fork server did not start (log {log}):\n{tail}")
+        time.sleep(0.2)
+    return proc, sock
+
+
+# ------------------------------------------------------------------------------------------- the server
+def _die_with_parent() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _preload(modules: list[str]) -> None:
+    import gc
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    if "ray" in sys.modules:  # see PRELOAD
+        raise ForkServerError(f"the fork server must not import Ray (one of {modules} did): workers start as usual")
+    gc.collect()
+    gc.freeze()
+
+
+def _child(conn: socket.socket, request: dict, fds: list[int], inherited: list) -> None:
+    """In the forked child: become the worker the client asked for. Never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for other in inherited:  # the server's listener, wake-up pipe and its other children's connections
+            try:
+                other.close() if hasattr(other, "close") else os.close(other)
+            except OSError:
+                pass
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        _reseed()
+        _watch_client(conn)
+        import runpy
+
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child must end here whatever happens
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _reseed() -> None:
+    """The fork copied the server's random states: every worker would draw the same numbers."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """Kill this child when its client's connection closes (the client was killed: SIGKILL cannot be passed on)."""
+    import threading
+
+    def watch():
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rl-tpu-fork-client-watch", daemon=True).start()
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
+    if len(head) != 8 or len(fds) != 3:
+        raise OSError("malformed request")
+    size = struct.unpack("!Q", head)[0]
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise OSError("client went away")
+        body += chunk
+    return json.loads(body), fds
+
+
+def serve(sock_path: str, modules: list[str]) -> None:
+    """The server as its own process (:func:`start`): listen, import ``modules``, then fork workers until SIGTERM."""
+    _die_with_parent()
+    os.setsid()  # out of the terminal's process group: Ctrl-C reaches the job through `verl train` only
+    listener = _listen(sock_path)  # workers asking while the imports run wait in the backlog
+    try:
+        _preload(modules)
+    except ForkServerError as exc:
+        raise SystemExit(str(exc)) from None  # the clients find the socket closed and start plain workers
+    _serve(listener)
+
+
+def fork_here(preload: tuple[str, ...] = PRELOAD, folder: str | os.PathLike | None = None):
+    """Import ``preload`` in this process, then fork the server from it: this process (``verl train``, which runs
+    VeRL's TaskRunner) then shares the imports' pages with every worker too. Return ``(server pid, socket)``, or
+    ``None`` when Ray is already imported here (see :data:`PRELOAD`; use :func:`start` instead).
+
+    Call it while this process has one thread (before Ray, tokenizers or data loaders start theirs): a fork copies
+    only the calling thread. Stop the server with :func:`stop`.
+    """
+    if "ray" in sys.modules:
+        return None
+    folder = Path(folder or tempfile.mkdtemp(prefix="rlz"))  # short: a Unix socket path must fit 107 bytes
+    sock = folder / "fork.sock"
+    try:
+        _preload(list(preload))
+    except ForkServerError:
+        return None
+    listener = _listen(str(sock))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _die_with_parent()
+            os.setsid()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle, through `verl train`
+            sys.stdin.close()
+            _serve(listener)
+        finally:
+            os._exit(0)
+    listener.close()
+    return pid, sock
+
+
+def stop(pid: int, timeout_s: float = 10.0) -> None:
+    """End a server from :func:`fork_here` (SIGTERM, then SIGKILL after ``timeout_s`` seconds) and reap it."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _listen(sock_path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(64)
+    return listener
+
+
+def _serve(listener: socket.socket) -> None:
+    children: dict[int, socket.socket] = {}
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # delivered through the wakeup fd
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "reap")
+    while True:
+        for key, _ in selector.select():
+            if key.data == "reap":
+                os.read(wake_r, 4096)
+                while True:
+                    try:
+                        pid, status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    conn = children.pop(pid, None)
+                    if conn is not None:
+                        try:
+                            conn.sendall(struct.pack("!q", status))
+                        except OSError:
+                            pass
+                        conn.close()
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _recv_request(conn)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                _child(conn, request, fds, [listener, wake_r, wake_w, *children.values()])
+            for fd in fds:
+                os.close(fd)
+            children[pid] = conn
+            try:
+                conn.sendall(struct.pack("!q", pid))
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], [m for m in (sys.argv[2] if len(sys.argv) > 2 else ",".join(PRELOAD)).split(",") if m])
