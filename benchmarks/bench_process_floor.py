@@ -9,6 +9,10 @@ and prints the sum: no run of this layout can peak below it. A real step adds wh
 (activations, the backward's temporaries: 0.7-0.9 GiB above the gradients for SmolLM2-135M at 4 sequences per
 micro batch, measured in a plain single-process PyTorch loop, with and without FSDP2), and each process's working data.
 
+That is the floor of the layout with plain Ray workers (``RL_TPU_FORK_SERVER=0``). By default a local CPU job's
+workers are forked from one process that has done most of these imports (``verl_backend/zygote.py``), so most of
+the import rows are held once for the whole job, not once per process.
+
 With ``--bench-json FILE`` (from ``bench_grpo_step.py --out FILE``) it also prints, per role, the PSS that role had
 at that run's peak sample, and the single-process TRL peaks of that run for comparison.
 

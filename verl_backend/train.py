@@ -886,7 +886,8 @@ def _fork_server_here(backend: str, fork_server: dict) -> None:
     ``RL_TPU_FORK_SERVER=0``, or Ray already imported here (the workers then start as plain processes)."""
     from verl_backend import zygote
 
-    if os.environ.get(zygote.FORK_SERVER_ENV, "1") == "0" or backend != "cpu" or os.environ.get("RAY_ADDRESS") or not sys.platform.startswith("linux"):
+    if os.environ.get(zygote.FORK_SERVER_ENV, "1") == "0" or backend != "cpu" or os.environ.get("RAY_ADDRESS") \
+            or not sys.platform.startswith("linux"):
         return
     started = zygote.fork_here()
     if started is not None:
