@@ -120,6 +120,10 @@ def _child(conn: socket.socket, request: dict, fds: list[int], inherited: list) 
     """In the forked child: become the worker the client asked for. Never returns."""
     code = 1
     try:
+        # Its own session and process group, as Ray gives a worker it starts: when a worker exits, the raylet
+        # kills the worker's whole process group (its subprocesses), which would otherwise be the server's and
+        # every other worker's.
+        os.setsid()
         signal.set_wakeup_fd(-1)
         for other in inherited:  # the server's listener, wake-up pipe and its other children's connections
             try:
@@ -227,13 +231,17 @@ def fork_here(preload: tuple[str, ...] = PRELOAD, folder: str | os.PathLike | No
     except ForkServerError:
         return None
     listener = _listen(str(sock))
+    sys.stdout.flush()  # else what this process printed but had not written yet would be written twice
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
             _die_with_parent()
             os.setsid()
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle, through `verl train`
-            sys.stdin.close()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)  # not the terminal's stdin (each worker gets its client's)
+            os.close(null)
             _serve(listener)
         finally:
             os._exit(0)
@@ -298,6 +306,8 @@ def _serve(listener: socket.socket) -> None:
             except (OSError, ValueError):
                 conn.close()
                 continue
+            sys.stdout.flush()
+            sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 selector.close()

@@ -69,7 +69,8 @@ def main() -> None:
     code = struct.unpack("!q", status)[0]
     if os.WIFSIGNALED(code):
         sig = os.WTERMSIG(code)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(code) if os.WIFEXITED(code) else 1)
 

@@ -117,3 +117,17 @@ def test_fork_here_serves_from_the_calling_process_and_refuses_once_ray_is_impor
     assert code == "4" and fields[4] == "True" and own_session == "True"  # json preloaded; out of the caller's session
     assert stopped == "stopped True"
     assert after == "after ray None"  # Ray's core library must be loaded after the fork (see zygote.PRELOAD)
+
+
+def test_each_child_leads_its_own_process_group_and_a_killed_one_ends_its_client_the_same_way(server):
+    """Ray's raylet kills a dead worker's whole process group: a child sharing the server's group would take the
+    server and every other worker with it."""
+    cmd, script = server
+    clients = [subprocess.Popen([*cmd, script, "0", "60"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    children = [int(c.stdout.readline().split()[3]) for c in clients]
+    assert all(os.getpgid(child) == child for child in children)
+    os.killpg(children[0], signal.SIGKILL)
+    assert clients[0].wait(timeout=30) == -signal.SIGKILL  # the client ends as its child did
+    assert clients[1].poll() is None and not _gone(children[1], timeout_s=1.0)  # the sibling is untouched
+    clients[1].terminate()
+    assert clients[1].wait(timeout=30) == -signal.SIGTERM
