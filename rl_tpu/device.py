@@ -301,7 +301,7 @@ def host_malloc_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in HOST_MALLOC_ENV.items()}
 
 
-def tune_host_malloc(settings: dict[str, str] | None = None) -> bool:
+def tune_host_malloc() -> bool:
     """Apply :func:`host_malloc_env`'s settings to this already running process (glibc ``mallopt``), for the
     process that starts the others and so could not be started with them.
 
@@ -310,7 +310,7 @@ def tune_host_malloc(settings: dict[str, str] | None = None) -> bool:
     libc = _libc()
     if not libc:
         return False
-    for key, value in (host_malloc_env() if settings is None else settings).items():
+    for key, value in host_malloc_env().items():
         try:
             if libc.mallopt(_MALLOPT[key], int(value)) != 1:
                 return False

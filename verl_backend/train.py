@@ -800,8 +800,10 @@ def _run_train(args, fork_server: dict) -> int:
         # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
+    from rl_tpu.device import HOST_MALLOC_ENV
+
     for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
-              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):
+              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S", *HOST_MALLOC_ENV):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)

@@ -29,7 +29,6 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,40 +57,10 @@ PRELOAD = (
 )
 
 
-class ForkServerError(RuntimeError):
-    """The fork server did not start (its message names the log file)."""
-
-
 def worker_py_executable(socket_path: str | os.PathLike) -> str:
     """The Ray ``runtime_env`` ``py_executable`` that starts workers through the fork server at ``socket_path``."""
     client = Path(__file__).with_name("zygote_client.py")
     return f"{sys.executable} -I -S {client} {socket_path} {sys.executable}"
-
-
-def start(env: dict[str, str], folder: str | os.PathLike | None = None, ready_timeout_s: float = 60.0,
-          preload: tuple[str, ...] = PRELOAD):
-    """Start the fork server with ``env`` (the environment the job's workers get); return ``(process, socket)``.
-
-    Returns once it listens; it then imports ``preload`` (:data:`PRELOAD`: ~15 s on 2 cores) while the caller goes
-    on, and workers that ask meanwhile wait. The server ends when the process that started it does
-    (``PR_SET_PDEATHSIG``) or when it is sent SIGTERM.
-
-    Raises:
-        ForkServerError: it exited or did not listen within ``ready_timeout_s`` seconds.
-    """
-    folder = Path(folder or tempfile.mkdtemp(prefix="rlz"))  # short: a Unix socket path must fit 107 bytes
-    sock, log = folder / "fork.sock", folder / "fork_server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "verl_backend.zygote", str(sock), ",".join(preload)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.time() + ready_timeout_s
-    while not sock.exists():
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            tail = log.read_text(errors="replace")[-2000:]
-            raise ForkServerError(f"the fork server did not start (log {log}):\n{tail}")
-        time.sleep(0.2)
-    return proc, sock
 
 
 # ------------------------------------------------------------------------------------------- the server
@@ -104,16 +73,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _preload(modules: list[str]) -> None:
+def _preload(modules: list[str]) -> bool:
+    """Import ``modules`` and freeze what exists out of the collector's reach; False if one of them imported Ray."""
     import gc
     import importlib
 
     for name in modules:
         importlib.import_module(name)
     if "ray" in sys.modules:  # see PRELOAD
-        raise ForkServerError(f"the fork server must not import Ray (one of {modules} did): workers start as usual")
+        return False
     gc.collect()
     gc.freeze()
+    return True
 
 
 def _child(conn: socket.socket, request: dict, fds: list[int], inherited: list) -> None:
@@ -202,22 +173,10 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def serve(sock_path: str, modules: list[str]) -> None:
-    """The server as its own process (:func:`start`): listen, import ``modules``, then fork workers until SIGTERM."""
-    _die_with_parent()
-    os.setsid()  # out of the terminal's process group: Ctrl-C reaches the job through `verl train` only
-    listener = _listen(sock_path)  # workers asking while the imports run wait in the backlog
-    try:
-        _preload(modules)
-    except ForkServerError as exc:
-        raise SystemExit(str(exc)) from None  # the clients find the socket closed and start plain workers
-    _serve(listener)
-
-
 def fork_here(preload: tuple[str, ...] = PRELOAD, folder: str | os.PathLike | None = None):
     """Import ``preload`` in this process, then fork the server from it: this process (``verl train``, which runs
     VeRL's TaskRunner) then shares the imports' pages with every worker too. Return ``(server pid, socket)``, or
-    ``None`` when Ray is already imported here (see :data:`PRELOAD`; use :func:`start` instead).
+    ``None`` when Ray is imported here (see :data:`PRELOAD`; the workers then start as plain processes).
 
     Call it while this process has one thread (before Ray, tokenizers or data loaders start theirs): a fork copies
     only the calling thread. Stop the server with :func:`stop`.
@@ -226,9 +185,7 @@ def fork_here(preload: tuple[str, ...] = PRELOAD, folder: str | os.PathLike | No
         return None
     folder = Path(folder or tempfile.mkdtemp(prefix="rlz"))  # short: a Unix socket path must fit 107 bytes
     sock = folder / "fork.sock"
-    try:
-        _preload(list(preload))
-    except ForkServerError:
+    if not _preload(list(preload)):
         return None
     listener = _listen(str(sock))
     sys.stdout.flush()  # else what this process printed but had not written yet would be written twice
@@ -319,7 +276,3 @@ def _serve(listener: socket.socket) -> None:
                 conn.sendall(struct.pack("!q", pid))
             except OSError:
                 pass
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], [m for m in (sys.argv[2] if len(sys.argv) > 2 else ",".join(PRELOAD)).split(",") if m])

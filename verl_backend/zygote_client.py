@@ -18,7 +18,7 @@ import socket
 import struct
 import sys
 
-CONNECT_TIMEOUT_S = 60.0  # the server binds its socket before it imports (~15 s on 2 cores)
+CONNECT_TIMEOUT_S = 60.0  # connecting and sending: the server listens before Ray starts any worker
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 

@@ -24,15 +24,31 @@ WORKER = textwrap.dedent("""
 """)
 
 
+# A stand-in for `verl train`: forks the server from itself, prints its socket, stops it on SIGTERM.
+HOST = textwrap.dedent("""
+    import os, signal
+    from verl_backend import zygote
+
+    pid, sock = zygote.fork_here(preload=("json",))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print(sock, flush=True)
+    signal.sigwait({signal.SIGTERM})
+    zygote.stop(pid)
+    raise SystemExit(0 if not os.path.exists(f"/proc/{pid}") else 1)
+""")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fork")
     script = folder / "worker.py"
     script.write_text(WORKER)
-    proc, sock = zygote.start(dict(os.environ), folder=folder, preload=("json",))
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
+    sock = host.stdout.readline().strip()
+    assert sock, "the fork server did not start"
     yield zygote.worker_py_executable(sock).split(), str(script)
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
+    host.terminate()
+    assert host.wait(timeout=30) == 0  # the server stopped and was reaped
 
 
 def test_child_runs_with_the_clients_environment_directory_and_exit_code(server, tmp_path):
