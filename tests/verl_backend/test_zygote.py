@@ -98,7 +98,7 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split()[2] == "Z":
                     return True  # exited, waiting to be reaped by the server
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between open and read
             return True
         time.sleep(0.1)
     return False
