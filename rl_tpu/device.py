@@ -333,6 +333,54 @@ def trim_host_heap() -> bool:
     return True
 
 
+class BackwardHeapTrim:
+    """Return the C heap's free pages to the OS (:func:`trim_host_heap`) after each transformer block's backward.
+
+    Autograd frees a block's saved activations as its backward finishes, but glibc keeps the freed pages, and the
+    gradients and FSDP reduce-scatter buffers allocated next mostly come from fresh ``mmap`` s instead. So at the
+    end of a host-memory backward the process holds both its largest activations and all of its gradients. Trimming
+    once per block bounds the held pages by what is alive. Measured on SmolLM2-135M (30 blocks, FSDP2 on gloo, one
+    thread, 400-token micro batches): peak anonymous memory 3.91 -> 3.53 GiB, step time about 3-5% longer, the price
+    of faulting the pages in again in the next forward.
+
+    Installs a forward pre-hook on every block (a module whose class, or a base class, is named in the model's
+    ``_no_split_modules``, the unit Hugging Face and FSDP wrap); in a forward with grad enabled the hook puts a
+    gradient hook on the block's input ``hidden_states`` tensor, which autograd calls when the block's backward is
+    done. It returns ``None``, so gradients are unchanged. Forwards under ``torch.no_grad`` (log-probs, the
+    reference policy) register nothing.
+
+    Attributes:
+        blocks: number of blocks hooked (0: the model names no ``_no_split_modules`` block; nothing is done).
+        trims: trims done so far (one per block per backward).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        self.trims = 0
+        self._handles = []
+        for m in model.modules():
+            if names.intersection(c.__name__ for c in type(m).__mro__):
+                self._handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self.blocks = len(self._handles)
+
+    def _trim(self, grad: torch.Tensor) -> None:
+        self.trims += 1
+        trim_host_heap()
+
+    def _pre_hook(self, module, args, kwargs) -> None:
+        import torch
+
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._trim)
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
 def freeze_long_lived_objects() -> int:
     """Collect garbage once, then move every object alive now out of the cyclic garbage collector's reach
     (``gc.freeze``); returns how many objects are frozen.

@@ -26,6 +26,7 @@ RESPONSE_LOGITS_ENV = "RL_TPU_RESPONSE_ONLY_LOGITS"  # "0" computes logits at ev
 _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
 SHARED_PREFIX_ENV = "RL_TPU_SHARED_PREFIX"  # "0": every sequence carries its own copy of its prompt
+TRIM_BACKWARD_ENV = "RL_TPU_TRIM_BACKWARD"  # "0": keep freed activation pages through the backward (rl_tpu.device)
 
 
 def _no_padding_layout(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -260,6 +261,10 @@ class RlTpuFSDPEngineWithLMHead(_HFConfigDtypeOnSave, FSDPEngineWithLMHead):
 
     Σπ², distillation, fused kernels, Ulysses sequence parallel and a static packed length keep VeRL's own path,
     as does ``RL_TPU_RESPONSE_ONLY_LOGITS=0``.
+
+    On CPU, a training engine (not the reference policy) also hands the heap pages its activations free back to the
+    OS after each transformer block's backward (:class:`rl_tpu.device.BackwardHeapTrim`, ``backward_trim``), which
+    lowers the update's peak host memory; ``RL_TPU_TRIM_BACKWARD=0`` turns it off.
     """
 
     def initialize(self):
@@ -277,9 +282,12 @@ class RlTpuFSDPEngineWithLMHead(_HFConfigDtypeOnSave, FSDPEngineWithLMHead):
             else:
                 _TRAINER_WEIGHTS = self.shared_weights
         self._shared_weights_reason = reason
+        self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
-            from rl_tpu.device import freeze_long_lived_objects
+            from rl_tpu.device import BackwardHeapTrim, freeze_long_lived_objects
 
+            if not self.engine_config.forward_only and os.environ.get(TRIM_BACKWARD_ENV, "1") != "0":
+                self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update
             freeze_long_lived_objects()  # VeRL's empty_cache collects garbage several times a step
 
     def _shared_weights_blocker(self) -> str | None:

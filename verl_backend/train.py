@@ -684,7 +684,8 @@ def _run_train(args, fork_server: dict) -> int:
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
     if args.num_threads is not None and args.num_threads < 1:
         raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
-    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS", "RL_TPU_FORK_SERVER"):
+    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS", "RL_TPU_FORK_SERVER",
+                 "RL_TPU_TRIM_BACKWARD"):
         if os.environ.get(flag, "1") not in ("0", "1"):
             raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
     if os.environ.get(COMPACT_MALLOC_ENV, "0") not in ("0", "1"):
@@ -797,6 +798,9 @@ def _run_train(args, fork_server: dict) -> int:
         "RL_TPU_SHARED_PREFIX": "1" if config.actor_rollout_ref.actor.get("use_prefix_grouper", False) else "0",
         # Ray starts a spare worker per CPU slot when the driver connects; none is ever used here (~0.05 GiB each)
         "RAY_prestart_worker_first_driver": "0",
+        # ... and keeps up to num_cpus (16 here, see below) idle workers alive (~0.1 GiB each): here they end after
+        # Ray's 1 s idle threshold, and a later task starts a new one (about a second from the fork server)
+        "RAY_num_workers_soft_limit": os.environ.get("RAY_num_workers_soft_limit", "0"),
         # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }

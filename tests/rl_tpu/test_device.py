@@ -17,6 +17,7 @@ import torch
 
 from rl_tpu.device import (
     BACKENDS,
+    BackwardHeapTrim,
     DeviceError,
     TPURuntimeConfig,
     apply_tpu_runtime,
@@ -228,3 +229,35 @@ def test_tuned_host_malloc_maps_every_large_block_on_its_own() -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         mapped[mode] = int(proc.stdout.split()[-1])
     assert mapped == {"default": 0, "tuned": 1}
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def test_backward_heap_trim_runs_once_per_block_backward_and_leaves_gradients_alone() -> None:
+    hooked, plain = _tiny_llama(0), _tiny_llama(0)
+    trim = BackwardHeapTrim(hooked)
+    assert trim.blocks == 3  # the decoder layers (LlamaForCausalLM._no_split_modules), nothing else
+    x = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hooked(input_ids=x)  # a log-prob forward: nothing to trim after
+    assert trim.trims == 0
+    for m in (hooked, plain):
+        m(input_ids=x, labels=x).loss.backward()
+    assert trim.trims == 3
+    for (name, a), b in zip(hooked.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    trim.remove()
+    hooked(input_ids=x, labels=x).loss.backward()
+    assert trim.trims == 3
+
+
+def test_backward_heap_trim_hooks_nothing_in_a_model_without_blocks() -> None:
+    trim = BackwardHeapTrim(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    assert trim.blocks == 0

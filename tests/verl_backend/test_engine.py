@@ -208,6 +208,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
+    from rl_tpu.device import BackwardHeapTrim
     from rl_tpu.shared_weights import SharedWeightsReader
     from verl_backend.engine import share_fsdp_parameters
 
@@ -220,23 +221,25 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
             fully_shard(layer, mesh=mesh)
         return fully_shard(m, mesh=mesh)
 
-    shared, plain = build(), build()
+    shared, plain, trimmed = build(), build(), build()
+    trim = BackwardHeapTrim(trimmed)  # FSDP2 renames the block class (FSDPLlamaDecoderLayer): matched by its base
     params = list(shared.parameters())
     published = share_fsdp_parameters(shared)
     out = {"same_params": all(a is b for a, b in zip(params, shared.parameters())),
            "slot_names": [s.names for s in published.slots]}
     reader = SharedWeightsReader(published.handle())  # what the rollout server maps (here: the same process)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (shared, plain)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (shared, plain, trimmed)]
     x = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(3):
-        for m, opt in zip((shared, plain), opts):
+        for m, opt in zip((shared, plain, trimmed), opts):
             loss = m(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss))
     out["losses"] = losses
+    out["trim"] = (trim.blocks, trim.trims, trimmed.config.num_hidden_layers)
     sd = plain.state_dict()
     out["reader_max_diff"] = max(float((reader.tensors[k] - v.to_local()).abs().max()) for k, v in sd.items())
     out["publish"] = published.publish((k, v.to_local()) for k, v in shared.state_dict().items())
@@ -248,6 +251,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
 
 
 def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_dir):
+    """Also: an FSDP2 model with rl_tpu.device.BackwardHeapTrim trims once per block and trains identically."""
     import multiprocessing as mp
     import socket
 
@@ -264,8 +268,11 @@ def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_
     assert out["same_params"], "the optimizer's Parameter objects must stay the same"
     # the tiny model ties its LM head to the embeddings: one slot, both names (as the rollout's state_dict has)
     assert [tuple(n) for n in out["slot_names"] if len(n) > 1] == [("model.embed_tokens.weight", "lm_head.weight")]
-    shared_losses, plain_losses = out["losses"][0::2], out["losses"][1::2]
+    shared_losses, plain_losses, trimmed_losses = out["losses"][0::3], out["losses"][1::3], out["losses"][2::3]
     assert shared_losses == plain_losses and shared_losses[-1] < shared_losses[0]
+    blocks, trims, layers = out["trim"]
+    assert blocks == layers and trims == 3 * layers, "one heap trim per decoder layer per backward"
+    assert trimmed_losses == plain_losses, "trimming the heap must not change training"
     assert out["reader_max_diff"] == 0.0, "the reader must see exactly the trained parameters"
     kept, copied = out["publish"]
     assert copied == 0 and kept > 0

@@ -59,6 +59,7 @@ def test_run_exits_cleanly_and_reports(run):
     # the workers were started by the fork server (verl_backend.zygote), and the run worked
     runtime_env = yaml.safe_load((out / "config.yaml").read_text())["ray_kwargs"]["ray_init"]["runtime_env"]
     assert "zygote_client.py" in runtime_env["py_executable"]
+    assert runtime_env["env_vars"]["RAY_num_workers_soft_limit"] == "0"  # idle workers end (~0.1 GiB each)
 
 
 def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
