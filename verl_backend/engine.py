@@ -288,6 +288,8 @@ class RlTpuFSDPEngineWithLMHead(_HFConfigDtypeOnSave, FSDPEngineWithLMHead):
 
             if not self.engine_config.forward_only and os.environ.get(TRIM_BACKWARD_ENV, "1") != "0":
                 self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update
+                print(f"[rl-tpu] actor backward: heap pages handed back after each of {self.backward_trim.blocks} "
+                      f"blocks ({TRIM_BACKWARD_ENV}=0 turns it off)", flush=True)
             freeze_long_lived_objects()  # VeRL's empty_cache collects garbage several times a step
 
     def _shared_weights_blocker(self) -> str | None:
