@@ -369,10 +369,8 @@ class BackwardHeapTrim:
         trim_host_heap()
 
     def _pre_hook(self, module, args, kwargs) -> None:
-        import torch
-
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        if getattr(hidden, "requires_grad", False):  # False for every tensor made under torch.no_grad
             hidden.register_hook(self._trim)
 
     def remove(self) -> None:

@@ -73,6 +73,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def _fork() -> int:
+    """``os.fork()`` after flushing Python's stdout and stderr: else what this process printed but had not written
+    yet would be written again by the child."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return os.fork()
+
+
 def _preload(modules: list[str]) -> bool:
     """Import ``modules`` and freeze what exists out of the collector's reach; False if one of them imported Ray."""
     import gc
@@ -188,9 +196,7 @@ def fork_here(preload: tuple[str, ...] = PRELOAD, folder: str | os.PathLike | No
     if not _preload(list(preload)):
         return None
     listener = _listen(str(sock))
-    sys.stdout.flush()  # else what this process printed but had not written yet would be written twice
-    sys.stderr.flush()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         try:
             _die_with_parent()
@@ -263,9 +269,7 @@ def _serve(listener: socket.socket) -> None:
             except (OSError, ValueError):
                 conn.close()
                 continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
+            pid = _fork()
             if pid == 0:
                 selector.close()
                 _child(conn, request, fds, [listener, wake_r, wake_w, *children.values()])
