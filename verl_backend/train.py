@@ -685,7 +685,7 @@ def _run_train(args, fork_server: dict) -> int:
     if args.num_threads is not None and args.num_threads < 1:
         raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
     for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS", "RL_TPU_FORK_SERVER",
-                 "RL_TPU_TRIM_BACKWARD"):
+                 "RL_TPU_TRIM_BACKWARD", "RL_TPU_PLAIN_MODULE"):
         if os.environ.get(flag, "1") not in ("0", "1"):
             raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
     if os.environ.get(COMPACT_MALLOC_ENV, "0") not in ("0", "1"):

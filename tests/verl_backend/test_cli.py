@@ -441,6 +441,10 @@ def test_on_off_switches_take_0_or_1(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
                            str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
     assert "RL_TPU_TRIM_BACKWARD='on': set it to 1 (on, the default) or 0 (off)" in _one_error_line(proc)
+    env["RL_TPU_TRIM_BACKWARD"], env["RL_TPU_PLAIN_MODULE"] = "1", "fsdp"
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
+                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
+    assert "RL_TPU_PLAIN_MODULE='fsdp': set it to 1 (on, the default) or 0 (off)" in _one_error_line(proc)
 
 
 def test_task_runner_placement_is_driver_or_actor(tmp_path):

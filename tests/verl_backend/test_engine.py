@@ -222,23 +222,32 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
         return fully_shard(m, mesh=mesh)
 
     shared, plain, trimmed = build(), build(), build()
+    # one CPU rank: the engine trains the module unwrapped (verl_backend.engine._SingleRankPlainModule)
+    unwrapped = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trim = BackwardHeapTrim(trimmed)  # FSDP2 renames the block class (FSDPLlamaDecoderLayer): matched by its base
-    params = list(shared.parameters())
+    params, unwrapped_params = list(shared.parameters()), list(unwrapped.parameters())
     published = share_fsdp_parameters(shared)
+    published_unwrapped = share_fsdp_parameters(unwrapped, name="rl_tpu_unwrapped")
     out = {"same_params": all(a is b for a, b in zip(params, shared.parameters())),
-           "slot_names": [s.names for s in published.slots]}
+           "same_unwrapped_params": all(a is b for a, b in zip(unwrapped_params, unwrapped.parameters())),
+           "slot_names": [s.names for s in published.slots],
+           "unwrapped_slot_names": [s.names for s in published_unwrapped.slots]}
     reader = SharedWeightsReader(published.handle())  # what the rollout server maps (here: the same process)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (shared, plain, trimmed)]
+    unwrapped_reader = SharedWeightsReader(published_unwrapped.handle())
+    models = (shared, plain, trimmed, unwrapped)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in models]
     x = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(3):
-        for m, opt in zip((shared, plain, trimmed), opts):
+        for m, opt in zip(models, opts):
             loss = m(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss))
     out["losses"] = losses
+    out["unwrapped_reader_max_diff"] = max(float((unwrapped_reader.tensors[k] - v).abs().max())
+                                           for k, v in unwrapped.state_dict().items())
     out["trim"] = (trim.blocks, trim.trims, trimmed.config.num_hidden_layers)
     sd = plain.state_dict()
     out["reader_max_diff"] = max(float((reader.tensors[k] - v.to_local()).abs().max()) for k, v in sd.items())
@@ -268,8 +277,13 @@ def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_
     assert out["same_params"], "the optimizer's Parameter objects must stay the same"
     # the tiny model ties its LM head to the embeddings: one slot, both names (as the rollout's state_dict has)
     assert [tuple(n) for n in out["slot_names"] if len(n) > 1] == [("model.embed_tokens.weight", "lm_head.weight")]
-    shared_losses, plain_losses, trimmed_losses = out["losses"][0::3], out["losses"][1::3], out["losses"][2::3]
+    shared_losses, plain_losses, trimmed_losses, unwrapped_losses = (out["losses"][i::4] for i in range(4))
     assert shared_losses == plain_losses and shared_losses[-1] < shared_losses[0]
+    # the same model unwrapped, its parameters in shared memory too: same slots, same training, the reader sees it
+    assert out["same_unwrapped_params"]
+    assert out["unwrapped_slot_names"] == out["slot_names"]
+    assert unwrapped_losses == pytest.approx(plain_losses, rel=1e-5, abs=0)
+    assert out["unwrapped_reader_max_diff"] == 0.0
     blocks, trims, layers = out["trim"]
     assert blocks == layers and trims == 3 * layers, "one heap trim per decoder layer per backward"
     assert trimmed_losses == plain_losses, "trimming the heap must not change training"
@@ -299,3 +313,23 @@ def test_saved_checkpoint_config_names_the_dtype_of_its_weights(tmp_path, tiny_m
     assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == config["vocab_size"]
     assert not list(ckpt.glob(".config.json.*"))  # the temporary file was renamed over the config
     assert match_saved_config_dtype(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("saved, plain_reason", [(2, None), (0, "RL_TPU_PLAIN_MODULE=0")])
+def test_resume_across_the_unwrapped_module_switch_is_refused(tmp_path, saved, plain_reason):
+    """A checkpoint of FSDP2 DTensors cannot load into the unwrapped module, nor plain tensors into FSDP2: one line
+    naming the switch, before VeRL's loader meets the mismatch."""
+    import json
+    from types import SimpleNamespace
+
+    from verl_backend.engine import RlTpuFSDPEngineWithLMHead
+    from verl_backend.errors import BadInputError
+
+    (tmp_path / "fsdp_config.json").write_text(json.dumps({"FSDP_version": saved, "world_size": 1}))
+    engine = RlTpuFSDPEngineWithLMHead.__new__(RlTpuFSDPEngineWithLMHead)  # only what load_checkpoint reads
+    engine.plain_module_reason, engine.engine_config = plain_reason, SimpleNamespace(strategy="fsdp2")
+    with pytest.raises(BadInputError) as err:
+        engine.load_checkpoint(str(tmp_path))
+    message = str(err.value)
+    assert str(tmp_path) in message and "RL_TPU_PLAIN_MODULE" in message and "resume_mode=disable" in message
+    assert ("RL_TPU_PLAIN_MODULE=0 to resume" in message) == (saved == 2)

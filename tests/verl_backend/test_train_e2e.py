@@ -86,6 +86,9 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # the actor (not the reference policy) trims the heap once per decoder layer in its backward
     trims = re.findall(r"actor backward: heap pages handed back after each of (\d+) blocks", proc.stdout + proc.stderr)
     assert trims == ["2"], trims  # the tiny model's 2 decoder layers, once: the reference engine adds none
+    # one CPU rank: the actor and the reference policy (both float32) run their modules unwrapped (no FSDP2 copies)
+    unwrapped = re.findall(r"\[rl-tpu\] ([a-z ]+): one CPU rank, so the model runs unwrapped", proc.stdout + proc.stderr)
+    assert sorted(unwrapped) == ["actor", "reference policy"], unwrapped
     # TransferQueue's copy threads are capped at the cores in every process, the driver's TaskRunner included
     # (it warned on every put and get: hundreds of lines per run)
     assert "should not exceed total physical CPU cores" not in proc.stdout + proc.stderr
