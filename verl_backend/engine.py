@@ -256,8 +256,9 @@ class _SingleRankPlainModule:
     The module is left plain only where FSDP2 would change nothing about the numbers: strategy ``fsdp2``, one
     rank, a CPU device mesh, no LoRA, QAT, parameter / optimizer offload, activation offload or Ulysses, and the
     mixed-precision ``param_dtype`` and ``reduce_dtype`` equal to the dtype the weights are stored in (so no
-    per-layer cast: the reference policy, stored in bfloat16 and computed in float32, stays wrapped). Anywhere else,
-    and with ``RL_TPU_PLAIN_MODULE=0``, VeRL's own FSDP2 wrapping runs. VeRL 0.9.1's engine already handles an
+    per-layer cast: a reference policy stored in bfloat16 and computed in float32 stays wrapped; the CPU default
+    stores and computes all three in float32). Anywhere else, and with ``RL_TPU_PLAIN_MODULE=0``, VeRL's own FSDP2
+    wrapping runs. VeRL 0.9.1's engine already handles an
     unwrapped module (``fsdp_version(module) == 0``) in its optimizer step (``clip_grad_norm_``), checkpoint manager
     and weight export; the one place it does not, the gradient-sync context of gradient accumulation, has nothing to
     synchronise on one rank.
@@ -341,7 +342,7 @@ def _saved_fsdp_version(local_path) -> int | None:
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
 class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
-    """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU).
+    """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank.
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
     through Hugging Face's ``logits_to_keep``, instead of at every prompt position too. Those are the only
@@ -556,7 +557,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
 class RlTpuFSDPEngineWithValueHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
-    """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU)."""
+    """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank."""
 
 
 def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, first: int, temperature: torch.Tensor,
