@@ -6,7 +6,8 @@ It registers, in every process that imports VeRL (driver, TaskRunner, trainer wo
 - the FSDP2 training engine for devices ``cpu`` and ``tpu`` (:mod:`verl_backend.engine`);
 - the ``native`` rollout (replica + in-worker adapter, :mod:`verl_backend.rollout`);
 - the ``ray_object_store`` checkpoint engine for disaggregated weight sync;
-- the narrow VeRL 0.9.1 patches in :mod:`verl_backend.patches`.
+- the narrow VeRL 0.9.1 patches in :mod:`verl_backend.patches`;
+- a filter that lets a VeRL warning repeated per sample through once per process (:class:`RepeatedWarningFilter`).
 
 VeRL swallows plugin import errors at debug level, so failures here are logged as warnings instead.
 """
@@ -39,6 +40,39 @@ def _register_checkpoint_engine(_module) -> None:
     from verl_backend.rollout import inworker  # noqa: F401  (registers the "native" checkpoint engine)
 
 
+class RepeatedWarningFilter(logging.Filter):
+    """Let each distinct message of a logger through once per process; drop the repeats.
+
+    VeRL 0.9.1's agent loop builds a Continuous Token builder for every sample it rolls out
+    (``verl/experimental/agent_loop/agent_loop.py``, ``AgentLoopBase.__init__``), and for a model type it has no
+    builder for (``llama``: SmolLM2) ``infer_continuous_token_model_family`` warns each time: 208 identical lines in
+    the default 12-step job. The first one still says which builder is used.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            self.dropped += 1
+            return False
+        self.seen.add(message)
+        return True
+
+
+REPEATING_LOGGERS = ("verl.utils.tokenizer.continuous_token_wiring",)
+
+
+def _quiet_repeated_warnings() -> None:
+    for name in REPEATING_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, RepeatedWarningFilter) for f in log.filters):
+            log.addFilter(RepeatedWarningFilter())
+
+
 def register() -> None:
     """Register everything above with VeRL's registries (idempotent).
 
@@ -57,6 +91,7 @@ def register() -> None:
     wrapt.register_post_import_hook(_register_replica, "verl.workers.rollout.replica")
     wrapt.register_post_import_hook(_register_checkpoint_engine, "verl.checkpoint_engine.base")
     patches.apply()
+    _quiet_repeated_warnings()
 
 
 try:

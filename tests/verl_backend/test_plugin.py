@@ -147,3 +147,22 @@ def test_tpu_eager_mode_setting_maps_to_torch_tpu_enum_and_rejects_bad_values(mo
     monkeypatch.setenv(EAGER_MODE_ENV, "turbo")
     with pytest.raises(DeviceError, match="turbo"):
         tpu_runtime_from_env()
+
+
+def test_verls_per_sample_builder_warning_shows_once_per_process():
+    """VeRL 0.9.1's agent loop warns "No model-specific Continuous Token builder ..." for every sample of a llama
+    model (208 lines in the default job); after ``import verl`` it shows once, and a different message still shows."""
+    out = _run(
+        """
+        import io, json, logging, verl
+        from verl.utils.tokenizer import continuous_token_wiring as ctw
+        stream = io.StringIO()
+        logging.getLogger(ctw.__name__).addHandler(logging.StreamHandler(stream))
+        families = [str(ctw.infer_continuous_token_model_family(hf_model_type="llama")) for _ in range(5)]
+        ctw.infer_continuous_token_model_family(hf_model_type="mistral")
+        print(json.dumps({"families": families, "lines": stream.getvalue().splitlines()}))
+        """
+    )
+    assert len(set(out["families"])) == 1  # VeRL's behaviour is unchanged: the same builder every time
+    assert len(out["lines"]) == 2, out["lines"]
+    assert "model_type='llama'" in out["lines"][0] and "model_type='mistral'" in out["lines"][1]
