@@ -52,12 +52,10 @@ class RepeatedWarningFilter(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[str] = set()
-        self.dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if message in self.seen:
-            self.dropped += 1
             return False
         self.seen.add(message)
         return True
