@@ -28,7 +28,7 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -89,6 +89,18 @@ def _views(mm: mmap.mmap, slots: Iterable[Slot]) -> list[torch.Tensor]:
     return views
 
 
+def _rebind_data_entries(named: Mapping[str, torch.Tensor]) -> list:
+    """``(names, tensor, rebind)`` per distinct tensor of ``named`` (tied ones once), rebinding its ``.data``."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for key, tensor in named.items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+
+    def rebind(tensor: torch.Tensor, view: torch.Tensor) -> None:
+        tensor.data = view
+
+    return [(names, tensor, rebind) for names, tensor in groups.values()]
+
+
 class SharedWeights:
     """Owner side: move ``module``'s ``state_dict`` tensors into one shared-memory file, in place.
 
@@ -110,14 +122,20 @@ class SharedWeights:
     """
 
     def __init__(self, module: torch.nn.Module, name: str = "rl_tpu_weights") -> None:
-        groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-        for key, tensor in module.state_dict(keep_vars=True).items():
-            groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+        self._create(_rebind_data_entries(module.state_dict(keep_vars=True)), name)
 
-        def rebind(tensor: torch.Tensor, view: torch.Tensor) -> None:
-            tensor.data = view
+    @classmethod
+    def from_named_tensors(cls, named: Mapping[str, torch.Tensor], name: str = "rl_tpu_weights") -> SharedWeights:
+        """Like the constructor, for a module's ``state_dict(keep_vars=True)`` under other names (e.g. VeRL's
+        ``convert_weight_keys``): each distinct tensor's ``.data`` becomes its view of the file, and a tensor that
+        appears under several names (tied weights) gets one slot holding all of them.
 
-        self._create([(names, tensor, rebind) for names, tensor in groups.values()], name)
+        Raises:
+            SharedWeightsError: as the constructor.
+        """
+        self = cls.__new__(cls)
+        self._create(_rebind_data_entries(named), name)
+        return self
 
     @classmethod
     def from_tensors(

@@ -526,14 +526,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     named = convert_weight_keys(module.state_dict(keep_vars=True),
                                 getattr(module, "_fsdp_wrapped_module", module))
     if not by_param:  # an unwrapped module (_SingleRankPlainModule): each tensor's .data moves into the file
-        tensors: dict[int, tuple[list[str], torch.Tensor]] = {}
-        for key, tensor in named.items():
-            tensors.setdefault(id(tensor), ([], tensor))[0].append(key)
-
-        def rebind_data(tensor: torch.Tensor, view: torch.Tensor) -> None:
-            tensor.data = view
-
-        return SharedWeights.from_tensors([(names, t, rebind_data) for names, t in tensors.values()], name=name)
+        return SharedWeights.from_named_tensors(named, name=name)
     groups: dict[int, tuple[list[str], object]] = {}
     for key, param in named.items():
         fp = by_param.get(id(param))
