@@ -23,6 +23,8 @@ from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
+from verl_backend.shared_prefix import no_padding_layout, attention_kinds, shared_prefix_inputs
+
 DEVICES = ["cpu", "tpu"]
 RESPONSE_LOGITS_ENV = "RL_TPU_RESPONSE_ONLY_LOGITS"  # "0" computes logits at every position, as VeRL does
 _FROM_KEY = "rl_tpu_logits_from"
@@ -30,20 +32,6 @@ _KEEP_KEY = "rl_tpu_logits_keep"
 SHARED_PREFIX_ENV = "RL_TPU_SHARED_PREFIX"  # "0": every sequence carries its own copy of its prompt
 TRIM_BACKWARD_ENV = "RL_TPU_TRIM_BACKWARD"  # "0": keep freed activation pages through the backward (rl_tpu.device)
 PLAIN_MODULE_ENV = "RL_TPU_PLAIN_MODULE"  # "0": wrap the model in FSDP2 even on one CPU rank (_SingleRankPlainModule)
-
-
-def _no_padding_layout(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(prompt_lens, response_lens, offsets)`` of VeRL 0.9.1's no-padding layout (``(batch,)``, ``(batch,)``,
-    ``(batch + 1,)`` int64): jagged ``prompts``/``responses`` whose lengths add up to ``input_ids``'; else ``None``."""
-    if not {"prompts", "responses", "input_ids"} <= set(micro_batch.keys()):
-        return None
-    prompts, responses, input_ids = micro_batch["prompts"], micro_batch["responses"], micro_batch["input_ids"]
-    if not (prompts.is_nested and responses.is_nested and input_ids.is_nested):
-        return None
-    prompt_lens, response_lens, offsets = prompts.offsets().diff(), responses.offsets().diff(), input_ids.offsets()
-    if not torch.equal(prompt_lens + response_lens, offsets.diff()):
-        return None
-    return prompt_lens, response_lens, offsets
 
 
 def first_response_logit_position(micro_batch: TensorDict) -> int | None:
@@ -54,7 +42,7 @@ def first_response_logit_position(micro_batch: TensorDict) -> int | None:
     response token ``p_i`` comes from the logits at position ``p_i - 1``, so this returns ``min_i p_i - 1`` (>= 0).
     Returns ``None`` (use VeRL's own path) when the micro batch does not have that layout.
     """
-    layout = _no_padding_layout(micro_batch)
+    layout = no_padding_layout(micro_batch)
     if layout is None:
         return None
     return max(int(layout[0].min().item()) - 1, 0)
@@ -68,7 +56,7 @@ def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
     ``offsets[i] + p_i - 1 ... offsets[i] + p_i + r_i - 2``. Returns those positions, ascending, as a ``(sum r_i,)``
     int64 tensor, or ``None`` when the micro batch has another layout (or a sequence without prompt tokens).
     """
-    layout = _no_padding_layout(micro_batch)
+    layout = no_padding_layout(micro_batch)
     if layout is None or bool((layout[0] < 1).any()):
         return None
     prompt_lens, response_lens, offsets = layout
@@ -76,72 +64,6 @@ def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
     run_start = torch.cumsum(response_lens, 0) - response_lens  # (batch,) where each sequence's run begins
     within = torch.arange(int(response_lens.sum())) - torch.repeat_interleave(run_start, response_lens)
     return torch.repeat_interleave(starts, response_lens) + within
-
-
-def shared_prefix_inputs(micro_batch: TensorDict) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
-    """Model inputs for a packed row that holds each distinct prompt once (GRPO's ``n`` samples share it).
-
-    Sequences of the micro batch with the same prompt tokens become one segment: the prompt, then each of their
-    responses. A 4-D boolean attention mask lets a prompt token attend causally within its prompt, and a response
-    token attend to its whole prompt and causally to its own response, never to a sibling response; positions
-    restart at ``p`` for every response (RoPE sees what it sees with the prompt repeated). So every response
-    token's logits, log-prob and gradient are the ones it has with its own copy of the prompt (up to float
-    rounding: the shared prompt activations receive the sum of the siblings' gradients, which is what the copies'
-    gradients add up to), while the prompt's forward and backward run once instead of ``n`` times.
-
-    This is the shared-prefix forward of Prefix Grouper (Liu et al. 2025, "Prefix Grouper: Efficient GRPO
-    Training through Shared-Prefix Forward", arXiv:2506.05433), which VeRL 0.9.1 names
-    (``actor.use_prefix_grouper``) but wires only into its legacy actor; here through transformers' 4-D masks
-    and sdpa, no extra package.
-
-    Returns:
-        ``(inputs, keep)``: ``inputs`` = ``input_ids`` ``(1, T)`` int64, ``position_ids`` ``(1, T)`` int64,
-        ``attention_mask`` ``(1, 1, T, T)`` bool (True = attend); ``keep`` ``(sum r_i,)`` int64, the row positions
-        whose logits predict the response tokens, in the order of :func:`response_logit_indices` (sequence, then
-        token). ``None`` when no two sequences share a prompt, the layout is not VeRL's no-padding one, or its
-        position ids are not ``0..len-1`` per sequence (e.g. multimodal rope).
-    """
-    layout = _no_padding_layout(micro_batch)
-    if layout is None or bool((layout[0] < 1).any()):
-        return None
-    position_ids = micro_batch.get("position_ids", None)
-    if position_ids is not None:
-        if position_ids.dim() != 2 or not position_ids.is_nested:
-            return None
-        expected = torch.cat([torch.arange(int(n)) for n in layout[2].diff()]).to(position_ids.device)
-        if not torch.equal(position_ids.values(), expected):
-            return None
-    prompts = [t.cpu() for t in micro_batch["prompts"].unbind()]
-    responses = [t.cpu() for t in micro_batch["responses"].unbind()]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        groups.setdefault(tuple(prompt.tolist()), []).append(i)
-    if len(groups) == len(prompts):
-        return None
-    ids, pos, group, member = [], [], [], []  # per row position: token, position id, segment, 0 = prompt / j+1
-    keep_of: dict[int, torch.Tensor] = {}
-    cursor = 0
-    for g, seqs in enumerate(groups.values()):
-        prompt = prompts[seqs[0]]
-        p = prompt.numel()
-        ids.append(prompt), pos.append(torch.arange(p)), group.append(torch.full((p,), g)), member.append(torch.zeros(p))
-        start = cursor + p
-        for j, i in enumerate(seqs):
-            r = responses[i].numel()
-            ids.append(responses[i]), pos.append(torch.arange(p, p + r))
-            group.append(torch.full((r,), g)), member.append(torch.full((r,), j + 1))
-            # token 0 is predicted at the prompt's last position, token t > 0 at response token t - 1
-            keep_of[i] = torch.cat([torch.tensor([cursor + p - 1]), torch.arange(start, start + r - 1)])[:r]
-            start += r
-        cursor = start
-    group_t, member_t = torch.cat(group), torch.cat(member)
-    idx = torch.arange(cursor)
-    mask = (idx[:, None] >= idx[None, :]) & (group_t[:, None] == group_t[None, :]) & \
-        ((member_t[None, :] == 0) | (member_t[:, None] == member_t[None, :]))
-    keep = torch.cat([keep_of[i] for i in range(len(prompts))])
-    inputs = {"input_ids": torch.cat(ids).to(torch.long).unsqueeze(0), "position_ids": torch.cat(pos).unsqueeze(0),
-              "attention_mask": mask[None, None]}
-    return inputs, keep
 
 
 def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor, temperature: torch.Tensor,
@@ -354,7 +276,8 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
       ``total_nnz`` tokens (Hugging Face keeps the sequences apart with a block-diagonal causal mask built from
       the ``position_ids``, so no flash-attn is needed); ``logits_to_keep`` is the 1-D index of the response
       positions (:func:`response_logit_indices`). When sequences share a prompt (GRPO's ``n`` samples), the row
-      holds that prompt once (:func:`shared_prefix_inputs`; ``RL_TPU_SHARED_PREFIX=0``, set from
+      holds that prompt once (:func:`verl_backend.shared_prefix.shared_prefix_inputs`, with sliding windows where
+      the model has them; ``RL_TPU_SHARED_PREFIX=0``, set from
       ``actor.use_prefix_grouper=False``, turns it off).
     - padded (``use_remove_padding=False``): the kept logits are the last ``seq_len - first`` positions
       (:func:`first_response_logit_position`).
@@ -440,6 +363,21 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
                 self._accepts_logits_to_keep = False
         return self._accepts_logits_to_keep
 
+    def _shared_prefix_kinds(self):
+        """The model's masking for the shared-prefix row (:func:`verl_backend.shared_prefix.attention_kinds`), read
+        once; ``None`` (and one line saying why) when the row cannot compute the model's own numbers."""
+        if not hasattr(self, "_prefix_kinds"):
+            kinds = attention_kinds(self.module)
+            if isinstance(kinds, str):
+                print(f"[rl-tpu] shared-prefix forward off for this model ({kinds}): each sequence keeps its own "
+                      "copy of its prompt", flush=True)
+                kinds = None
+            self._prefix_kinds = kinds
+        return self._prefix_kinds
+
+    def _mask_dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
+
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         if not (self._response_only_applies(micro_batch) and "input_ids" in model_inputs):
@@ -450,7 +388,8 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
             keep = response_logit_indices(micro_batch)
             if keep is not None and keep.numel() > 0:
                 device = model_inputs["input_ids"].device
-                shared = shared_prefix_inputs(micro_batch) if os.environ.get(SHARED_PREFIX_ENV, "1") != "0" else None
+                kinds = self._shared_prefix_kinds() if os.environ.get(SHARED_PREFIX_ENV, "1") != "0" else None
+                shared = shared_prefix_inputs(micro_batch, kinds, self._mask_dtype()) if kinds is not None else None
                 if shared is not None:  # one copy of each prompt, its samples' responses all attend to it
                     row_inputs, row_keep = shared
                     if not getattr(self, "_reported_shared_prefix", False):
@@ -458,7 +397,10 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
                         print(f"[rl-tpu] shared-prefix forward: a micro batch of {micro_batch.batch_size[0]} "
                               f"sequences packs to {row_inputs['input_ids'].shape[1]} tokens instead of "
                               f"{model_inputs['input_ids'].shape[1]}", flush=True)
+                    mask = row_inputs.pop("attention_mask")
                     model_inputs.update({k: v.to(device) for k, v in row_inputs.items()})
+                    model_inputs["attention_mask"] = {k: m.to(device) for k, m in mask.items()} \
+                        if isinstance(mask, dict) else mask.to(device)
                     model_inputs["logits_to_keep"] = row_keep.to(device)
                 else:
                     model_inputs["logits_to_keep"] = keep.to(device)

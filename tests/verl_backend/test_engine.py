@@ -139,7 +139,8 @@ def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(
     same gradient as the row with a copy per sequence (VeRL's layout)."""
     from transformers import AutoModelForCausalLM
 
-    from verl_backend.engine import packed_response_log_probs, response_logit_indices, shared_prefix_inputs
+    from verl_backend.engine import packed_response_log_probs, response_logit_indices
+    from verl_backend.shared_prefix import attention_kinds, shared_prefix_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(2)
@@ -153,7 +154,7 @@ def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(
     nested = td["input_ids"]
     offsets = nested.offsets()
     keep = response_logit_indices(td)
-    inputs, row_keep = shared_prefix_inputs(td)
+    inputs, row_keep = shared_prefix_inputs(td, attention_kinds(model))
     assert inputs["input_ids"].shape[1] == len(pa) + len(pb) + sum(rlens)  # each prompt once
     assert row_keep.shape == keep.shape
     rolled = torch.roll(nested.values(), shifts=-1)
@@ -180,12 +181,13 @@ def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(
 
 
 def test_shared_prefix_needs_a_shared_prompt_and_plain_positions():
-    from verl_backend.engine import shared_prefix_inputs
+    from verl_backend.shared_prefix import AttentionKinds, shared_prefix_inputs
 
+    full = AttentionKinds(windows={"full_attention": None})
     distinct = _micro_batch([[1, 2], [3, 4]], [[5], [6]])
-    assert shared_prefix_inputs(distinct) is None  # nothing to share: VeRL's packed row
+    assert shared_prefix_inputs(distinct, full) is None  # nothing to share: VeRL's packed row
     same = _micro_batch([[1, 2], [1, 2]], [[5], [6, 7]])
-    inputs, keep = shared_prefix_inputs(same)
+    inputs, keep = shared_prefix_inputs(same, full)
     assert inputs["input_ids"].tolist() == [[1, 2, 5, 6, 7]]
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 2, 3]]
     assert keep.tolist() == [1, 1, 3]  # both first tokens from the prompt's last position
@@ -193,7 +195,7 @@ def test_shared_prefix_needs_a_shared_prompt_and_plain_positions():
     assert not mask[3, 2] and mask[3, 1] and mask[4, 3] and not mask[4, 2]  # siblings never see each other
     same["position_ids"] = torch.nested.as_nested_tensor([torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8])],
                                                          layout=torch.jagged)
-    assert shared_prefix_inputs(same) is None  # positions that do not start at 0: keep VeRL's layout
+    assert shared_prefix_inputs(same, full) is None  # positions that do not start at 0: keep VeRL's layout
 
 
 # ------------------------------------------------------------ the actor's parameters in shared memory (one rank)
