@@ -7,10 +7,10 @@ One call to :meth:`Sampler.generate`:
 2. per batch, left-pads the prompts to the smallest prompt bucket that fits, pads the batch to a power of two
    (repeating a real row), and allocates a static KV cache of ``prompt_bucket + gen_bucket`` positions;
 3. runs each distinct prompt once (prefill; the ``n`` samples of a prompt share it), then one token per step
-   (decode), choosing tokens with
-   :func:`~rl_tpu.sampler.processing.choose_tokens`. On CPU the distinct prompts are prefilled unpadded, packed
-   into one sequence whose common prefix (a chat template's system prompt) is computed once (see
-   :meth:`Sampler._packed_prefill`);
+   (decode), choosing tokens with :func:`~rl_tpu.sampler.processing.choose_tokens` (after the repetition penalty
+   and min-tokens processors, :class:`~rl_tpu.sampler.processing.LogitsProcessors`, when requested). On CPU the
+   distinct prompts are prefilled unpadded, packed into one sequence whose common prefix (a chat template's system
+   prompt) is computed once (see :meth:`Sampler._packed_prefill`);
 4. stops when every row has met an EOS/stop token or ``max_new_tokens``; when half the rows or more are finished
    the batch shrinks to the next power of two (the finished rows' cache rows are dropped).
 
@@ -32,7 +32,7 @@ from rl_tpu.sampler.attention import ATTN_NAME, gqa_attention
 from rl_tpu.sampler.lean import LeanDecoder
 from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
 from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
-from rl_tpu.sampler.processing import choose_tokens
+from rl_tpu.sampler.processing import LogitsProcessors, choose_tokens, token_logprobs
 
 
 def _next_pow2(x: int) -> int:
@@ -105,7 +105,8 @@ class Sampler:
             ``None``: on for the CPU. Other models keep their own forward.
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
-    top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as old log-probs.
+    repetition penalty, min tokens and top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as
+    old log-probs.
 
     On CPU, ``generate`` runs grouped-query ``sdpa`` models through :func:`rl_tpu.sampler.attention.gqa_attention`
     (same numbers, no per-step KV expansion); the model's setting is restored afterwards, so do not run another
@@ -314,7 +315,7 @@ class Sampler:
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long,
                                 device=dev)
         out_tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)  # (rows, new)
-        out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new)
+        out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new); 0 unless asked
         out_len = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens generated per row
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)  # ended on a stop token
         row_ids = torch.arange(batch, device=dev)  # current batch row -> output row
@@ -324,12 +325,21 @@ class Sampler:
         cache = StaticCache(config=self.config, max_cache_len=cache_len)
         logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
         lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
-        sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
+        procs = LogitsProcessors.build(params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len],
+                                       stop_ids, logits.shape[-1])  # None unless requested: nothing to pay
+        sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator,
+                      logprobs=params.logprobs and procs is None)
         for t in range(max_new):
-            tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,)
+            if procs is None:
+                tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,) or None
+            else:  # chosen from the processed logits; the log-prob stays the model's (processing module doc)
+                tok, _ = choose_tokens(procs(logits, t), **sample)
+                logp = token_logprobs(logits, tok, params.temperature) if params.logprobs else None
+                procs.chose(tok)
             alive = ~done
             out_tokens[row_ids, t] = torch.where(alive, tok, self.pad_token_id)
-            out_logp[row_ids, t] = torch.where(alive, logp, 0.0)
+            if logp is not None:
+                out_logp[row_ids, t] = torch.where(alive, logp, 0.0)
             out_len[row_ids] += alive.long()
             hit = alive & torch.isin(tok, stop_ids)
             stopped[row_ids] |= hit
@@ -343,6 +353,8 @@ class Sampler:
                 tok, done, row_ids, mask, real_len = tok[keep], done[keep], row_ids[keep], mask[keep], real_len[keep]
                 if lean_mask is not None:
                     lean_mask = lean_mask[keep]
+                if procs is not None:
+                    procs.keep(keep)
             # the token chosen at step t sits at position real_len + t of its row and at cache slot prompt_len + t
             if self.lean is not None:
                 self.shapes_seen.add((tok.shape[0], 1, mask.shape[1]))
@@ -350,7 +362,8 @@ class Sampler:
             else:
                 logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
 
-        return [self._output(out_tokens[i], out_logp[i], int(out_len[i]), bool(stopped[i])) for i in range(n_real)]
+        return [self._output(out_tokens[i], out_logp[i] if params.logprobs else None, int(out_len[i]), bool(stopped[i]))
+                for i in range(n_real)]
 
     def _prefill(
         self, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: StaticCache
@@ -477,9 +490,9 @@ class Sampler:
         return torch.cat([alive_idx, fill_idx])
 
     @staticmethod
-    def _output(tokens: torch.Tensor, logp: torch.Tensor, length: int, stopped: bool) -> SampleOutput:
+    def _output(tokens: torch.Tensor, logp: torch.Tensor | None, length: int, stopped: bool) -> SampleOutput:
         return SampleOutput(
             token_ids=tokens[:length].tolist(),
-            logprobs=logp[:length].tolist(),
+            logprobs=logp[:length].tolist() if logp is not None else None,
             finish_reason="stop" if stopped else "length",
         )

@@ -1,13 +1,17 @@
-"""Next-token choice: temperature, top-k, top-p, and the log-prob of the chosen token.
+"""Next-token choice: repetition penalty and min tokens, then temperature, top-k, top-p, and the log-prob of the
+chosen token.
 
 Log-prob convention (documented because VeRL compares it with its own recomputation): the returned log-prob is
-``log_softmax(logits / temperature)`` at the chosen token, over the *full* vocabulary, before top-k/top-p
-truncation. That is the quantity VeRL's actor computes for old/ref log-probs (it divides logits by the rollout
-temperature and takes a full-vocabulary log-softmax), so rollout and trainer log-probs agree up to numerics.
-For greedy decoding (``temperature == 0``) the temperature is taken as 1.
+``log_softmax(logits / temperature)`` of the model's logits at the chosen token, over the *full* vocabulary, before
+repetition penalty, min tokens and top-k/top-p. That is the quantity VeRL's actor computes for old/ref log-probs (it
+divides logits by the rollout temperature and takes a full-vocabulary log-softmax), so rollout and trainer
+log-probs agree up to numerics (what ``rollout_correction.bypass_mode`` relies on). vLLM's default
+``logprobs_mode=processed_logprobs`` would instead report the penalised, truncated distribution. For greedy
+decoding (``temperature == 0``) the temperature is taken as 1.
 
-Top-k, then top-p on the renormalised top-k distribution, in the order HF's logits processors and vLLM apply
-them. Draws are inverse-CDF (see :func:`_draw`).
+Order, as HF's ``generate`` and vLLM's sampler apply them: repetition penalty and min tokens on the raw logits
+(:class:`LogitsProcessors`), then temperature, top-k, then top-p on the renormalised top-k distribution. Draws are
+inverse-CDF (see :func:`_draw`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ def choose_tokens(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row.
 
     Args:
@@ -37,13 +42,18 @@ def choose_tokens(
         top_p: nucleus mass in ``(0, 1]``; ``1`` keeps all.
         generator: a CPU ``torch.Generator`` (``None``: torch's global CPU generator); the few uniforms drawn
             per step are moved to ``logits.device``.
+        logprobs: return the chosen tokens' log-probs; ``False`` returns ``None`` for them (greedy then needs no
+            log-softmax).
 
     Returns:
-        ``(token_ids, logprobs)``: ``(batch,)`` int64 and ``(batch,)`` float32, the log-prob as in the module doc.
+        ``(token_ids, logprobs)``: ``(batch,)`` int64 and ``(batch,)`` float32 (or ``None``), the log-prob of
+        ``logits`` as in the module doc.
     """
     logits = logits.float()  # (batch, vocab)
     vocab = logits.shape[-1]
     if temperature == 0:
+        if not logprobs:
+            return logits.argmax(dim=-1), None
         logp = torch.log_softmax(logits, dim=-1)  # (batch, vocab)
         tokens = logp.argmax(dim=-1)  # (batch,)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
@@ -58,7 +68,75 @@ def choose_tokens(
         tokens = _draw_top_p(logp, top_p, generator)
     else:
         tokens = _draw(logp.exp(), generator)  # (batch,)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, (logp.gather(-1, tokens[:, None]).squeeze(-1) if logprobs else None)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` (``temperature`` 0 taken as 1) at ``tokens``: ``(batch, vocab)`` logits,
+    ``(batch,)`` int64 tokens -> ``(batch,)`` float32. The model's log-prob when processors changed the logits the
+    token was chosen from (module doc)."""
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # (batch, vocab)
+    return logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class LogitsProcessors:
+    """Repetition penalty and min tokens for one batch of rows, applied to raw logits before :func:`choose_tokens`.
+
+    Formulas (float32):
+
+    - repetition penalty ``p``: for every token already in the row (prompt or generated),
+      ``logit * p`` if ``logit < 0`` else ``logit / p`` (HF ``RepetitionPenaltyLogitsProcessor``; vLLM's
+      ``apply_penalties``, prompt included);
+    - min tokens ``m``: while fewer than ``m`` tokens are generated, the stop/EOS tokens' logits are ``-inf``
+      (HF ``MinNewTokensLengthLogitsProcessor``; vLLM's ``min_tokens``).
+
+    Built only when one is requested (:meth:`build` returns ``None`` otherwise), so the default path pays nothing.
+    Static shapes: the seen-token mask is ``(batch, vocab)`` bool, updated in place.
+    """
+
+    def __init__(self, penalty: float, min_tokens: int, stop_ids: torch.Tensor, seen: torch.Tensor | None) -> None:
+        self.penalty = float(penalty)
+        self.min_tokens = int(min_tokens)
+        self.stop_ids = stop_ids  # (stops,) int64
+        self.seen = seen  # (batch, vocab) bool: token in the row so far; None without a repetition penalty
+
+    @classmethod
+    def build(
+        cls, repetition_penalty: float, min_tokens: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+        stop_ids: torch.Tensor, vocab: int,
+    ) -> LogitsProcessors | None:
+        """``prompt_ids``/``prompt_mask`` ``(batch, prompt)`` (left-padded ids, 1 = real token); ``stop_ids``
+        ``(stops,)`` the EOS and stop tokens; ``vocab`` the logits' width. ``None`` when neither is requested."""
+        if repetition_penalty == 1.0 and min_tokens <= 0:
+            return None
+        seen = None
+        if repetition_penalty != 1.0:
+            batch = prompt_ids.shape[0]
+            ids = prompt_ids.masked_fill(prompt_mask == 0, vocab)  # padding -> a spare column, dropped below
+            seen = torch.zeros((batch, vocab + 1), dtype=torch.bool, device=prompt_ids.device)
+            seen = seen.scatter_(1, ids, True)[:, :vocab].contiguous()  # (batch, vocab)
+        return cls(repetition_penalty, min_tokens, stop_ids, seen)
+
+    def __call__(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
+        """``(batch, vocab)`` logits of the step that chooses token number ``generated`` (0-based) ->
+        processed float32 logits (a new tensor)."""
+        logits = logits.float()
+        if self.seen is not None:
+            penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+            logits = torch.where(self.seen, penalised, logits)
+        if generated < self.min_tokens:
+            logits = logits.index_fill(-1, self.stop_ids, float("-inf"))
+        return logits
+
+    def chose(self, tokens: torch.Tensor) -> None:
+        """Record the ``(batch,)`` tokens just chosen (they count for the repetition penalty from now on)."""
+        if self.seen is not None:
+            self.seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """The batch shrank to ``rows`` (``(new_batch,)`` indices of the old rows)."""
+        if self.seen is not None:
+            self.seen = self.seen[rows]
 
 
 #: :func:`_draw` over more weights than this goes through blocks of this many (two-level inverse CDF).
