@@ -35,7 +35,7 @@ def test_buckets_load_in_any_order_and_generation_waits_for_the_last(server):
     target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
     buckets = list(_buckets(target, 3))
     prompt = [1, 5, 9, 13]
-    greedy = {"temperature": 0.0, "max_tokens": 4}
+    greedy = {"temperature": 0.0, "max_tokens": 4, "logprobs": True}
 
     async def scenario():
         before = await server.generate("a", prompt, greedy)
@@ -80,7 +80,7 @@ def test_shared_memory_sync_writes_weights_in_place_and_holds_generation(server)
     writer = SharedWeightsWriter(server.shared_weights_handle())  # this process stands in for the trainer
     target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
     prompt = [1, 5, 9, 13]
-    greedy = {"temperature": 0.0, "max_tokens": 4}
+    greedy = {"temperature": 0.0, "max_tokens": 4, "logprobs": True}
 
     async def scenario():
         before = await server.generate("a", prompt, greedy)
@@ -114,7 +114,7 @@ def test_sleep_releases_shared_weights_and_a_partial_sync_is_refused(server):
     writer = SharedWeightsWriter(server.shared_weights_handle())
     server.shared_weights_attached()
     target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
-    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
+    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4, "logprobs": True}
 
     async def scenario():
         await server.generate("warm", prompt, greedy)
@@ -175,7 +175,7 @@ def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model
     own_file = server.shared
     assert server.attach_trainer_weights(published.handle(node_id=_this_node())) is None
     assert server.shared is None and own_file.fd == -1, "the server's own weight file is closed once attached"
-    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4}
+    prompt, greedy = [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4, "logprobs": True}
 
     async def scenario():
         await server.generate("warm", prompt, greedy)  # the sampler's packed weight copies now exist
@@ -217,3 +217,51 @@ def test_attach_refuses_a_different_model_and_keeps_its_own_weights(server):
     assert server.shared is not None and server.trainer_weights is None
     out = asyncio.run(server.generate("a", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
     assert len(out.token_ids) >= 1
+
+
+# ------------------------------------------------------------------ sampling requests: honoured or refused
+def test_sampling_request_keys_are_honoured(server):
+    """VeRL's request with repetition_penalty, min_tokens and stop tokens: the server's tokens are HF generate's
+    with the same logits processors; log-probs come back only when the request asks for them."""
+    model = server.sampler.model
+    prompt, stops = [1, 5, 9, 13, 5, 9], list(range(0, 20000))  # ~40% of the vocabulary ends a completion
+    request = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.5, "min_tokens": 5,
+               "stop_token_ids": stops, "max_tokens": 8, "logprobs": True}
+
+    async def scenario():
+        return (await server.generate("a", prompt, request),
+                await server.generate("b", prompt, {**request, "logprobs": False}),
+                await server.generate("c", prompt, {"temperature": 0.0, "stop_token_ids": stops, "max_tokens": 8}))
+
+    out, no_logp, plain = asyncio.run(scenario())
+    eos = [server.sampler.eos_token_ids[0], *stops]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, repetition_penalty=1.5,
+                        min_new_tokens=5, eos_token_id=eos, pad_token_id=server.sampler.pad_token_id)
+    assert out.token_ids == hf[0, len(prompt):].tolist() and len(out.token_ids) >= 5
+    assert len(plain.token_ids) < 5, "without min_tokens a stop token ends it early: the test would prove nothing"
+    assert len(out.log_probs) == len(out.token_ids) and no_logp.log_probs is None and plain.log_probs is None
+    assert no_logp.token_ids == out.token_ids
+
+
+@pytest.mark.parametrize("request_,named", [({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+                                             ({"n": 2}, "n=2"), ({"ignore_eos": True}, "ignore_eos=True"),
+                                             ({"mirostat_tau": 5.0}, "mirostat_tau=5.0")])
+def test_sampling_request_a_key_it_cannot_honour_is_one_clear_error(server, request_, named):
+    with pytest.raises(ValueError) as err:
+        asyncio.run(server.generate("a", [1, 2, 3], {"temperature": 1.0, "max_tokens": 2, **request_}))
+    msg = str(err.value)
+    assert named in msg and "supported keys: temperature" in msg and "\n" not in msg
+    assert server.stats["requests"] == 0, "a refused request must not reach the batch queue"
+
+
+def test_rollout_config_sampling_defaults_apply_as_in_vllms_adapter(tiny_model_dir):
+    """rollout.repetition_penalty fills a request that names none (VeRL's vLLM adapter: setdefault); rollout.ignore_eos
+    is refused; full_determinism seeds the request."""
+    from verl_backend.rollout.server import sampling_params_from_request
+
+    cfg = SimpleNamespace(repetition_penalty=1.3, ignore_eos=False, full_determinism=True, seed=40)
+    params = sampling_params_from_request({"temperature": 1.0}, cfg, response_length=16, replica_rank=2)
+    assert (params.repetition_penalty, params.seed, params.max_new_tokens) == (1.3, 42, 16)
+    assert sampling_params_from_request({"repetition_penalty": 1.0}, cfg, 16).repetition_penalty == 1.0
+    with pytest.raises(ValueError, match="ignore_eos=True"):
+        sampling_params_from_request({}, SimpleNamespace(ignore_eos=True), 16)
