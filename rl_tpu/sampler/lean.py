@@ -1,4 +1,5 @@
-"""A decode step for Llama-architecture models without the Hugging Face module stack.
+"""A decode step for pre-norm RoPE decoder models (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, ...) without the
+Hugging Face module stack.
 
 The sampler's decode step is one new token per row. For SmolLM2-135M at batch 16 on one CPU core the linear
 layers take ~70% of a step through ``transformers``' forward and the rest is attention plus per-call overhead:
@@ -8,17 +9,19 @@ weights (its linear layers are the model's own ``nn.Linear`` modules, so the sam
 applies) with:
 
 * one boolean mask per step instead of one per layer, sliced to the cache slots written so far;
-* ``torch.nn.functional.rms_norm`` for the model's RMSNorm (``x * rsqrt(mean(x^2) + eps) * weight``; Zhang &
-  Sennrich 2019, as ``LlamaRMSNorm`` computes it);
+* ``torch.nn.functional.rms_norm`` for each RMSNorm that computes ``x * rsqrt(mean(x^2) + eps) * weight`` (Zhang &
+  Sennrich 2019; checked on a probe input per norm class), the module itself for any other norm;
+* the query/key norms of Qwen3-style attention (per head, before RoPE) when the attention has them;
 * the model's own ``apply_rotary_pos_emb`` and rotary embedding module, so any RoPE scaling the config names
   is the model's;
+* a SiLU-gated MLP written out, any other MLP (a mixture-of-experts block: routing and experts) run as its module;
 * keys and values written straight into the static cache's tensors, and single-token attention from
   :func:`rl_tpu.sampler.attention.decode_attention`.
 
-It is built only for a float32 model whose class is one of :data:`SUPPORTED` and whose layers have the plain
-Llama structure (no sliding window, no query/key norm, SiLU-gated MLP); :meth:`LeanDecoder.build` returns
-``None`` otherwise and the sampler keeps the model's own forward. The tests compare its logits and cache writes
-with the model's forward.
+Whether a model's decode step is this computation is decided from the model, not its class name:
+:func:`lean_blocker` reads its structure (a one-line reason when it is not: a sliding window, soft-capping, norms
+around the MLP as in Gemma, a dtype other than float32, ...), and :func:`probe_error` runs one step against the
+model's own forward on a probe input (:mod:`rl_tpu.sampler.fastpaths` refuses the step past ``1e-5`` in log-prob).
 """
 
 from __future__ import annotations
@@ -31,29 +34,109 @@ from transformers import StaticCache
 
 from rl_tpu.sampler.attention import decode_attention
 
-#: causal-LM classes whose decoder layers are Llama's: pre-norm attention (q/k/v/o projections, optional bias)
-#: and a SiLU-gated MLP, RMSNorm, RoPE.
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_NORM_IS_RMS: dict[type, bool] = {}  # norm class -> whether F.rms_norm(x, weight, eps) computes its forward
 
 
-def _rms_eps(norm: torch.nn.Module) -> float | None:
-    eps = getattr(norm, "variance_epsilon", None)
-    return float(eps) if eps is not None and type(norm).__name__.endswith("RMSNorm") else None
+def _eps(norm: torch.nn.Module) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _computes_rms_norm(norm: torch.nn.Module) -> bool:
+    """Whether ``norm(x)`` equals ``F.rms_norm(x, (dim,), norm.weight, eps)`` on a probe input (once per class)."""
+    cls = type(norm)
+    if cls not in _NORM_IS_RMS:
+        w, eps = getattr(norm, "weight", None), _eps(norm)
+        ok = isinstance(w, torch.Tensor) and w.dim() == 1 and eps is not None and w.dtype == torch.float32
+        if ok:
+            x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                ok = torch.allclose(norm(x), F.rms_norm(x, (w.shape[0],), w, eps), rtol=1e-5, atol=1e-6)
+        _NORM_IS_RMS[cls] = bool(ok)
+    return _NORM_IS_RMS[cls]
+
+
+def _norm_fn(norm: torch.nn.Module):
+    """``x (..., dim) -> (..., dim)``: ``F.rms_norm`` when it is what ``norm`` computes, else the module."""
+    if _computes_rms_norm(norm):
+        dim, eps = (norm.weight.shape[0],), _eps(norm)
+        return lambda x: F.rms_norm(x, dim, norm.weight, eps)
+    return norm
+
+
+def lean_blocker(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanDecoder` would not compute ``model``'s decode step, in one line, or ``None`` when it would
+    (up to :func:`probe_error`). Read from the model's modules and config, not its class name."""
+    cfg = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or getattr(model, "lm_head", None) is None:
+        return "no .model decoder with an .lm_head"
+    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+    if missing:
+        return f"its decoder has no {', '.join(missing)}"
+    if next(model.parameters()).dtype != torch.float32:
+        return f"{next(model.parameters()).dtype} weights (the lean step is float32)"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            return f"soft-capping ({key}={getattr(cfg, key)})"
+    if getattr(cfg, "attention_chunk_size", None):
+        return "chunked attention"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return f"layer types {', '.join(sorted(set(cfg.layer_types) - {'full_attention'}))}"
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return f"sliding-window attention (window {cfg.sliding_window})"
+    mod = sys.modules.get(type(inner.layers[0].self_attn).__module__) if len(inner.layers) else None
+    if mod is None or not hasattr(mod, "apply_rotary_pos_emb"):
+        return "no RoPE (apply_rotary_pos_emb) beside its attention"
+    layer_parts = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    for layer in inner.layers:
+        children = {n for n, _ in layer.named_children()}
+        if not layer_parts <= children:
+            return f"a decoder layer without {', '.join(sorted(layer_parts - children))}"
+        if children - layer_parts:  # Gemma's norms around the MLP, cross-attention, ... : another residual layout
+            return f"decoder layers with {', '.join(sorted(children - layer_parts))}"
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None:
+            return "sliding-window attention"
+        if not all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention without q/k/v/o linear projections"
+        if not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+            return "attention without head_dim and scaling"
+        extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+        if extra:
+            return f"attention with {', '.join(sorted(extra))}"
+    return None
 
 
 class LeanDecoder:
-    """One decode step of a supported model: ``step(tokens, positions, cache, slot, mask) -> logits``."""
+    """One decode step of a model :func:`lean_blocker` accepts: ``step(tokens, positions, cache, slot, mask)``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         inner = model.model
-        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, list(inner.layers), inner.norm, inner.rotary_emb
-        self.head = model.lm_head
+        self.embed, self.layers, self.rotary = inner.embed_tokens, list(inner.layers), inner.rotary_emb
+        self.norm, self.head = _norm_fn(inner.norm), model.lm_head
         first = self.layers[0].self_attn
         self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
         self.head_dim = int(first.head_dim)
-        self.hidden = int(model.config.hidden_size)
         self.qkv: list = [None] * len(self.layers)  # per layer: fused q/k/v function, or None
+        self.norms = [(_norm_fn(l.input_layernorm), _norm_fn(l.post_attention_layernorm)) for l in self.layers]
+        self.qk_norms = [tuple(_norm_fn(getattr(l.self_attn, n)) if hasattr(l.self_attn, n) else None
+                               for n in ("q_norm", "k_norm")) for l in self.layers]
+        self.mlps = [self._mlp_fn(l.mlp) for l in self.layers]
+
+    @staticmethod
+    def _mlp_fn(mlp: torch.nn.Module):
+        """The SiLU-gated MLP written out (``down(silu(gate(x)) * up(x))``) when that is the module's computation
+        (its three linear layers and a SiLU ``act_fn``), else the module (a mixture of experts, another MLP)."""
+        linears = all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
+        act = getattr(mlp, "act_fn", None)
+        if linears and isinstance(act, torch.nn.SiLU) and {n for n, _ in mlp.named_children()} <= \
+                {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+            return lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return mlp
 
     def use_packed(self, packed) -> None:
         """Compute each layer's query, key and value projections as one product on ``packed``'s fused copy
@@ -65,40 +148,8 @@ class LeanDecoder:
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> LeanDecoder | None:
-        """A decoder for ``model``, or ``None`` when its structure is not the one this step computes."""
-        cfg = model.config
-        inner = getattr(model, "model", None)
-        if type(model).__name__ not in SUPPORTED or inner is None or getattr(model, "lm_head", None) is None:
-            return None
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-            return None
-        if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
-            return None
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
-            return None
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-            return None  # Mistral reads the window from its config, Qwen2 from use_sliding_window and layer_types
-        if next(model.parameters()).dtype != torch.float32 or _rms_eps(inner.norm) is None:
-            return None
-        mod = sys.modules.get(type(inner.layers[0].self_attn).__module__)
-        if mod is None or not hasattr(mod, "apply_rotary_pos_emb"):
-            return None
-        for layer in inner.layers:
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attn is None or mlp is None or getattr(attn, "sliding_window", None) is not None:
-                return None
-            if not all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                return None
-            if hasattr(attn, "q_norm") or hasattr(attn, "k_norm") or not hasattr(attn, "head_dim"):
-                return None
-            if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
-                return None
-            if _rms_eps(layer.input_layernorm) is None or _rms_eps(layer.post_attention_layernorm) is None:
-                return None
-        return cls(model)
-
-    def _rms(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-        return F.rms_norm(x, (self.hidden,), norm.weight, norm.variance_epsilon)
+        """A decoder for ``model``, or ``None`` when :func:`lean_blocker` names a reason it would differ."""
+        return None if lean_blocker(model) is not None else cls(model)
 
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, slot: int, mask: torch.Tensor
@@ -122,20 +173,38 @@ class LeanDecoder:
         h = self.embed(tokens[:, None])  # (batch, 1, hidden)
         cos, sin = self.rotary(h, position_ids=positions[:, None])  # (batch, 1, head_dim) each
         hd = self.head_dim
-        for layer, cached, qkv in zip(self.layers, cache.layers, self.qkv):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = self._rms(h, layer.input_layernorm)
+        for layer, cached, qkv, (norm1, norm2), (q_norm, k_norm), mlp in zip(
+                self.layers, cache.layers, self.qkv, self.norms, self.qk_norms, self.mlps):
+            attn = layer.self_attn
+            x = norm1(h)
             q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-            q = q.view(batch, 1, -1, hd).transpose(1, 2)  # (batch, heads, 1, head_dim)
-            k = k.view(batch, 1, -1, hd).transpose(1, 2)  # (batch, kv_heads, 1, head_dim)
-            v = v.view(batch, 1, -1, hd).transpose(1, 2)
+            q, k = q.view(batch, 1, -1, hd), k.view(batch, 1, -1, hd)  # (batch, 1, heads, head_dim)
+            if q_norm is not None:
+                q = q_norm(q)
+            if k_norm is not None:
+                k = k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (batch, heads, 1, head_dim)
+            v = v.view(batch, 1, -1, hd).transpose(1, 2)  # (batch, kv_heads, 1, head_dim)
             q, k = self.apply_rotary(q, k, cos, sin)
             cached.keys.index_copy_(2, where, k)
             cached.values.index_copy_(2, where, v)
             cached.cumulative_length.fill_(kv_len)
             out = decode_attention(q, cached.keys[:, :, :kv_len], cached.values[:, :, :kv_len], mask, attn.scaling)
             h = h + attn.o_proj(out.reshape(batch, 1, -1))
-            x = self._rms(h, layer.post_attention_layernorm)
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        h = self._rms(h, self.norm)
-        return self.head(h[:, 0])  # (batch, vocab)
+            h = h + mlp(norm2(h))
+        return self.head(self.norm(h)[:, 0])  # (batch, vocab)
+
+
+@torch.no_grad()
+def probe_error(model: torch.nn.Module, decoder: LeanDecoder, prompt_len: int = 9) -> float:
+    """Max abs difference in log-probabilities between ``decoder.step`` and the model's own forward for one token
+    after a ``prompt_len``-token prompt (fixed random token ids): the check that the lean step is the model's."""
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, prompt_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    want = model(input_ids=ids).logits[0, -1].float()  # (vocab,)
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + 1)
+    model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True)
+    mask = torch.ones((1, 1, 1, prompt_len + 1), dtype=torch.bool, device=device)
+    got = decoder.step(ids[:, prompt_len], torch.tensor([prompt_len], device=device), cache, prompt_len, mask)[0]
+    return float((want.log_softmax(-1) - got.float().log_softmax(-1)).abs().max())

@@ -197,8 +197,9 @@ def _tiny(kind: str, **extra) -> torch.nn.Module:
 @pytest.mark.parametrize(
     "kind,extra",
     [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-     ("qwen2", {}), ("mistral", {"sliding_window": None})],
-    ids=["llama", "llama-bias-rope-scaling", "qwen2-bias", "mistral"],
+     ("qwen2", {}), ("mistral", {"sliding_window": None}), ("qwen3", {}),
+     ("llama", {"hidden_act": "gelu"})],
+    ids=["llama", "llama-bias-rope-scaling", "qwen2-bias", "mistral", "qwen3-qk-norm", "llama-gelu-mlp-as-module"],
 )
 def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
     """The lean decode step against the model's own forward: same tokens, same log-probs (which the log-prob
@@ -226,8 +227,7 @@ def test_lean_decode_refuses_other_structures() -> None:
     """Models whose layers differ from Llama's keep their own forward (the sampler still works)."""
     from rl_tpu.sampler.lean import LeanDecoder
 
-    others = [_tiny("qwen3"), _tiny("mistral", sliding_window=8), _tiny("llama").to(torch.bfloat16),
-              _tiny("llama", hidden_act="gelu")]
+    others = [_tiny("gemma3_text"), _tiny("mistral", sliding_window=8), _tiny("llama").to(torch.bfloat16)]
     for model in others:
         assert LeanDecoder.build(model) is None, type(model).__name__
     out = make(others[0]).generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=4))

@@ -1,0 +1,99 @@
+"""Which of the sampler's fast paths compute the model's own numbers, decided from what the model does.
+
+The sampler has two paths that replace part of the model's own forward on CPU:
+
+* **packed prefill** (:meth:`rl_tpu.sampler.engine.Sampler._packed_prefill`): a batch's distinct prompts in one
+  unpadded sequence with a block-diagonal causal mask. Exact when every layer's attention is plain causal attention
+  that reads that mask (:func:`rl_tpu.sampler.attention.sdpa_gqa_attention`), and every other part of a layer acts
+  on each token alone (norms, MLPs, and the expert routing of transformers' mixtures of experts, which picks experts
+  per token with no capacity limit shared across tokens). Not for sliding-window or chunked layers (their mask and
+  their rolling static cache are not the packed sequence's), bidirectional attention, or another attention function.
+* **lean decode** (:class:`rl_tpu.sampler.lean.LeanDecoder`): the decode step without transformers' module stack.
+  Exact when :func:`rl_tpu.sampler.lean.lean_blocker` finds the model's structure is the one it computes (pre-norm
+  RoPE attention with optional query/key norms, any per-token MLP or expert block, no sliding window, no
+  soft-capping) and one probe step matches the model's own forward (:func:`rl_tpu.sampler.lean.probe_error`).
+
+When a path cannot compute the same numbers the sampler takes the model's own forward instead, and says so once per
+process and reason, in one line (``[rl-tpu] sampler: <path> off for <model> (<reason>): ...``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from rl_tpu.sampler.attention import ATTN_NAME
+from rl_tpu.sampler.lean import LeanDecoder, lean_blocker, probe_error
+
+#: largest log-prob difference the lean step's probe may show against the model's forward (float32 rounding is ~1e-6)
+LEAN_PROBE_TOLERANCE = 1e-5
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Print ``[rl-tpu] sampler: <message>`` once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"[rl-tpu] sampler: {message}", file=sys.stderr, flush=True)
+
+
+def packed_prefill_blocker(config, cache) -> str | None:
+    """Why a packed prefill would compute other numbers than the model's forward for ``config``'s model and the
+    batch's static ``cache``, in one line, or ``None``. Call while the sampler's attention is in place (the
+    implementation must be :data:`~rl_tpu.sampler.attention.ATTN_NAME`, whose function reads the mask)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != ATTN_NAME:
+        return f"attention implementation {impl!r} (only the sampler's sdpa attention reads the packed mask)"
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+        return "bidirectional attention"
+    if getattr(config, "attention_chunk_size", None):
+        return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
+    types = set(getattr(config, "layer_types", None) or ())
+    if types - {"full_attention"}:
+        return f"layer types {', '.join(sorted(types - {'full_attention'}))} (the packed mask is one causal mask)"
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        return "sliding-window layers (the packed mask is one causal mask)"
+    return None
+
+
+class FastPaths:
+    """The sampler's per-model verdicts on its fast paths, each decided once (per dtype) and said once.
+
+    Args:
+        model: the sampler's Hugging Face causal LM.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._lean: dict[tuple, str | None] = {}  # (dtype, device) -> reason the lean step is off, or None
+
+    def _name(self) -> str:
+        return type(self.model).__name__
+
+    def lean(self) -> LeanDecoder | None:
+        """A :class:`~rl_tpu.sampler.lean.LeanDecoder` for the model, or ``None`` (said once) when it would compute
+        other numbers than the model's forward. Built per call (the model may be cast or resized in between); the
+        probe runs once per dtype and device."""
+        param = next(self.model.parameters())
+        key = (param.dtype, param.device)
+        if key not in self._lean:
+            reason = lean_blocker(self.model)
+            if reason is None:
+                err = probe_error(self.model, LeanDecoder(self.model))
+                if not err <= LEAN_PROBE_TOLERANCE:
+                    reason = f"its step differs from the model's forward by {err:.2g} in log-prob on a probe"
+            self._lean[key] = reason
+        reason = self._lean[key]
+        if reason is not None:
+            say_once(f"lean decode off for {self._name()} ({reason}): decode steps run through the model's forward")
+            return None
+        return LeanDecoder(self.model)
+
+    def packed_prefill(self, cache) -> bool:
+        """Whether the packed prefill computes the model's numbers for this batch's ``cache`` (said once if not)."""
+        reason = packed_prefill_blocker(self.model.config, cache)
+        if reason is not None:
+            say_once(f"packed prefill off for {self._name()} ({reason}): prompts are prefilled padded")
+        return reason is None

@@ -1,0 +1,131 @@
+"""The sampler's log-probs per model family against a plain Hugging Face forward over prompt + response, greedy and
+sampled, with packed prefill and lean decode each on and off; each fast path taken only where it computes the
+model's numbers (tiny random models from ``tests/families.py``, prompts longer than the sliding windows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from families import build_tiny_model
+from transformers import AutoModelForCausalLM
+
+from rl_tpu.sampler import Sampler, SamplingParams
+from rl_tpu.sampler.lean import LeanDecoder
+
+torch.set_num_threads(1)
+
+# family -> (lean decode taken, packed prefill taken) on CPU
+FAST_PATHS = {
+    "llama": (True, True), "qwen2": (True, True), "qwen3": (True, True), "qwen3_moe": (True, True),
+    "qwen2_sliding": (False, False), "mistral": (False, False), "gemma3": (False, False),
+}
+PARAMS = {"greedy": SamplingParams(n=2, temperature=0, max_new_tokens=12),
+          "sampled": SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=12, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    from verl_backend.models import ensure_default_model
+
+    return ensure_default_model()
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def tiny(family: str, tokenizer_dir: Path, tmp_path_factory) -> torch.nn.Module:
+    if family not in _MODELS:
+        path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(family))
+        _MODELS[family] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return _MODELS[family]
+
+
+def prompts() -> list[list[int]]:
+    """A 9-token common prefix (packed prefill computes it once) and 10-31-token prompts (windows are 5)."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 40000, (9,), generator=g).tolist()
+    return [prefix + torch.randint(3, 40000, (n,), generator=g).tolist() for n in (3, 14, 1, 22)]
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` at ``tokens`` from one unpadded, cache-free forward over prompt + response."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (new, vocab)
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def max_logprob_error(model, sampler: Sampler, params: SamplingParams) -> float:
+    ps = prompts()
+    outs = sampler.generate(ps, params)
+    assert len(outs) == len(ps) * params.n and all(len(o.token_ids) == params.max_new_tokens for o in outs)
+    return max(float((torch.tensor(o.logprobs) - reference_logprobs(model, ps[i // params.n], o.token_ids,
+                                                                      params.temperature)).abs().max())
+               for i, o in enumerate(outs))
+
+
+@pytest.mark.parametrize("family", list(FAST_PATHS))
+def test_sampler_logprobs_equal_a_plain_forward(family, tokenizer_dir, tmp_path_factory, capfd) -> None:
+    model = tiny(family, tokenizer_dir, tmp_path_factory)
+    lean_taken, packed_taken = FAST_PATHS[family]
+    greedy_tokens = {}
+    for packed in (True, False):
+        for lean in (True, False):
+            for name, params in PARAMS.items():
+                sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=packed, lean_decode=lean)
+                err = max_logprob_error(model, sampler, params)
+                assert err <= 1e-4, (family, packed, lean, name, err)
+                assert (sampler.lean is not None) == (lean and lean_taken), (family, packed, lean)
+                prefill = {(b, q) for b, q, _ in sampler.shapes_seen if q > 1}
+                packed_used = all(b == 1 for b, _ in prefill)  # one unpadded sequence, not a padded batch
+                assert packed_used == (packed and packed_taken), (family, packed, lean, prefill)
+                if name == "greedy":
+                    greedy_tokens[packed, lean] = [o.token_ids for o in sampler.generate(prompts(), params)]
+    assert len({str(v) for v in greedy_tokens.values()}) == 1  # every path, the same greedy tokens
+    said = capfd.readouterr().err
+    if not lean_taken:  # the fallback is said in one line naming the model and the reason
+        assert f"lean decode off for {type(model).__name__} (" in said
+    if not packed_taken:
+        assert f"packed prefill off for {type(model).__name__} (" in said
+
+
+def test_a_lean_step_without_qwen3s_query_key_norms_computes_other_numbers(tokenizer_dir, tmp_path_factory) -> None:
+    """Negative control: the test above would catch a lean step that skipped Qwen3's query/key norms."""
+    model = tiny("qwen3", tokenizer_dir, tmp_path_factory)
+    decoder = LeanDecoder(model)
+    decoder.qk_norms = [(None, None)] * len(decoder.layers)
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=False)
+    sampler.fast_paths.lean = lambda: decoder  # skip the decision
+    assert max_logprob_error(model, sampler, PARAMS["greedy"]) > 1e-2
+
+
+def test_a_model_whose_forward_differs_from_its_structure_keeps_its_forward(tokenizer_dir, tmp_path_factory, capfd) -> None:
+    """A Qwen3 whose first decoder layer has a forward hook (the structure is the lean step's, the computation is
+    not): the probe step finds the difference, decode runs through the model's forward, the numbers stay exact."""
+    from rl_tpu.sampler.lean import lean_blocker, probe_error
+
+    path = build_tiny_model("qwen3", tokenizer_dir, tmp_path_factory.mktemp("hooked"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.model.layers[0].register_forward_hook(lambda mod, args, out: out + 0.5)
+    assert lean_blocker(model) is None and probe_error(model, LeanDecoder(model)) > 1e-2
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[])
+    assert max_logprob_error(model, sampler, PARAMS["sampled"]) <= 1e-4
+    assert sampler.lean is None
+    assert "lean decode off for Qwen3ForCausalLM (its step differs from the model's forward" in capfd.readouterr().err
+
+
+def test_lean_blocker_names_what_it_cannot_compute(tokenizer_dir, tmp_path_factory) -> None:
+    from rl_tpu.sampler.lean import lean_blocker
+
+    assert "float32" in lean_blocker(tiny("llama", tokenizer_dir, tmp_path_factory).to(torch.bfloat16))
+    _MODELS.pop("llama")  # cast in place: rebuilt for any later test
+    assert lean_blocker(tiny("gemma3", tokenizer_dir, tmp_path_factory)) == "layer types sliding_attention"
+    path = build_tiny_model("gemma3", tokenizer_dir, tmp_path_factory.mktemp("g_full"),
+                            layer_types=["full_attention"] * 3, sliding_window=None)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert "post_feedforward_layernorm" in lean_blocker(full)  # Gemma's norms around the MLP
+    path = build_tiny_model("gemma3", tokenizer_dir, tmp_path_factory.mktemp("g_cap"), final_logit_softcapping=30.0,
+                            layer_types=["full_attention"] * 3, sliding_window=None)
+    assert "soft-capping" in lean_blocker(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
