@@ -321,6 +321,10 @@ class SharedWeightsWriter:
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
         """Copy each ``(name, tensor)`` into its slot (dtype converted on copy; CPU tensors).
 
+        A per-expert name (``...experts.<e>.up_proj.weight``, as VeRL exports a mixture of experts) whose model holds
+        the experts fused goes into its slice of the fused slot (:func:`rl_tpu.expert_slices.expert_slice`); such
+        a slot counts as written once every element has been.
+
         Returns:
             ``(slot indices written, bytes written)``; pass the indices to the owner's
             :meth:`SharedWeights.mark_written`.
@@ -328,14 +332,25 @@ class SharedWeightsWriter:
         Raises:
             SharedWeightsError: a name the owner's model does not have, or a different shape.
         """
+        from rl_tpu.expert_slices import expert_slice
+
         written, nbytes = set(), 0
+        partial: dict[int, int] = {}  # fused slot -> elements written so far
         for name, tensor in named_tensors:
             index, view = self._by_name.get(name, (None, None))
+            piece = expert_slice(name, lambda n: self._by_name.get(n, (None, None))[1]) if view is None else None
+            if piece is not None:
+                index, view = self._by_name[piece[0]][0], piece[1]
             problem = weight_mismatch("weight sync", name, view, tensor, next(iter(self._by_name)))
             if problem:
                 raise SharedWeightsError(problem)
             view.copy_(tensor)
-            if index not in written:
+            if piece is not None:
+                partial[index] = partial.get(index, 0) + view.numel()
+                nbytes += view.numel() * view.element_size()
+                if partial[index] >= self._by_name[piece[0]][1].numel() and index not in written:
+                    written.add(index)
+            elif index not in written:
                 written.add(index)
                 nbytes += self.slots[index].nbytes
         return sorted(written), nbytes
