@@ -1,0 +1,81 @@
+"""LoRA weight sync for the native rollout: the merged model's weights, one tensor at a time, in the trainer's dtype.
+
+The native rollout has no adapter slots: it samples on the merged model ``W + (alpha / r) * B @ A`` (peft's
+``get_delta_weight``), under the base model's Hugging Face names. VeRL 0.9.1's own merged export
+(``FSDPEngine._merged_lora_per_tensor_param``) merges the adapters into the trainer's module in place, backs the base
+weights up and restores them, and casts every sharded tensor to bfloat16 on the way out: a float32 rollout then
+samples on other numbers than the trainer computes (``rollout_corr/kl`` 5e-4 on a tiny Llama at step 1, where the
+adapter is still zero). :func:`merged_lora_weights` leaves the module untouched, computes each merged tensor on its
+own and keeps its dtype, so the rollout's log-probs are the trainer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a parameter (``DTensor``: gathered; on one rank its local tensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _delta(layer, adapter: str) -> torch.Tensor:
+    """``scaling * B @ A`` of ``layer``'s ``adapter`` in the base weight's layout (peft's ``get_delta_weight``, on
+    whole tensors)."""
+    from peft.tuners.lora import Embedding, Linear
+
+    if isinstance(layer, Linear):
+        a, b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)  # (r, in), (out, r)
+        delta = b @ a  # (out, in)
+        return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+    if isinstance(layer, Embedding):
+        a, b = _full(layer.lora_embedding_A[adapter]), _full(layer.lora_embedding_B[adapter])  # (r, vocab), (dim, r)
+        return (b @ a).T * layer.scaling[adapter]  # (vocab, dim)
+    raise ValueError(f"LoRA on a {type(layer).__name__} layer: the native rollout merges Linear and Embedding "
+                     "adapters only; leave this module out of actor_rollout_ref.model.target_modules")
+
+
+@torch.no_grad()
+def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged model's ``(Hugging Face name, tensor)`` pairs, computed per tensor; ``module`` is not modified.
+
+    Args:
+        module: the trainer's peft model (``PeftModel``), possibly FSDP2-wrapped (one rank or several:
+            ``full_tensor()`` gathers).
+
+    Yields:
+        each base-model tensor under the name the rollout model has (``model.layers.0.self_attn.q_proj.weight``),
+        in the trainer's dtype; an adapted weight as ``W + scaling * B @ A`` of its active adapters.
+
+    Raises:
+        ValueError: an adapter on a layer kind other than Linear or Embedding, or DoRA (``use_dora``), whose merge
+            is not a sum.
+    """
+    from peft.tuners.lora import LoraLayer
+    from verl.utils.model import convert_weight_keys
+
+    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    layers = {}  # base_layer weight's state-dict name -> LoRA layer
+    for name, m in peft_model.named_modules():
+        if isinstance(m, LoraLayer):
+            if any(m.use_dora.get(a, False) for a in m.active_adapters):
+                raise ValueError(f"{name}: DoRA adapters (use_dora) are not merged by the native rollout's sync")
+            layers[f"{name}.base_layer.weight"] = m
+    state = peft_model.state_dict()
+    names = {}  # state-dict name -> Hugging Face name
+    for name in state:
+        if "lora_" in name or ".adapter_" in name:
+            continue
+        names[name] = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+    hf_names = convert_weight_keys({hf: None for hf in names.values()}, peft_model.get_base_model()
+                                   if hasattr(peft_model, "get_base_model") else peft_model)
+    for (name, _), hf in zip(names.items(), hf_names):
+        tensor = _full(state[name]).detach()
+        layer = layers.get(name)
+        if layer is not None and not layer.merged and not layer.disable_adapters:
+            for adapter in layer.active_adapters:
+                if adapter in layer.scaling:
+                    tensor = tensor + _delta(layer, adapter).to(tensor.dtype)
+        yield hf, tensor
