@@ -75,10 +75,15 @@ def main() -> None:
     parser.add_argument("--skip-bundle", action="store_true", help="skip the .litertlm export row")
     parser.add_argument("--reuse", action="store_true",
                         help="keep files already in --workdir (their export rows then show 'reused')")
+    parser.add_argument("--runtime-only", action="store_true",
+                        help="only the .litertlm rows checked through the LiteRT-LM runtime (8 chats)")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.set_num_threads(args.threads)
     ckpt = args.checkpoint or make_checkpoint(os.path.join(args.workdir, "smollm2-135m-instruct-hf"))
+    if args.runtime_only:
+        runtime_rows(ckpt, args)
+        return
 
     shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache), "--threads", str(args.threads)]
     fp32 = os.path.join(args.workdir, "smollm2_fp32.tflite")
@@ -129,6 +134,55 @@ def main() -> None:
         print(f"{r[0]:<24}{r[1]:>8.1f}{r[2]:>7.0%}{r[3]:>13.4f}{r[4]:>9.4f}{f'{r[5]}/{args.steps}':>8}{r[6]:>6.0%}"
               f"{r[7]:>14.2f}{r[8]:>13.2f}{r[9]:>7.2f}{r[10]:>18.1f}{r[11]:>17.1f}")
     print("\ntargets: int8 size <= 30% of fp32; decode LiteRT/PyTorch <= 0.7")
+
+
+def runtime_rows(ckpt: str, args) -> None:
+    """``.litertlm`` bundles through the LiteRT-LM runtime: one float export, each quantization from it.
+
+    Per bundle: file size, top-1 agreement with PyTorch over 8 chats x ``--steps`` greedy steps (teacher-forced
+    along the runtime's answers, ``edge_export.runtime_chat``), leading-agreement steps per chat, the runtime's
+    prefill and decode tokens/s (its own benchmark counters, CPU backend: this CPU with XNNPACK, not a phone) and
+    PyTorch eager greedy decode tokens/s with the same thread count, and the process's peak RSS after the bundle.
+    """
+    import resource
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edge_export.bundle import finish_bundle
+    from edge_export.chat_template import chat_format_for, hf_prompt_ids
+    from edge_export.runtime_chat import DEFAULT_CHATS, torch_greedy, verify_bundle
+
+    fp32 = os.path.join(args.workdir, "smollm2_fp32.litertlm")
+    shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache)]
+    if not (args.reuse and os.path.exists(fp32)):
+        wall, cpu, rss = timed_export([ckpt, "-o", fp32, "--no-verify", *shape])
+        print(f"fp32 .litertlm export: {wall:.0f} s wall, {cpu:.0f} s CPU, peak RSS {rss:.2f} GiB")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    chat = chat_format_for(tokenizer, model.generation_config)
+    prompt = hf_prompt_ids(tokenizer, DEFAULT_CHATS[0])
+    start = time.perf_counter()
+    torch_greedy(model, prompt, args.steps, ())
+    torch_tps = args.steps / (time.perf_counter() - start)
+    rows = []
+    for name in ("none", "dynamic-int8", "weight-int8", "dynamic-int4"):
+        path = fp32 if name == "none" else os.path.join(args.workdir, f"smollm2_{name}.litertlm")
+        if name != "none" and not (args.reuse and os.path.exists(path)):
+            with tempfile.TemporaryDirectory(dir=args.workdir) as work:
+                finish_bundle(fp32, path, chat, work, name)
+        result = verify_bundle(path, model, tokenizer, quantization=name, stop_ids=chat.stop_token_ids,
+                               steps=args.steps, cache_length=args.cache, num_threads=args.threads)
+        rows.append((name, os.path.getsize(path) / 2**20, result["top1_agreement"],
+                     [c.get("agreed_steps", 0) for c in result["chats"]], result["prefill_tokens_per_s"] or 0,
+                     result["decode_tokens_per_s"] or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                     result["chats"][0].get("runtime_answer", "")[:40]))
+    print(f"\nSmolLM2-135M-Instruct .litertlm through LiteRT-LM (CPU backend, XNNPACK, threads={args.threads}; "
+          f"PyTorch eager greedy {torch_tps:.1f} tokens/s)\n")
+    print(f"{'bundle':<14}{'MiB':>8}{'top1':>7}  {'leading agreed steps per chat':<34}{'prefill t/s':>12}"
+          f"{'decode t/s':>11}{'peak RSS GiB':>13}  first answer")
+    for r in rows:
+        print(f"{r[0]:<14}{r[1]:>8.1f}{r[2]:>7.1%}  {str(r[3]):<34}{r[4]:>12.0f}{r[5]:>11.1f}{r[6]:>13.2f}  {r[7]!r}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def export_causal_lm(
     quantization: str,
     prefill_lengths: list[int],
     cache_length: int,
+    block_size: int = 32,
 ) -> None:
     """Export an HF causal LM with ``litert_torch.generative.export_hf`` (what ``litert-torch export_hf`` runs).
 
@@ -49,8 +50,9 @@ def export_causal_lm(
         checkpoint: the checked folder (``sources.inspect_checkpoint``).
         output_path: where to write the ``.litertlm`` (``bundle=True``) or ``.tflite``.
         workdir: scratch folder on the same file system, removed by the caller.
-        bundle: a ``.litertlm`` with the tokenizer inside, quantized inside the export; else a ``.tflite`` with
-            ``prefill_<N>`` and ``decode`` signatures, quantized afterwards with the same ai-edge-quantizer recipe.
+        bundle: a float ``.litertlm`` with the tokenizer inside (``edge_export.bundle.finish_bundle`` then writes
+            its chat format and quantizes it); else a ``.tflite`` with ``prefill_<N>`` and ``decode`` signatures,
+            quantized here with the ai-edge-quantizer recipe.
         prefill_lengths: one ``prefill_<N>`` signature per length (tokens per prefill call).
         cache_length: KV-cache slots (maximum prompt + generated tokens).
     Raises:
@@ -68,7 +70,7 @@ def export_causal_lm(
             output_dir=out_dir,
             prefill_lengths=list(prefill_lengths),
             cache_length=cache_length,
-            quantization_recipe=(recipe or "none") if bundle else "none",
+            quantization_recipe="none",
             bundle_litert_lm=bundle,
         )
     except ExportError:
@@ -82,7 +84,7 @@ def export_causal_lm(
     if bundle or recipe is None:
         os.replace(found[0], output_path)
     else:
-        quantize_tflite(found[0], output_path, quantization)
+        quantize_tflite(found[0], output_path, quantization, block_size)
 
 
 def int64_notes(sample_args: tuple, outputs) -> list[str]:
@@ -111,6 +113,7 @@ def export_plain_module(
     quantization: str,
     dynamic_shapes=None,
     name: str = "module",
+    block_size: int = 32,
 ) -> None:
     """Convert ``module`` with ``litert_torch.convert`` to a one-signature ``.tflite``, then quantize it.
 
@@ -132,7 +135,7 @@ def export_plain_module(
     except Exception as exc:
         raise _conversion_error(exc, name, module, sample_args) from exc
     if recipe is not None:
-        quantize_tflite(float_path, output_path, quantization)
+        quantize_tflite(float_path, output_path, quantization, block_size)
 
 
 @contextlib.contextmanager

@@ -20,8 +20,11 @@ import torch
 
 from edge_export import bench as bench_lib
 from edge_export import convert, verify as verify_lib
+from edge_export.bundle import finish_bundle
+from edge_export.chat_template import chat_format_for
 from edge_export.errors import BAD_SOURCE, VERIFICATION_FAILED, ExportError
-from edge_export.quantize import recipe_name
+from edge_export.quantize import check_block_size, recipe_name
+from edge_export.runtime_chat import DEFAULT_CHATS, verify_bundle
 from edge_export.sources import inspect_checkpoint, run_on_sample
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -35,6 +38,11 @@ class ExportResult:
     output: str
     report_path: str
     report: dict
+
+
+def _recipe_label(quantization: str, block_size: int) -> str | None:
+    name = recipe_name(quantization)
+    return name.replace("<N>", str(block_size)) if name else None
 
 
 def report_path_for(output: str) -> str:
@@ -80,14 +88,20 @@ def _finish(report: dict, tmp_file: str, output: Path, quiet: bool) -> ExportRes
     """Write the report; install the file if verification passed or was skipped, else raise."""
     report_path = report_path_for(str(output))
     verification = report.get("verification")
+    evaluation = report.get("eval")
+    if verification is not None and verification["passed"] and evaluation is not None and not evaluation["passed"]:
+        verification = {**evaluation, "hint": "use a milder --quantize, or raise --max-drop"}
     if verification is not None and not verification["passed"]:
         report["installed"] = False
         _write_json(report_path, report)
         os.unlink(tmp_file)
+        failures = verification["failures"]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 and "hint" in verification else ""
+        shown = failures[0] if "hint" in verification else "; ".join(failures)
         raise ExportError(
             VERIFICATION_FAILED,
-            f"verification failed for {output} ({report['quantization']}): {'; '.join(verification['failures'])}; "
-            f"the file was not written (report: {report_path}); raise --tolerance or try a milder --quantize",
+            f"verification failed for {output} ({report['quantization']}): {shown}{more}; the file was not written "
+            f"(report: {report_path}); {verification.get('hint', 'raise --tolerance or try a milder --quantize')}",
         )
     os.replace(tmp_file, output)
     report["installed"] = True
@@ -105,8 +119,15 @@ def export_checkpoint(
     cache_length: int = 256,
     verify: bool = True,
     prompt: str = DEFAULT_PROMPT,
-    verify_steps: int = 8,
+    verify_steps: int | None = None,
     tolerance: float | None = None,
+    min_agreement: float | None = None,
+    chats: list[list[dict]] | None = None,
+    block_size: int = 32,
+    eval_file: str | None = None,
+    scorer: str = "number",
+    eval_max_tokens: int = 128,
+    max_drop: float = 5.0,
     num_threads: int = 1,
     benchmark: bool = False,
     quiet: bool = False,
@@ -114,15 +135,26 @@ def export_checkpoint(
     """Export an HF causal-LM folder (e.g. a ``verl train`` checkpoint) to ``.litertlm`` or ``.tflite``.
 
     Args:
-        checkpoint_dir: folder with config.json, safetensors weights and tokenizer files.
-        output: ``*.litertlm`` (bundle with tokenizer) or ``*.tflite`` (``prefill_<N>`` + ``decode``, external KV).
-        quantize: ``none|dynamic-int8|weight-int8|dynamic-int4`` (``edge_export.quantize.RECIPES``).
+        checkpoint_dir: folder with config.json, safetensors weights and tokenizer files (a chat template too for
+            ``.litertlm``).
+        output: ``*.litertlm`` (bundle with tokenizer and chat format, ``edge_export.chat_template``) or
+            ``*.tflite`` (``prefill_<N>`` + ``decode``, external KV).
+        quantize: ``none|dynamic-int8|weight-int8|dynamic-int4|dynamic-int4-block`` (``quantize.RECIPES``).
+        block_size: input weights per int4 scale for ``dynamic-int4-block`` (32, 64, 128 or 256).
         prefill_lengths: token counts of the ``prefill_<N>`` signatures.
         cache_length: KV-cache length in tokens (prompt + generated).
-        verify: greedy-decode ``verify_steps`` tokens after ``prompt`` with the LiteRT runtime and compare logits
-            and tokens with PyTorch; on failure nothing is installed and ``ExportError(VERIFICATION_FAILED)`` says
-            by how much.
-        tolerance: relative logits error bound overriding ``verify.TOLERANCES[quantize]``.
+        verify: check the written file against PyTorch before installing it; on failure nothing is installed and
+            ``ExportError(VERIFICATION_FAILED)`` says by how much. ``.litertlm``: ``chats`` through the LiteRT-LM
+            runtime (``edge_export.runtime_chat.verify_bundle``: prompt ids as the runtime prefills them, greedy
+            answers, ``verify_steps`` tokens each, default 32). ``.tflite``: greedy-decode ``verify_steps``
+            (default 8) tokens after ``prompt`` with our own driver, comparing logits and tokens.
+        tolerance: ``.tflite``: relative logits error bound overriding ``verify.TOLERANCES[quantize]``.
+        min_agreement: ``.litertlm``: least top-1 agreement over all chats' steps, overriding
+            ``runtime_chat.MIN_AGREEMENT[quantize]`` (fp32 default: every step of every chat).
+        chats: ``.litertlm``: message lists ending with a user turn (default ``runtime_chat.DEFAULT_CHATS``).
+        eval_file: ``.litertlm``: JSONL of ``{"prompt", "answer"}`` scored through the runtime and in PyTorch
+            with ``scorer`` (``edge_export.evaluate``), answers of at most ``eval_max_tokens`` tokens; the runtime
+            may lose at most ``max_drop`` accuracy points, else nothing is installed (VERIFICATION_FAILED).
         num_threads: CPU threads for the LiteRT runtime and PyTorch during verification/benchmark.
         benchmark: also time prefill and decode ms/token, LiteRT vs PyTorch eager.
     Returns:
@@ -131,41 +163,75 @@ def export_checkpoint(
         ExportError: bad folder, unknown quantization, conversion failure kinds, missing runtime op, failed check.
     """
     recipe_name(quantize)  # fail on a bad name before minutes of conversion
+    if quantize == "dynamic-int4-block":
+        check_block_size(block_size)
+    if eval_file is not None:
+        from edge_export import evaluate
+
+        if not output.endswith(".litertlm"):
+            raise ExportError(BAD_SOURCE, f"--eval scores through the LiteRT-LM runtime: give a .litertlm output, "
+                                          f"not '{output}'")
+        eval_items = evaluate.read_items(eval_file)
+        evaluate.load_scorer(scorer)
     if min(prefill_lengths, default=0) < 1 or cache_length <= max(prefill_lengths):
         raise ExportError(
             BAD_SOURCE,
             f"--prefill-lengths {list(prefill_lengths)} must be positive and below --cache-length {cache_length}",
         )
     out = _check_output(output, LM_SUFFIXES)
+    is_bundle = out.suffix == ".litertlm"
+    steps = verify_steps or (32 if is_bundle else 8)
     workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
     tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
     try:
         checkpoint = inspect_checkpoint(checkpoint_dir, os.path.join(workdir, "staged"))
         for note in checkpoint.notes:
             _say(f"note: {note}", quiet)
+        if is_bundle:  # before minutes of conversion: a bundle needs a chat template
+            from transformers import AutoTokenizer, GenerationConfig
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
+            try:
+                generation_config = GenerationConfig.from_pretrained(checkpoint.path)
+            except OSError:
+                generation_config = None
+            chat = chat_format_for(tokenizer, generation_config, source=str(checkpoint_dir))
         _say(f"exporting {checkpoint.model_type} from {checkpoint_dir} with litert-torch export_hf ...", quiet)
         start = time.perf_counter()
         with convert.quiet_stdout(quiet):
             convert.export_causal_lm(
-                checkpoint, tmp_file, workdir, bundle=out.suffix == ".litertlm", quantization=quantize,
-                prefill_lengths=list(prefill_lengths), cache_length=cache_length,
+                checkpoint, tmp_file, workdir, bundle=is_bundle, quantization=quantize,
+                prefill_lengths=list(prefill_lengths), cache_length=cache_length, block_size=block_size,
             )
+            if is_bundle:
+                finish_bundle(tmp_file, tmp_file, chat, os.path.join(workdir, "bundle"), quantize, block_size)
         report = {
             "source": str(checkpoint_dir), "output": str(out), "kind": "causal-lm", "format": out.suffix[1:],
-            "model_type": checkpoint.model_type, "quantization": quantize, "recipe": recipe_name(quantize),
-            "prefill_lengths": list(prefill_lengths), "cache_length": cache_length,
+            "model_type": checkpoint.model_type, "quantization": quantize,
+            "recipe": _recipe_label(quantize, block_size), "prefill_lengths": list(prefill_lengths),
+            "cache_length": cache_length,
             "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
-            "notes": checkpoint.notes, "versions": _versions(), "verification": None, "benchmark": None,
+            "notes": checkpoint.notes, "versions": _versions(), "verification": None, "eval": None,
+            "benchmark": None,
         }
-        if verify or benchmark:
+        if is_bundle:
+            report["chat_format"] = {"start_token": chat.start_token, "stop_token_ids": list(chat.stop_token_ids)}
+        if verify or benchmark or eval_file is not None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             torch.set_num_threads(num_threads)
             model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
             tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
-            steps = max(1, min(verify_steps, cache_length - 1))
+            steps = max(1, min(steps, cache_length - 1))
             prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps):] or [0]
-        if verify:
+        if verify and is_bundle:
+            _say(f"verifying {len(chats or DEFAULT_CHATS)} chats x {steps} greedy steps through the LiteRT-LM "
+                 "runtime against PyTorch ...", quiet)
+            report["verification"] = verify_bundle(
+                tmp_file, model, tokenizer, quantization=quantize, stop_ids=chat.stop_token_ids, chats=chats,
+                steps=steps, cache_length=cache_length, num_threads=num_threads, min_agreement=min_agreement)
+            _say("verification\n" + verify_lib.format_table(_verification_rows(report["verification"])), quiet)
+        elif verify:
             _say(f"verifying {steps} greedy steps with the LiteRT runtime against PyTorch ...", quiet)
             bound = verify_lib.TOLERANCES[quantize]
             if tolerance is not None:
@@ -175,6 +241,15 @@ def export_checkpoint(
             result["litert_text"] = tokenizer.decode(result["litert_tokens"])
             report["verification"] = result
             _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
+        if eval_file is not None and (report["verification"] is None or report["verification"]["passed"]):
+            _say(f"scoring {len(eval_items)} items of {eval_file} through the runtime and in PyTorch ...", quiet)
+            report["eval"] = evaluate.evaluate_bundle(
+                tmp_file, model, tokenizer, eval_items, stop_ids=chat.stop_token_ids, scorer=scorer,
+                max_tokens=eval_max_tokens, cache_length=cache_length, num_threads=num_threads,
+                max_drop_points=max_drop)
+            found = report["eval"]
+            _say(f"task accuracy: runtime {found['runtime_accuracy']:.1f}%, PyTorch {found['torch_accuracy']:.1f}% "
+                 f"({found['disagreements']} of {len(eval_items)} items scored differently)", quiet)
         if benchmark and (report["verification"] is None or report["verification"]["passed"]):
             _say("benchmarking LiteRT vs PyTorch eager ...", quiet)
             report["benchmark"] = bench_lib.bench_causal_lm(tmp_file, prompt_ids, model, num_threads=num_threads)
@@ -198,6 +273,7 @@ def export_module(
     num_threads: int = 1,
     benchmark: bool = False,
     name: str = "module",
+    block_size: int = 32,
     quiet: bool = False,
 ) -> ExportResult:
     """Export a plain ``nn.Module`` to a one-signature ``.tflite`` via ``litert_torch.convert``.
@@ -211,6 +287,8 @@ def export_module(
             conversion failure kinds, missing runtime op, failed check.
     """
     recipe_name(quantize)
+    if quantize == "dynamic-int4-block":
+        check_block_size(block_size)
     out = _check_output(output, (".tflite",))
     workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
     tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
@@ -224,11 +302,11 @@ def export_module(
         with convert.quiet_stdout(quiet):
             convert.export_plain_module(
                 module, tuple(sample_inputs), tmp_file, workdir, quantization=quantize,
-                dynamic_shapes=dynamic_shapes, name=name,
+                dynamic_shapes=dynamic_shapes, name=name, block_size=block_size,
             )
         report = {
             "source": name, "output": str(out), "kind": "module", "format": "tflite", "quantization": quantize,
-            "recipe": recipe_name(quantize),
+            "recipe": _recipe_label(quantize, block_size),
             "inputs": [f"{'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}" for t in sample_inputs],
             "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
             "notes": notes, "versions": _versions(), "verification": None, "benchmark": None,
@@ -251,6 +329,18 @@ def export_module(
 
 
 def _verification_rows(result: dict) -> list[tuple[str, str]]:
+    if result.get("runtime") == "litert_lm":
+        rows = [(f"chat {i}", f"prompt {c['torch_prompt_tokens']} tokens, " + (
+            f"runtime error: {c['runtime_error']}" if "runtime_error" in c else
+            f"runtime prefilled {c['runtime_prompt_tokens']}, greedy {c['agreed_steps']}/{c['steps']}: "
+            f"{c['runtime_answer'][:48]!r}")) for i, c in enumerate(result["chats"])]
+        rows.append(("top-1 agreement", f"{result['top1_agreement']:.1%} of {result['compared_steps']} steps "
+                                        f"(bound {result['min_agreement']:.0%})"))
+        if result["decode_tokens_per_s"]:
+            rows.append(("runtime tokens/s", f"prefill {result['prefill_tokens_per_s']:.0f}, decode "
+                                             f"{result['decode_tokens_per_s']:.1f} (this CPU, XNNPACK)"))
+        rows.append(("result", "PASS" if result["passed"] else "FAIL: " + "; ".join(result["failures"])))
+        return rows
     rows = [
         ("max abs error", f"{result['max_abs_error']:.4g}"),
         ("relative error", f"{result['relative_error']:.3g} (bound {result['tolerance']['relative_error']:.3g})"),
@@ -274,3 +364,57 @@ def bench_rows(result: dict) -> list[tuple[str, str]]:
         if key in result:
             rows.append((label, f"{result[key]:.3f}"))
     return rows
+
+
+def verify_litertlm(path: str, source: str, *, quantize: str = "none", steps: int = 32,
+                    min_agreement: float | None = None, chats: list[list[dict]] | None = None, num_threads: int = 1,
+                    eval_file: str | None = None, scorer: str = "number", eval_max_tokens: int = 128,
+                    max_drop: float = 5.0, quiet: bool = False) -> dict:
+    """Check an existing ``.litertlm`` through the LiteRT-LM runtime against the checkpoint it came from.
+
+    The bundle's own stop tokens (ids) and ``max_num_tokens`` are used; ``quantize`` only picks the default bound.
+    With ``eval_file`` the items are scored too (as in ``export_checkpoint``), under the key ``eval``.
+    Returns:
+        the verification dict of ``runtime_chat.verify_bundle`` (plus ``eval``).
+    Raises:
+        ExportError: BAD_FILE (no such bundle), BAD_SOURCE (not a model folder), VERIFICATION_FAILED (outside
+            the bound; the first failure and what to do in one line).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edge_export.bundle import read_chat_format
+    from edge_export.errors import BAD_FILE
+    from edge_export.sources import is_checkpoint_dir
+
+    if not path.endswith(".litertlm") or not os.path.isfile(path):
+        raise ExportError(BAD_FILE, f"FILE '{path}' is not an existing .litertlm bundle; give one litert export wrote")
+    if not is_checkpoint_dir(source):
+        raise ExportError(BAD_SOURCE, f"--source '{source}' is not a model folder with config.json; give the "
+                                      "checkpoint the bundle was exported from")
+    with tempfile.TemporaryDirectory(prefix=".litertlm-read-", dir=os.path.dirname(os.path.abspath(path))) as tmp:
+        stored = read_chat_format(path, tmp)
+    stop_ids = tuple(t[0] for t in stored["stop_tokens"] if isinstance(t, list) and len(t) == 1)
+    if eval_file is not None:
+        from edge_export import evaluate
+
+        eval_items = evaluate.read_items(eval_file)
+        evaluate.load_scorer(scorer)
+    torch.set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    result = verify_bundle(path, model, tokenizer, quantization=quantize, stop_ids=stop_ids, chats=chats,
+                           steps=steps, cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads,
+                           min_agreement=min_agreement)
+    _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
+    if not result["passed"]:
+        more = f" (and {len(result['failures']) - 1} more)" if len(result["failures"]) > 1 else ""
+        raise ExportError(VERIFICATION_FAILED, f"{path} fails in the LiteRT-LM runtime: {result['failures'][0]}{more}; "
+                                               f"{result['hint']}")
+    if eval_file is not None:
+        result["eval"] = evaluate.evaluate_bundle(
+            path, model, tokenizer, eval_items, stop_ids=stop_ids, scorer=scorer, max_tokens=eval_max_tokens,
+            cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads, max_drop_points=max_drop)
+        if not result["eval"]["passed"]:
+            raise ExportError(VERIFICATION_FAILED, f"{path}: {result['eval']['failures'][0]}; use a milder "
+                                                   "--quantize, or raise --max-drop")
+    return result

@@ -34,6 +34,7 @@ TOLERANCES = {
     "weight-int8": Tolerance(relative_error=0.10, greedy_agreement=0.0),
     "dynamic-int8": Tolerance(relative_error=0.20, greedy_agreement=0.0),
     "dynamic-int4": Tolerance(relative_error=0.75, greedy_agreement=0.0),
+    "dynamic-int4-block": Tolerance(relative_error=0.75, greedy_agreement=0.0),
 }
 
 

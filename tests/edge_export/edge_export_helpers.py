@@ -6,6 +6,11 @@ import os
 import torch
 
 PROMPT = "w5 w17 w33 w9 w100 w7 w64 w12"  # 8 tokens of the word-level test tokenizer
+# A chat template for the word-level tokenizer: w4 opens a turn, w5 closes it, w6 asks for the answer.
+WORD_CHAT_TEMPLATE = (
+    "{% for m in messages %}w4 {{ m['content'] }} w5 {% endfor %}{% if add_generation_prompt %}w6 {% endif %}"
+)
+WORD_CHATS = [[{"role": "user", "content": PROMPT}], [{"role": "user", "content": "w9 w10 w11"}]]
 
 
 def word_tokenizer(vocab_size: int):

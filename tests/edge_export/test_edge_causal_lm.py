@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_export_helpers import PROMPT
+from edge_export_helpers import PROMPT, WORD_CHATS
 from edge_export import export_checkpoint
 from edge_export.quantize import quantize_tflite
 from edge_export.runtime import LiteRTCausalLM, bundle_has_tokenizer, tflite_in_bundle
@@ -96,9 +96,12 @@ def test_qwen2_litertlm_bundle_from_leftover_gguf_config(qwen_dir, tmp_path):
     """Qwen2-style checkpoint whose config.json still says quant_method=gguf: exported unaided, int8, bundled."""
     out = tmp_path / "qwen.litertlm"
     result = export_checkpoint(qwen_dir, str(out), quantize="dynamic-int8", prefill_lengths=(8,),
-                               cache_length=32, prompt=PROMPT, verify_steps=6, benchmark=True, quiet=True)
+                               cache_length=32, prompt=PROMPT, chats=WORD_CHATS, verify_steps=6, benchmark=True,
+                               quiet=True)
     assert result.output == str(out) and out.is_file()
-    assert result.report["verification"]["passed"]
+    check = result.report["verification"]
+    assert check["passed"] and check["runtime"] == "litert_lm" and check["compared_steps"] == 12
+    assert [c["runtime_prompt_tokens"] for c in check["chats"]] == [11, 6]  # w4 ... w5 w6 around each prompt
     assert any("quant_method=gguf" in note for note in result.report["notes"])
     speed = result.report["benchmark"]
     assert speed["litert_decode_ms_per_token"] > 0 and speed["torch_decode_ms_per_token"] > 0
