@@ -234,7 +234,7 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
     out = work / "verl"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp), RL_TPU_NUM_THREADS=str(threads),
+    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp),
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
            "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",

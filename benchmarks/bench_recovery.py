@@ -72,7 +72,7 @@ def main() -> None:
     model = Path(args.model) if args.model else _tiny_model(work / "tiny")
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
     out = work / "run"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
            "--max-restarts", "1", f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={args.steps}",

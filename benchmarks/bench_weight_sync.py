@@ -141,10 +141,11 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
     from rl_tpu.shared_weights import SharedWeightsWriter
     from verl_backend.models import ensure_default_model
     from verl_backend.rollout.server import NativeRolloutServer
+    from verl_backend.settings import RECORD_ENV, RlTpuSettings, record
 
     cfg = SimpleNamespace(prompt_length=128, response_length=64, max_num_seqs=16, dtype="float32")
     server = ray.remote(NativeRolloutServer).options(
-        num_cpus=0, runtime_env={"env_vars": {"RL_TPU_NUM_THREADS": str(threads)}}
+        num_cpus=0, runtime_env={"env_vars": {RECORD_ENV: record(RlTpuSettings(num_threads=threads))}}
     ).remote(rollout_config=cfg, model_path=str(ensure_default_model()))
     writer = SharedWeightsWriter(ray.get(server.shared_weights_handle.remote()))
     ray.get(server.shared_weights_attached.remote())

@@ -35,7 +35,6 @@ __all__ = [
     "tpu_chip_available",
 ]
 
-NUM_THREADS_ENV = "RL_TPU_NUM_THREADS"
 
 
 class DeviceError(ValueError):
@@ -239,26 +238,19 @@ def maybe_compile(module: Any, backend: DeviceBackend | str, enabled: bool) -> A
     return torch.compile(module, backend=get_backend(backend).compile_backend)
 
 
-def set_num_threads(n: int | None = None) -> int:
-    """Set torch's intra-op thread count and return the count in effect.
+def set_num_threads(n: int) -> int:
+    """Set torch's intra-op thread count to ``n`` and return it.
 
-    ``n=None`` reads ``RL_TPU_NUM_THREADS``; if that is unset too, torch's current setting is kept. On a loaded
-    two-core machine one thread can be several times faster than two, hence a setting rather than a constant.
+    On a loaded two-core machine one thread can be several times faster than two, hence a setting (rl-tpu's job
+    setting ``rl_tpu.num_threads``) rather than a constant.
 
     Raises:
-        DeviceError: ``n`` (or the variable) is not a positive integer.
+        DeviceError: ``n`` is not a positive integer.
     """
     import torch
 
-    source, raw = "num_threads", n
-    if n is None:
-        raw = os.environ.get(NUM_THREADS_ENV)
-        if raw is None or raw.strip() == "":
-            return torch.get_num_threads()
-        source = NUM_THREADS_ENV
-        n = int(raw) if raw.strip().isdigit() else -1
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise DeviceError(f"{source}={raw!r} is not valid: give a positive integer number of threads")
+        raise DeviceError(f"num_threads={n!r} is not valid: give a positive integer number of threads")
     torch.set_num_threads(n)
     return n
 

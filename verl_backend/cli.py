@@ -25,32 +25,36 @@ examples:
   verl train --backend tpu --config my_job.yaml             # on a TPU VM / slice (needs rl-tpu[tpu])
 
 Overrides are VeRL's own Hydra keys (verl/trainer/config/ppo_trainer.yaml); prefix + to add a key VeRL lacks.
-rl_tpu.* keys (in the YAML or on the command line) choose the built-in data when data.train_files is not given:
-  rl_tpu.task=basic_arithmetic  rl_tpu.train_size=256  rl_tpu.val_size=32  rl_tpu.gsm8k_jsonl=FILE
+rl-tpu's own settings are the rl_tpu.* keys, on the command line or under rl_tpu: in --config (default shown).
+Precedence: command line (a flag is its key's shortcut) > --config file > RL_TPU_* variable (deprecated) > default.
+They are written into the run's config.yaml and reach every Ray worker with the job, on every host:
 """
 
 
 def _parser() -> argparse.ArgumentParser:
+    from verl_backend.settings import help_table
+
     p = argparse.ArgumentParser(prog="verl", description="VeRL post-training on TPU, CPU or CUDA (rl-tpu).")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
         help="run VeRL's PPO/GRPO trainer",
         description="Run VeRL's own PPO/GRPO trainer (verl.trainer.main_ppo) on an rl-tpu backend.",
-        epilog=EPILOG,
+        epilog=EPILOG + help_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--backend", required=True, help="device backend: tpu (TorchTPU), cpu (gloo) or cuda")
     t.add_argument("--config", help="YAML file of VeRL config keys (nested), applied before command-line overrides")
     t.add_argument("--output-dir", help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
                    "(default: outputs/<trainer.experiment_name>)")
-    t.add_argument("--num-threads", type=int, help="torch threads per process (default 1 on cpu; env RL_TPU_NUM_THREADS)")
+    t.add_argument("--num-threads", type=int, help="torch threads per process (rl_tpu.num_threads; default 1 on cpu)")
     t.add_argument("--slice", help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
                    "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
-                   "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice)")
+                   "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
+                   "Shortcut for rl_tpu.slice")
     t.add_argument("--tpu-eager-mode", choices=["strict", "debug", "fused"],
                    help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
-                   "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)")
+                   "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode")
     t.add_argument("--max-restarts", type=int, default=1,
                    help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
                    "set trainer.save_freq so there is a checkpoint to resume)")
@@ -135,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     except KeyboardInterrupt as exc:
-        if type(exc).__name__ == "Terminated":  # verl_backend.train.Terminated: SIGTERM during the run
-            print("verl: terminated (SIGTERM); checkpoints already written are kept", file=sys.stderr)
+        if type(exc).__name__ == "Terminated":  # verl_backend.preemption.Terminated: SIGTERM during the run
+            step = getattr(exc, "step", None)
+            if step is None:
+                print("verl: terminated (SIGTERM); checkpoints already written are kept", file=sys.stderr)
+            else:
+                how = "checkpoint written" if exc.saved_now else "its checkpoint was already written"
+                print(f"verl: terminated (SIGTERM) after step {step}, {how}; run the same command to resume from "
+                      "it", file=sys.stderr)
             return 143
         print("verl: interrupted; checkpoints already written are kept", file=sys.stderr)
         return 130

@@ -23,15 +23,12 @@ from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
+from verl_backend.settings import current
 from verl_backend.shared_prefix import no_padding_layout, attention_kinds, shared_prefix_inputs
 
 DEVICES = ["cpu", "tpu"]
-RESPONSE_LOGITS_ENV = "RL_TPU_RESPONSE_ONLY_LOGITS"  # "0" computes logits at every position, as VeRL does
 _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
-SHARED_PREFIX_ENV = "RL_TPU_SHARED_PREFIX"  # "0": every sequence carries its own copy of its prompt
-TRIM_BACKWARD_ENV = "RL_TPU_TRIM_BACKWARD"  # "0": keep freed activation pages through the backward (rl_tpu.device)
-PLAIN_MODULE_ENV = "RL_TPU_PLAIN_MODULE"  # "0": wrap the model in FSDP2 even on one CPU rank (_SingleRankPlainModule)
 
 
 def first_response_logit_position(micro_batch: TensorDict) -> int | None:
@@ -179,7 +176,7 @@ class _SingleRankPlainModule:
     rank, a CPU device mesh, no LoRA, QAT, parameter / optimizer offload, activation offload or Ulysses, and the
     mixed-precision ``param_dtype`` and ``reduce_dtype`` equal to the dtype the weights are stored in (so no
     per-layer cast: a reference policy stored in bfloat16 and computed in float32 stays wrapped; the CPU default
-    stores and computes all three in float32). Anywhere else, and with ``RL_TPU_PLAIN_MODULE=0``, VeRL's own FSDP2
+    stores and computes all three in float32). Anywhere else, and with ``rl_tpu.plain_module=false``, VeRL's own FSDP2
     wrapping runs. VeRL 0.9.1's engine already handles an
     unwrapped module (``fsdp_version(module) == 0``) in its optimizer step (``clip_grad_norm_``), checkpoint manager
     and weight export; the one place it does not, the gradient-sync context of gradient accumulation, has nothing to
@@ -187,7 +184,7 @@ class _SingleRankPlainModule:
 
     Checkpoints keep VeRL's layout (``model_world_size_1_rank_0.pt`` and ``fsdp_config.json``, whose
     ``FSDP_version`` is 0 here and 2 under FSDP2); the two hold plain tensors and ``DTensor`` s respectively, so a
-    resume across the switch is refused with one line naming ``RL_TPU_PLAIN_MODULE``.
+    resume across the switch is refused with one line naming ``rl_tpu.plain_module``.
     """
 
     plain_module_reason: str | None = "not built yet"  # why FSDP2 wraps the module; None: it trains as it is
@@ -196,8 +193,8 @@ class _SingleRankPlainModule:
         from verl.utils.torch_dtypes import PrecisionType
 
         config = self.engine_config
-        if os.environ.get(PLAIN_MODULE_ENV, "1") == "0":
-            return f"{PLAIN_MODULE_ENV}=0"
+        if not current().plain_module:
+            return "rl_tpu.plain_module=false"
         if config.strategy != "fsdp2":
             return f"strategy {config.strategy}"
         if torch.distributed.get_world_size() != 1:
@@ -218,15 +215,21 @@ class _SingleRankPlainModule:
         return None
 
     def _build_fsdp_module(self, module):
+        from verl_backend.settings import RECORD_ENV, digest
+
         self.plain_module_reason = self._plain_module_blocker(module)
+        role = ("reference policy" if self.engine_config.forward_only else
+                "critic" if self.model_config.model_type == "value_model" else "actor")
+        if torch.distributed.get_rank() == 0:  # which settings record this worker runs on (one line per engine)
+            print(f"[rl-tpu] {role}: settings record {digest(os.environ[RECORD_ENV])}", flush=True)
         if self.plain_module_reason is not None:
+            if torch.distributed.get_rank() == 0:
+                print(f"[rl-tpu] {role}: FSDP2 wraps the model ({self.plain_module_reason})", flush=True)
             return super()._build_fsdp_module(module)
         self._autocast_dtype = next(module.parameters()).dtype  # float32: VeRL's forward_step skips autocast
         self.scaler = None
-        role = ("reference policy" if self.engine_config.forward_only else
-                "critic" if self.model_config.model_type == "value_model" else "actor")
         print(f"[rl-tpu] {role}: one CPU rank, so the model runs unwrapped, without FSDP2's parameter and "
-              f"gradient copies ({PLAIN_MODULE_ENV}=0 wraps it)", flush=True)
+              f"gradient copies (rl_tpu.plain_module=false wraps it)", flush=True)
         return module
 
     @contextmanager
@@ -243,8 +246,8 @@ class _SingleRankPlainModule:
         if saved in (0, 2) and saved != ours and self.engine_config.strategy == "fsdp2":
             from verl_backend.errors import BadInputError, record_bad_input
 
-            how = ("run with RL_TPU_PLAIN_MODULE=0 to resume it (its tensors are FSDP2 DTensors)" if saved == 2 else
-                   "run on one CPU rank with RL_TPU_PLAIN_MODULE unset to resume it (its tensors are plain)")
+            how = ("run with rl_tpu.plain_module=false to resume it (its tensors are FSDP2 DTensors)" if saved == 2
+                   else "run on one CPU rank with rl_tpu.plain_module=true to resume it (its tensors are plain)")
             exc = BadInputError(f"checkpoint {local_path}: saved by an engine {'with' if saved else 'without'} FSDP2, "
                                 f"and this one trains {'without' if saved else 'with'} it; {how}, or start over with "
                                 "trainer.resume_mode=disable")
@@ -277,17 +280,16 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
       the ``position_ids``, so no flash-attn is needed); ``logits_to_keep`` is the 1-D index of the response
       positions (:func:`response_logit_indices`). When sequences share a prompt (GRPO's ``n`` samples), the row
       holds that prompt once (:func:`verl_backend.shared_prefix.shared_prefix_inputs`, with sliding windows where
-      the model has them; ``RL_TPU_SHARED_PREFIX=0``, set from
-      ``actor.use_prefix_grouper=False``, turns it off).
+      the model has them; ``actor.use_prefix_grouper=false`` turns it off).
     - padded (``use_remove_padding=False``): the kept logits are the last ``seq_len - first`` positions
       (:func:`first_response_logit_position`).
 
     Σπ², distillation, fused kernels, Ulysses sequence parallel and a static packed length keep VeRL's own path,
-    as does ``RL_TPU_RESPONSE_ONLY_LOGITS=0``.
+    as does ``rl_tpu.response_only_logits=false``.
 
     On CPU, a training engine (not the reference policy) also hands the heap pages its activations free back to the
     OS after each transformer block's backward (:class:`rl_tpu.device.BackwardHeapTrim`, ``backward_trim``), which
-    lowers the update's peak host memory; ``RL_TPU_TRIM_BACKWARD=0`` turns it off.
+    lowers the update's peak host memory; ``rl_tpu.trim_backward=false`` turns it off.
     """
 
     def initialize(self):
@@ -309,18 +311,16 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
         if next(self.module.parameters()).device.type == "cpu":
             from rl_tpu.device import BackwardHeapTrim, freeze_long_lived_objects
 
-            if not self.engine_config.forward_only and os.environ.get(TRIM_BACKWARD_ENV, "1") != "0":
+            if not self.engine_config.forward_only and current().trim_backward:
                 self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update
                 print(f"[rl-tpu] actor backward: heap pages handed back after each of {self.backward_trim.blocks} "
-                      f"blocks ({TRIM_BACKWARD_ENV}=0 turns it off)", flush=True)
+                      "blocks (rl_tpu.trim_backward=false turns it off)", flush=True)
             freeze_long_lived_objects()  # VeRL's empty_cache collects garbage several times a step
 
     def _shared_weights_blocker(self) -> str | None:
         """Why this engine's parameters stay in private memory (``None``: they move into shared memory)."""
-        from verl_backend.rollout.server import SHARED_WEIGHTS_ENV
-
-        if os.environ.get(SHARED_WEIGHTS_ENV, "1") == "0":
-            return f"{SHARED_WEIGHTS_ENV}=0"
+        if not current().shared_weights:
+            return "rl_tpu.shared_weights=false"
         if self.engine_config.forward_only:
             return "a forward-only engine (reference policy) sends no weights"
         if next(self.module.parameters()).device.type != "cpu":
@@ -334,7 +334,13 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """VeRL's weight export; with the parameters in shared memory, each yields its own storage (one rank
         holds whole tensors, so ``full_tensor()``'s copy is skipped) and the rollout adapter finds it already in
-        place."""
+        place. With LoRA: the merged model's weights under its Hugging Face names in the trainer's dtype
+        (:func:`verl_backend.lora_sync.merged_lora_weights`) whatever ``model.lora.merge`` says, and no peft config:
+        the native rollout has no adapter slots, it samples on the merged model."""
+        if self._is_lora:
+            from verl_backend.lora_sync import merged_lora_weights
+
+            return merged_lora_weights(self.module), None
         if self.shared_weights is None:
             return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done,
                                                 **kwargs)
@@ -347,7 +353,7 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
         get = tu.get_non_tensor_data
-        if os.environ.get(RESPONSE_LOGITS_ENV, "1") == "0":
+        if not current().response_only_logits:
             return False
         if get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
             return False
@@ -388,7 +394,7 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
             keep = response_logit_indices(micro_batch)
             if keep is not None and keep.numel() > 0:
                 device = model_inputs["input_ids"].device
-                kinds = self._shared_prefix_kinds() if os.environ.get(SHARED_PREFIX_ENV, "1") != "0" else None
+                kinds = self._shared_prefix_kinds() if current().shared_prefix else None
                 shared = shared_prefix_inputs(micro_batch, kinds, self._mask_dtype()) if kinds is not None else None
                 if shared is not None:  # one copy of each prompt, its samples' responses all attend to it
                     row_inputs, row_keep = shared

@@ -71,7 +71,8 @@ def flatten_yaml_overrides(path: str | os.PathLike) -> tuple[list[str], dict[str
         else:
             out.append(f"{prefix}={_format_value(node)}")
 
-    walk("", data)
+    if data:
+        walk("", data)
     return out, ours
 
 

@@ -163,15 +163,16 @@ def _make_create_resource_pool(original):
         With ``$RL_TPU_SLICE`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
         :class:`SliceResourcePool`; every other pool (and every pool without the variable) is VeRL's own.
         """
-        from verl_backend.slice_pool import TIMEOUT_ENV, SliceResourcePool, slice_from_env
+        from verl_backend.settings import current
+        from verl_backend.slice_pool import SliceResourcePool, job_slice
 
         original(self)
-        spec = slice_from_env()
+        spec = job_slice()
         if spec is None:
             return
         import os
 
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
+        timeout_s = current().slice_timeout_s
         for pool_name, nodes in self.resource_pool_spec.items():
             if list(nodes) == [spec.chips_per_host] * spec.hosts:
                 self.resource_pool_dict[pool_name] = SliceResourcePool(
@@ -226,6 +227,21 @@ def _rebind_init_pg_ray(module) -> None:
     module.initialize_global_process_group_ray = _patched_init_pg_ray(vdist)
 
 
+def _patch_trainer_step_hook(module) -> None:
+    """VeRL 0.9.1 ``verl/trainer/ppo/v1/trainer_base.py``: ``PPOTrainer.on_step_begin`` is an empty hook (its
+    subclasses do not override it); it now also ends a SIGTERM'd run at the step boundary
+    (:func:`verl_backend.preemption.at_step_begin`)."""
+    from verl_backend.preemption import at_step_begin
+
+    original = module.PPOTrainer.on_step_begin
+
+    def on_step_begin(self):
+        at_step_begin(self)
+        return original(self)
+
+    module.PPOTrainer.on_step_begin = on_step_begin
+
+
 def _patch_fsdp_engine_module(module) -> None:
     from verl.utils.device import get_device_name
 
@@ -246,6 +262,7 @@ PATCHES = {
     "verl.workers.engine_workers": _rebind_init_pg_ray,
     "verl.checkpoint_engine.base": _rebind_init_pg_ray,
     "verl.workers.engine.fsdp.transformer_impl": _patch_fsdp_engine_module,
+    "verl.trainer.ppo.v1.trainer_base": _patch_trainer_step_hook,
 }
 
 

@@ -141,18 +141,17 @@ class DeviceModule:
         return int(vm.available), int(vm.total)
 
 
-EAGER_MODE_ENV = "RL_TPU_EAGER_MODE"
-
-
-def tpu_runtime_from_env():
-    """:class:`rl_tpu.device.TPURuntimeConfig` from ``RL_TPU_EAGER_MODE`` (default ``strict``).
+def tpu_runtime_from_settings(eager_mode: str | None = None):
+    """:class:`rl_tpu.device.TPURuntimeConfig` with ``eager_mode`` (default: the job's ``rl_tpu.tpu_eager_mode``,
+    :func:`verl_backend.settings.current`).
 
     Raises:
         rl_tpu.device.DeviceError: an eager mode other than strict / debug / fused.
     """
     from rl_tpu.device import TPURuntimeConfig
+    from verl_backend.settings import current
 
-    return TPURuntimeConfig(eager_mode=os.environ.get(EAGER_MODE_ENV, "strict").strip().lower() or "strict")
+    return TPURuntimeConfig(eager_mode=eager_mode if eager_mode is not None else current().tpu_eager_mode)
 
 
 class _RlTpuPlatform(PlatformBase):
@@ -287,12 +286,12 @@ class PlatformTPU(_RlTpuPlatform):
         return self._dev.visible_devices_env
 
     def set_device(self, device_index: int) -> None:
-        """Select the chip, applying the TorchTPU eager mode from ``RL_TPU_EAGER_MODE`` once per process
+        """Select the chip, applying the TorchTPU eager mode of ``rl_tpu.tpu_eager_mode`` once per process
         (``verl train --tpu-eager-mode strict|debug|fused``; see :class:`rl_tpu.device.TPURuntimeConfig`)."""
         if not getattr(self, "_runtime_applied", False):
             from rl_tpu.device import apply_tpu_runtime
 
-            apply_tpu_runtime(tpu_runtime_from_env())
+            apply_tpu_runtime(tpu_runtime_from_settings())
             self._runtime_applied = True
         super().set_device(device_index)
 

@@ -25,14 +25,14 @@ from verl.single_controller.ray.base import RayResourcePool
 
 from rl_tpu.topology import SliceTopology, parse_slice
 
-SLICE_ENV = "RL_TPU_SLICE"  # "<accelerator type>:<topology>", set by `verl train` for the TaskRunner
-TIMEOUT_ENV = "RL_TPU_SLICE_TIMEOUT_S"
 CPUS_PER_WORKER = 1.0  # the bundle's CPU: VeRL schedules a 1-CPU task on bundle 0 to find MASTER_ADDR
 
 
-def slice_from_env() -> SliceTopology | None:
-    """The slice named by ``$RL_TPU_SLICE`` (``"v6e-16:4x4"``), or ``None`` when unset."""
-    value = os.environ.get(SLICE_ENV, "").strip()
+def job_slice() -> SliceTopology | None:
+    """The slice of this job's settings record (``rl_tpu.slice``, ``"v6e-16:4x4"``), or ``None`` when it has none."""
+    from verl_backend.settings import current
+
+    value = current().slice.strip()
     if not value:
         return None
     acc, _, topo = value.partition(":")

@@ -15,19 +15,18 @@ from verl_backend.errors import BadInputError, recorded_bad_input
 from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_cpu.yaml"
-RL_TPU_KEYS = {"task", "train_size", "val_size", "seed", "task_config", "gsm8k_jsonl", "gsm8k_val_fraction"}
 
 
 def _split_rl_tpu(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Separate ``rl_tpu.<key>=value`` settings (ours) from VeRL's Hydra overrides."""
+    """Separate ``rl_tpu.<key>=value`` settings (ours, checked by :func:`verl_backend.settings.resolve`) from VeRL's
+    Hydra overrides."""
     verl, ours = [], {}
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+")
         if key.startswith("rl_tpu."):
-            name = key[len("rl_tpu.") :]
-            if name not in RL_TPU_KEYS or "=" not in o:
-                raise BadInputError(f"{o!r}: unknown rl_tpu setting; known: {', '.join(sorted(RL_TPU_KEYS))}")
-            ours[name] = o.split("=", 1)[1].strip().strip("\"'")
+            if "=" not in o:
+                raise BadInputError(f"{o!r}: give rl_tpu settings as rl_tpu.<key>=<value>; `verl train --help` lists them")
+            ours[key[len("rl_tpu."):]] = o.split("=", 1)[1].strip()
         else:
             verl.append(o)
     return verl, ours
@@ -90,21 +89,23 @@ def _check_backend(backend: str) -> None:
             raise BadInputError("--backend cuda: no CUDA GPU visible; use --backend cpu, or run on a GPU machine")
 
 
-def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list[str]:
-    """Overrides for the built-in parquet files (reasoning-gym task or GSM8K jsonl), written into ``out/data``
-    unless the user gave ``data.train_files``."""
-    from verl_backend.data import gsm8k_jsonl_to_parquet, reasoning_gym_to_parquet, validate_rl_parquet
+def _prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
+    """Overrides for the built-in parquet files (reasoning-gym task or GSM8K jsonl, from the ``rl_tpu.*`` data
+    settings), written into ``out/data`` unless the user gave ``data.train_files``."""
+    from verl_backend.data import gsm8k_jsonl_to_parquet, reasoning_gym_to_parquet
 
     extra: list[str] = []
     if "data.train_files" not in keys:
         data_dir = out / "data"
-        if "gsm8k_jsonl" in ours:
-            src = Path(ours["gsm8k_jsonl"]).expanduser()
+        if settings.gsm8k_jsonl:
+            src = Path(settings.gsm8k_jsonl).expanduser()
             train = gsm8k_jsonl_to_parquet(src, data_dir / "gsm8k_train.parquet", split="train")
             import pandas as pd
 
             df = pd.read_parquet(train)
-            fraction = _number(ours, "gsm8k_val_fraction", 0.1, float, 0.0, 0.9)
+            fraction = settings.gsm8k_val_fraction
+            if fraction > 0.9:
+                raise BadInputError(f"rl_tpu.gsm8k_val_fraction={fraction}: give a value between 0 and 0.9")
             n_val = max(1, int(len(df) * fraction))
             if len(df) - n_val < 1:
                 raise BadInputError(f"rl_tpu.gsm8k_jsonl={src}: {len(df)} row(s), too few to hold out "
@@ -114,37 +115,13 @@ def _prepare_data(keys: dict[str, str], ours: dict[str, str], out: Path) -> list
             df.iloc[-n_val:].to_parquet(val, index=False)
             df.iloc[:-n_val].to_parquet(train, index=False)
         else:
-            task = ours.get("task", "basic_arithmetic")
-            seed = _number(ours, "seed", 1, int, 0)
-            task_config = ours.get("task_config") or {}
-            if isinstance(task_config, str):
-                try:
-                    task_config = json.loads(task_config)
-                except json.JSONDecodeError as exc:
-                    raise BadInputError(f"rl_tpu.task_config is not JSON ({exc.msg}): {task_config!r}") from None
-            train = reasoning_gym_to_parquet(
-                task, data_dir / f"{task}_train.parquet", size=_number(ours, "train_size", 256, int, 1), seed=seed,
-                split="train", task_config=task_config,
-            )
-            val = reasoning_gym_to_parquet(
-                task, data_dir / f"{task}_val.parquet", size=_number(ours, "val_size", 32, int, 1), seed=seed + 1000,
-                split="test", task_config=task_config,
-            )
+            task, seed, task_config = settings.task, settings.seed, settings.task_config or {}
+            train = reasoning_gym_to_parquet(task, data_dir / f"{task}_train.parquet", size=settings.train_size,
+                                             seed=seed, split="train", task_config=task_config)
+            val = reasoning_gym_to_parquet(task, data_dir / f"{task}_val.parquet", size=settings.val_size,
+                                           seed=seed + 1000, split="test", task_config=task_config)
         extra += [f"data.train_files={train}", f"data.val_files={val}"]
     return extra
-
-
-def _number(ours: dict, key: str, default, kind, low=None, high=None):
-    """``rl_tpu.<key>`` as ``kind`` within ``[low, high]``, or one clear :class:`BadInputError`."""
-    raw = ours.get(key, default)
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise BadInputError(f"rl_tpu.{key}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise BadInputError(f"rl_tpu.{key}={raw!r}: give a value {bounds}")
-    return value
 
 
 def _data_files(value: Any) -> list[str]:
@@ -513,11 +490,16 @@ def _model_path(keys: dict[str, str]) -> list[str]:
     return extra
 
 
-def slice_defaults(slice_arg: str | None) -> dict[str, str]:
+def slice_defaults(slice_arg: str | None) -> tuple[dict[str, str], str]:
     """Resource-pool keys for a TPU slice: one VeRL node per host, one worker per chip (whole chips).
 
-    ``slice_arg`` is ``"v6e-16"`` or ``"v6e-16:4x4"``; ``None`` reads ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY``
-    (set on every TPU VM and by ``rl-tpu cluster up --fake-slice``). Returns ``{}`` when neither is given.
+    ``slice_arg`` is ``"v6e-16"`` or ``"v6e-16:4x4"`` (``rl_tpu.slice``, ``--slice``); empty reads
+    ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY`` of this host (set on every TPU VM and by ``rl-tpu cluster up
+    --fake-slice``).
+
+    Returns:
+        ``(keys, slice)``: the VeRL overrides and the slice as ``"<type>:<topology>"`` for the settings record (the
+        TaskRunner reserves it, :mod:`verl_backend.slice_pool`); ``({}, "")`` when neither is given.
 
     Raises:
         BadInputError: unknown accelerator type or a topology that type does not have.
@@ -529,13 +511,13 @@ def slice_defaults(slice_arg: str | None) -> dict[str, str]:
     elif os.environ.get("TPU_ACCELERATOR_TYPE"):
         acc, topo = os.environ["TPU_ACCELERATOR_TYPE"], os.environ.get("TPU_TOPOLOGY", "")
     else:
-        return {}
+        return {}, ""
     try:
         spec = parse_slice(acc, topo or None)
     except TopologyError as exc:
-        raise BadInputError(f"--slice {slice_arg or acc}: {exc}") from None
-    os.environ["RL_TPU_SLICE"] = f"{spec.accelerator_type}:{spec.topology}"  # SLICE_ENV: the TaskRunner reserves it
-    return {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
+        raise BadInputError(f"rl_tpu.slice={slice_arg or acc}: {exc}") from None
+    keys = {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
+    return keys, f"{spec.accelerator_type}:{spec.topology}"
 
 
 DEFAULT_MICRO_KEYS = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
@@ -677,66 +659,50 @@ def _run_train(args, fork_server: dict) -> int:
     backend = str(args.backend).strip().lower()
     if not (backend == "tpu" and args.print_config):  # a dry run composes the TPU config without a chip
         _check_backend(backend)
+    from dataclasses import replace
+
+    from verl_backend import settings as job_settings
     from verl_backend.cli import PLATFORM_NAME
     from verl_backend.defaults import BACKEND_DEFAULTS
 
     # The platform must be chosen before VeRL is imported anywhere in this process or its workers.
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME[backend]
-    if args.num_threads is not None and args.num_threads < 1:
-        raise BadInputError(f"--num-threads {args.num_threads}: give a positive number of threads")
-    for flag in ("RL_TPU_SHARED_WEIGHTS", "RL_TPU_SHARED_PREFIX", "RL_TPU_RESPONSE_ONLY_LOGITS", "RL_TPU_FORK_SERVER",
-                 "RL_TPU_TRIM_BACKWARD", "RL_TPU_PLAIN_MODULE"):
-        if os.environ.get(flag, "1") not in ("0", "1"):
-            raise BadInputError(f"{flag}={os.environ[flag]!r}: set it to 1 (on, the default) or 0 (off), or unset it")
-    if os.environ.get(COMPACT_MALLOC_ENV, "0") not in ("0", "1"):
-        raise BadInputError(f"{COMPACT_MALLOC_ENV}={os.environ[COMPACT_MALLOC_ENV]!r}: set it to 1 (on) or 0 (off, the "
-                            "default), or unset it")
-    if backend == "cpu" and os.environ.get(COMPACT_MALLOC_ENV, "0") == "1":
+    if int(getattr(args, "max_restarts", 0) or 0) < 0:
+        raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
+
+    config_path = args.config or (DEFAULT_CONFIG if backend == "cpu" else None)
+    file_overrides, file_ours = flatten_yaml_overrides(config_path) if config_path else ([], {})
+    cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
+    if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
+        file_ours = {k: v for k, v in file_ours.items() if k != "task_config"}  # belongs to the file's task
+    settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
+        "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
+        "--slice": getattr(args, "slice", None)})
+    if backend != "tpu" and settings.tpu_eager_mode != "strict":
+        raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
+                            f"--backend tpu only, not {backend}")
+    if settings.compact_malloc and backend == "cpu":
         from rl_tpu.device import host_malloc_env, tune_host_malloc
 
         os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
         tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.zygote)
-    if os.environ.get(TASK_RUNNER_ENV, "driver") not in ("driver", "actor"):
-        raise BadInputError(f"{TASK_RUNNER_ENV}={os.environ[TASK_RUNNER_ENV]!r}: use driver (VeRL's TaskRunner in "
-                            "this process, the default) or actor (its own Ray actor), or unset it")
-    if int(getattr(args, "max_restarts", 0) or 0) < 0:
-        raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
-    raw_threads = os.environ.get("RL_TPU_NUM_THREADS", "1" if backend == "cpu" else "0") or "0"
-    try:
-        threads = args.num_threads or int(raw_threads)
-    except ValueError:
-        raise BadInputError(f"RL_TPU_NUM_THREADS={raw_threads!r}: give a positive number of threads, or unset it") \
-            from None
-    if threads:
-        if threads < 1:
-            raise BadInputError(f"RL_TPU_NUM_THREADS={threads}: give a positive number of threads")
-        os.environ["RL_TPU_NUM_THREADS"] = str(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-    if getattr(args, "tpu_eager_mode", None):
-        if backend != "tpu":
-            raise BadInputError("--tpu-eager-mode applies to --backend tpu only")
-        os.environ["RL_TPU_EAGER_MODE"] = args.tpu_eager_mode
+    settings = replace(settings, num_threads=settings.num_threads or (1 if backend == "cpu" else 0))
+    if settings.num_threads:
+        os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)  # this process; workers get the record (below)
     if backend != "tpu":
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
 
-    config_path = args.config or (DEFAULT_CONFIG if backend == "cpu" else None)
-    file_overrides, file_ours = flatten_yaml_overrides(config_path) if config_path else ([], {})
-    unknown = set(file_ours) - RL_TPU_KEYS
-    if unknown:
-        raise BadInputError(f"--config {config_path}: unknown rl_tpu setting(s) {sorted(unknown)}; known: {sorted(RL_TPU_KEYS)}")
-    cli_overrides, cli_ours = _split_rl_tpu(list(args.overrides))
-    ours = {**file_ours, **cli_ours}
-    if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
-        ours.pop("task_config", None)  # the config file's task_config belongs to the config file's task
     file_overrides, cli_overrides = _guard_user_reward(file_overrides), _guard_user_reward(cli_overrides)
     defaults = dict(BACKEND_DEFAULTS[backend])
+    defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
     slice_keys: dict[str, str] = {}
-    if backend == "tpu" or (backend == "cpu" and getattr(args, "slice", None)):
+    if backend == "tpu" or (backend == "cpu" and settings.slice):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
-        slice_keys = slice_defaults(getattr(args, "slice", None))
+        slice_keys, resolved_slice = slice_defaults(settings.slice)
+        settings = replace(settings, slice=resolved_slice)
         defaults.update(slice_keys)
-    elif getattr(args, "slice", None):
-        raise BadInputError(f"--slice applies to --backend tpu (or cpu, as a dry run), not {backend}")
+    elif settings.slice:
+        raise BadInputError(f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not {backend}")
     merged = [_normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
@@ -751,22 +717,28 @@ def _run_train(args, fork_server: dict) -> int:
         raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
             from None
     if not args.print_config:
-        _fork_server_here(backend, fork_server)  # first: while this process has one thread and no Ray
+        _fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
         lock_run_folder(out)
-    extra = _model_path(keys) + _prepare_data(keys, ours, out)
+    extra = _model_path(keys) + _prepare_data(keys, settings, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     config = compose_config(merged + extra)
     check_whole_numbers(config)
     if config_path == DEFAULT_CONFIG:
         fit_default_micro_batches(config, {o.split("=", 1)[0].lstrip("+~") for o in cli_overrides})
+    from verl_backend.bypass_guard import guard_bypass
+
+    guard_bypass(config, {o.split("=", 1)[0].lstrip("+~") for o in file_overrides + cli_overrides})
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
-    check_batch_sizes(config, workers_from=(f"--slice {args.slice}" if getattr(args, "slice", None) else
+    check_batch_sizes(config, workers_from=(f"rl_tpu.slice={settings.slice}" if getattr(args, "slice", None) or
+                                            "slice" in cli_ours or "slice" in file_ours else
                                             "$TPU_ACCELERATOR_TYPE") if from_slice else "")
+    from omegaconf import OmegaConf, open_dict
 
+    settings = job_settings.mirror_from_config(settings, config)
+    with open_dict(config):
+        config.rl_tpu = job_settings.as_dict(settings)  # printed, saved in config.yaml; workers get the record
     if args.print_config:
-        from omegaconf import OmegaConf
-
         print(OmegaConf.to_yaml(config))
         return 0
 
@@ -793,9 +765,8 @@ def _run_train(args, fork_server: dict) -> int:
         "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         "TOKENIZERS_PARALLELISM": "false",
-        # VeRL's switch for the shared-prefix forward (it also keeps each prompt's samples together when it
-        # balances the batch); our engine reads it from here (verl_backend.engine.shared_prefix_inputs)
-        "RL_TPU_SHARED_PREFIX": "1" if config.actor_rollout_ref.actor.get("use_prefix_grouper", False) else "0",
+        # the job's rl_tpu settings, for every Ray worker on every host (verl_backend.settings.current)
+        job_settings.RECORD_ENV: job_settings.record(settings),
         # Ray starts a spare worker per CPU slot when the driver connects; none is ever used here (~0.05 GiB each)
         "RAY_prestart_worker_first_driver": "0",
         # ... and keeps up to num_cpus (16 here, see below) idle workers alive (~0.1 GiB each): here they end after
@@ -806,14 +777,14 @@ def _run_train(args, fork_server: dict) -> int:
     }
     from rl_tpu.device import HOST_MALLOC_ENV
 
-    for k in ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
-              "RL_TPU_EAGER_MODE", "RL_TPU_SLICE", "RL_TPU_SLICE_TIMEOUT_S", *HOST_MALLOC_ENV):
+    for k in ("OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "RL_TPU_CACHE",
+              *HOST_MALLOC_ENV):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)
     _apply_tq_num_threads(env["TQ_NUM_THREADS"])
-    from omegaconf import OmegaConf, open_dict
-
+    print(f"[rl-tpu] settings record {job_settings.digest(env[job_settings.RECORD_ENV])} goes to every worker "
+          "with the job", flush=True)
     with open_dict(config):
         runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
         runtime_env["env_vars"] = {**dict(runtime_env.get("env_vars") or {}), **env}
@@ -837,7 +808,8 @@ def _run_train(args, fork_server: dict) -> int:
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
     trim_host_heap()
     start = time.time()
-    _run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0))
+    _run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0),
+                       task_runner=settings.task_runner)
     summary = write_report(out, wall_s=time.time() - start)
     print(summary)
     return 0
@@ -886,13 +858,13 @@ class ActorFailedError(RuntimeError):
     the checkpoint to resume from. ``verl`` prints the cause's traceback, then this line, and exits 1."""
 
 
-def _fork_server_here(backend: str, fork_server: dict) -> None:
+def _fork_server_here(backend: str, fork_server: dict, settings) -> None:
     """Fork :mod:`verl_backend.zygote`'s server from this process for a local CPU job (its pid and socket go into
     ``fork_server``); nothing where it does not apply: another backend, a Ray cluster (``RAY_ADDRESS``), not Linux,
-    ``RL_TPU_FORK_SERVER=0``, or Ray already imported here (the workers then start as plain processes)."""
+    ``rl_tpu.fork_server=false``, or Ray already imported here (the workers then start as plain processes)."""
     from verl_backend import zygote
 
-    if os.environ.get(zygote.FORK_SERVER_ENV, "1") == "0" or backend != "cpu" or os.environ.get("RAY_ADDRESS") \
+    if not settings.fork_server or backend != "cpu" or os.environ.get("RAY_ADDRESS") \
             or not sys.platform.startswith("linux"):
         return
     started = zygote.fork_here()
@@ -900,7 +872,7 @@ def _fork_server_here(backend: str, fork_server: dict) -> None:
         fork_server["pid"], fork_server["socket"] = started
 
 
-def _run_with_restarts(config, max_restarts: int) -> None:
+def _run_with_restarts(config, max_restarts: int, task_runner: str = "driver") -> None:
     """Run VeRL; after a dead actor, start again from the last checkpoint (VeRL's ``resume_mode=auto``).
 
     Only failures of Ray actors/workers (killed, crashed, out of memory, node lost) are retried; a bug or bad
@@ -912,7 +884,7 @@ def _run_with_restarts(config, max_restarts: int) -> None:
 
     for attempt in range(max_restarts + 1):
         try:
-            _run_verl(config)
+            _run_verl(config, task_runner)
             return
         except Exception as exc:
             recorded = recorded_bad_input()  # a worker's bad input that VeRL's agent loop logged and went past
@@ -952,18 +924,6 @@ def _apply_tq_num_threads(threads: str) -> None:
             module.TQ_NUM_THREADS = int(threads)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``timeout``, SLURM, Kubernetes) while VeRL runs in this process: ends the run like Ctrl-C does."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
-COMPACT_MALLOC_ENV = "RL_TPU_COMPACT_MALLOC"  # 1: rl_tpu.device.HOST_MALLOC_ENV for every process of a CPU job
-TASK_RUNNER_ENV = "RL_TPU_TASK_RUNNER"  # "driver" (default): VeRL's TaskRunner runs in this process; "actor": its own
-
-
 class _TaskRunnerInDriver:
     """VeRL's ``TaskRunner`` class as ``run_ppo`` uses it (``.remote()``, then ``ray.get(runner.run.remote(config))``),
     but run in this process instead of as a Ray actor.
@@ -981,15 +941,13 @@ class _TaskRunnerInDriver:
         return self
 
     def remote(self):
-        import signal
-        import threading
-
         import ray
 
-        if threading.current_thread() is threading.main_thread():
-            # ray.init (just run by run_ppo) leaves its core worker's failure handler on SIGTERM: a crash dump and
-            # SIGABRT (exit 134). Handle it as an interrupt instead: VeRL's finally blocks run, checkpoints stay.
-            signal.signal(signal.SIGTERM, _raise_terminated)
+        from verl_backend import preemption
+
+        # ray.init (just run by run_ppo) leaves its core worker's failure handler on SIGTERM: a crash dump and
+        # SIGABRT (exit 134). Here it ends the run at the next step boundary with a checkpoint (preemption).
+        preemption.install()
         runner = self._cls()
 
         class _Run:
@@ -1001,19 +959,19 @@ class _TaskRunnerInDriver:
         return type("TaskRunnerInDriver", (), {"run": _Run})()
 
 
-def task_runner_class():
-    """The ``task_runner_class`` for VeRL's ``run_ppo``: in this process unless ``RL_TPU_TASK_RUNNER=actor`` (checked
-    by :func:`run_train`), or a Ray without the undecorated class where this looks for it."""
+def task_runner_class(where: str = "driver"):
+    """The ``task_runner_class`` for VeRL's ``run_ppo``: in this process unless ``where`` is ``"actor"``
+    (``rl_tpu.task_runner``), or a Ray without the undecorated class where this looks for it."""
     from verl.trainer.main_ppo import TaskRunnerV1
 
     metadata = getattr(TaskRunnerV1, "__ray_metadata__", None)
-    if os.environ.get(TASK_RUNNER_ENV, "driver") == "actor" or \
+    if where == "actor" or \
             not hasattr(getattr(metadata, "modified_class", None), "__ray_actor_class__"):
         return TaskRunnerV1
     return _TaskRunnerInDriver(TaskRunnerV1)
 
 
-def _run_verl(config) -> None:
+def _run_verl(config, task_runner: str = "driver") -> None:
     """VeRL's own entry (``verl.trainer.main_ppo.main``'s body): device check, config validation, ``run_ppo``."""
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -1022,4 +980,4 @@ def _run_verl(config) -> None:
 
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=task_runner_class())
+    run_ppo(config, task_runner_class=task_runner_class(task_runner))

@@ -17,7 +17,7 @@ streams over a Unix socket and stays as the worker's stand-in for the raylet (si
 status returned). The child replaces its environment with the client's, re-seeds its random generators, and runs
 Ray's ``default_worker.py`` as ``__main__``.
 
-Only for local CPU runs: a worker on another host (a Ray cluster) starts as usual. ``RL_TPU_FORK_SERVER=0`` turns
+Only for local CPU runs: a worker on another host (a Ray cluster) starts as usual. ``rl_tpu.fork_server=false`` turns
 it off.
 """
 
@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-FORK_SERVER_ENV = "RL_TPU_FORK_SERVER"
 
 # What VeRL's eight processes import to host their classes (benchmarks/bench_process_floor.py's roles), less Ray
 # and what imports it (VeRL, TransferQueue, this package): Ray's core library reads the worker's job id from the

@@ -1,7 +1,7 @@
 """Run by ``test_verl_slice_pool.py`` in its own process (the VeRL platform is chosen per process):
 VeRL's own ``ResourcePoolManager`` and ``RayWorkerGroup`` on the fake slice, through the rl-tpu plugin.
 
-    RAY_ADDRESS=... VERL_PLATFORM=tpu RL_TPU_SLICE=v4-16 python slice_pool_probe.py HOSTS CHIPS_PER_HOST
+    RAY_ADDRESS=... VERL_PLATFORM=tpu RL_TPU_SETTINGS='{"slice": "v4-16", ...}' python slice_pool_probe.py HOSTS CHIPS
 
 Prints one JSON line: the pool class VeRL got and what every worker saw, or the error it raised.
 """

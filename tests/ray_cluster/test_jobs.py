@@ -145,9 +145,9 @@ def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
         f"actor_rollout_ref.actor.ppo_mini_batch_size={n}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-    ], env_vars={"RL_TPU_NUM_THREADS": "1",  # a key verl train also puts in its ray.init runtime_env
-                 "RL_TPU_SLICE_TIMEOUT_S": "180"})  # a slice that cannot be placed fails the job, not the CI clock
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.num_threads=1",
+        "rl_tpu.slice_timeout_s=180",  # a slice that cannot be placed fails the job, not the CI clock
+    ])
     r = jobs.wait(job_id, timeout_s=1500, poll_s=1.0)
     assert r.status == "SUCCEEDED", r.message[-3000:]
     assert "run finished" in r.logs

@@ -14,11 +14,12 @@ PROBE = Path(__file__).with_name("slice_pool_probe.py")
 
 
 def probe(fake_cluster, slice_env: str | None, hosts: int, chips: int) -> dict:
-    env = dict(os.environ, RAY_ADDRESS=fake_cluster.address, VERL_PLATFORM="tpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-               RL_TPU_SLICE_TIMEOUT_S="60")
-    env.pop("RL_TPU_SLICE", None)
-    if slice_env:
-        env["RL_TPU_SLICE"] = slice_env
+    from verl_backend import settings
+
+    # the settings record verl train hands the job (verl_backend.settings): the slice and its reservation timeout
+    record = settings.record(settings.RlTpuSettings(slice=slice_env or "", slice_timeout_s=60.0))
+    env = dict(os.environ, RAY_ADDRESS=fake_cluster.address, VERL_PLATFORM="tpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env[settings.RECORD_ENV] = record
     proc = subprocess.run([sys.executable, str(PROBE), str(hosts), str(chips)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

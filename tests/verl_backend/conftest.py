@@ -35,3 +35,18 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture()
+def job_settings(monkeypatch):
+    """This process as a worker of a ``verl train`` job with the default settings: the record the driver would
+    hand it (``verl_backend.settings``). Returns a function that installs other values."""
+    from verl_backend import settings
+
+    def install(**values):
+        record = settings.record(settings.RlTpuSettings(**values))
+        monkeypatch.setenv(settings.RECORD_ENV, record)
+        return settings.current()
+
+    install()
+    return install

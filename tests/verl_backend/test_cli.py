@@ -422,54 +422,18 @@ def test_micro_batches_that_do_not_divide_a_workers_share_are_one_line(tmp_path)
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3 does not divide the 16 sequences" in line
 
 
-def test_on_off_switches_take_0_or_1(tmp_path):
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_SHARED_WEIGHTS": "banana"}
-    env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    line = _one_error_line(proc)
-    assert "RL_TPU_SHARED_WEIGHTS='banana': set it to 1 (on, the default) or 0 (off)" in line
-    env["RL_TPU_SHARED_WEIGHTS"], env["RL_TPU_NUM_THREADS"] = "1", "abc"
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    assert "RL_TPU_NUM_THREADS='abc': give a positive number of threads" in _one_error_line(proc)
-    env["RL_TPU_NUM_THREADS"], env["RL_TPU_FORK_SERVER"] = "1", "yes"
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    assert "RL_TPU_FORK_SERVER='yes': set it to 1 (on, the default) or 0 (off)" in _one_error_line(proc)
-    env["RL_TPU_FORK_SERVER"], env["RL_TPU_TRIM_BACKWARD"] = "1", "on"
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    assert "RL_TPU_TRIM_BACKWARD='on': set it to 1 (on, the default) or 0 (off)" in _one_error_line(proc)
-    env["RL_TPU_TRIM_BACKWARD"], env["RL_TPU_PLAIN_MODULE"] = "1", "fsdp"
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    assert "RL_TPU_PLAIN_MODULE='fsdp': set it to 1 (on, the default) or 0 (off)" in _one_error_line(proc)
-
-
-def test_task_runner_placement_is_driver_or_actor(tmp_path):
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_TASK_RUNNER": "gpu"}
-    env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir",
-                           str(tmp_path), "--print-config"], capture_output=True, text=True, env=env, timeout=300)
-    line = _one_error_line(proc)
-    assert "RL_TPU_TASK_RUNNER='gpu': use driver" in line and "or actor" in line
-
-
-def test_task_runner_in_driver_is_verls_own_class(monkeypatch):
+def test_task_runner_in_driver_is_verls_own_class():
     from verl.trainer.main_ppo import TaskRunnerV1
 
-    from verl_backend.train import TASK_RUNNER_ENV, _TaskRunnerInDriver, task_runner_class
+    from verl_backend.train import _TaskRunnerInDriver, task_runner_class
 
-    monkeypatch.delenv(TASK_RUNNER_ENV, raising=False)
-    runner = task_runner_class()
+    runner = task_runner_class("driver")
     assert isinstance(runner, _TaskRunnerInDriver)
     # the undecorated class VeRL wrote, with its own run(): nothing of the trainer is re-implemented here
     assert (runner._cls.__module__, runner._cls.__qualname__) == ("verl.trainer.main_ppo", "TaskRunnerV1")
     assert runner._cls.run.__code__.co_filename.endswith("verl/trainer/main_ppo.py")
     assert runner.options(runtime_env={}) is runner
-    monkeypatch.setenv(TASK_RUNNER_ENV, "actor")
-    assert task_runner_class() is TaskRunnerV1
+    assert task_runner_class("actor") is TaskRunnerV1
 
 
 def _epochs_config(tmp_path, rows: int, batch: int, steps, epochs: int = 1, files: int = 1, filter_overlong=False):

@@ -317,7 +317,7 @@ def test_saved_checkpoint_config_names_the_dtype_of_its_weights(tmp_path, tiny_m
     assert match_saved_config_dtype(tmp_path / "missing") is None
 
 
-@pytest.mark.parametrize("saved, plain_reason", [(2, None), (0, "RL_TPU_PLAIN_MODULE=0")])
+@pytest.mark.parametrize("saved, plain_reason", [(2, None), (0, "rl_tpu.plain_module=false")])
 def test_resume_across_the_unwrapped_module_switch_is_refused(tmp_path, saved, plain_reason):
     """A checkpoint of FSDP2 DTensors cannot load into the unwrapped module, nor plain tensors into FSDP2: one line
     naming the switch, before VeRL's loader meets the mismatch."""
@@ -333,5 +333,5 @@ def test_resume_across_the_unwrapped_module_switch_is_refused(tmp_path, saved, p
     with pytest.raises(BadInputError) as err:
         engine.load_checkpoint(str(tmp_path))
     message = str(err.value)
-    assert str(tmp_path) in message and "RL_TPU_PLAIN_MODULE" in message and "resume_mode=disable" in message
-    assert ("RL_TPU_PLAIN_MODULE=0 to resume" in message) == (saved == 2)
+    assert str(tmp_path) in message and "rl_tpu.plain_module" in message and "resume_mode=disable" in message
+    assert ("rl_tpu.plain_module=false to resume" in message) == (saved == 2)

@@ -29,7 +29,7 @@ MARKER = "RL_TPU_TEST_RUN"  # in the environment of every process of one test's 
 
 def _verl_env() -> dict[str, str]:
     """This process's environment for a ``verl train`` child: its own local Ray, CPU, one thread, no auth."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1",
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled",
            MARKER: uuid.uuid4().hex}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
@@ -132,36 +132,49 @@ def _restart_step(proc, log_path: Path, nth: int, timeout_s: float = 900) -> int
         time.sleep(0.5)
 
 
-def test_sigterm_mid_run_ends_with_one_line_and_no_leftover_processes(tmp_path, tiny_model_dir):
-    """SIGTERM (timeout, SLURM, Kubernetes) hit Ray's core-worker failure handler: a crash dump and exit 134. It now
-    ends like Ctrl-C (which takes the same path with KeyboardInterrupt: exit 130, "interrupted")."""
-    sig, code, says = signal.SIGTERM, 143, "terminated (SIGTERM)"
+def test_sigterm_mid_step_checkpoints_that_step_and_the_same_command_resumes(tmp_path, tiny_model_dir):
+    """Preemption (a spot TPU VM gets SIGTERM ~30 s before SIGKILL): the step in flight finishes, is checkpointed
+    (save_freq=-1 saves nothing by itself), the run ends with one line and exit 143 leaving no process behind, and
+    the same command resumes from that checkpoint. It used to hit Ray's core-worker failure handler (exit 134)."""
     env = _verl_env()
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
-           f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=20",
+           f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=4",
            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=80",
            "rl_tpu.val_size=4", "data.max_response_length=8"]
     log = open(tmp_path / "stderr.txt", "w+")  # files, not pipes: VeRL prints its whole config (> a pipe's 64 KiB)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env, start_new_session=True)
+    metrics = tmp_path / "metrics.jsonl"
     try:
         deadline = time.time() + 600
-        metrics = tmp_path / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None and not (metrics.is_file() and metrics.read_text()):
-            time.sleep(1)  # wait for the first training step: VeRL's trainer is running in the driver
+        while time.time() < deadline and proc.poll() is None and not _metrics_steps(metrics):
+            time.sleep(0.5)  # step 1 done: step 2 is in flight
         assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-        proc.send_signal(sig)
-        proc.wait(timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
         err = (tmp_path / "stderr.txt").read_text()
-        assert proc.returncode == code, err[-3000:]
-        assert f"verl: {says}; checkpoints already written are kept" in err
+        assert proc.returncode == 143, err[-3000:]
+        line = [l for l in err.splitlines() if l.startswith("verl: ")]
+        assert len(line) == 1 and re.fullmatch(r"verl: terminated \(SIGTERM\) after step (\d+), checkpoint written; "
+                                               r"run the same command to resume from it", line[0]), line
+        step = int(re.search(r"after step (\d+)", line[0]).group(1))
+        assert step in _metrics_steps(metrics) and step < 4  # a completed, logged step; not the run's end
+        assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+        assert (tmp_path / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface").is_dir()
         assert "SIGTERM received" not in err  # no core-worker crash dump
-        time.sleep(5)
+        deadline = time.time() + 30
+        while time.time() < deadline and subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)],
+                                                        capture_output=True, text=True).stdout.split():
+            time.sleep(0.5)
         left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert left == [], left  # Ray's processes for this run (same session) are gone
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from the checkpoint of step {step}" in again.stdout + again.stderr
+    assert _metrics_steps(metrics) >= set(range(1, 5))
 
 
 def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny_model_dir):

@@ -136,17 +136,15 @@ def test_patches_fix_backend_string_and_resource_check():
 
 def test_tpu_eager_mode_setting_maps_to_torch_tpu_enum_and_rejects_bad_values(monkeypatch):
     from rl_tpu.device import DeviceError
-    from verl_backend.platforms import EAGER_MODE_ENV, tpu_runtime_from_env
+    from verl_backend import settings
+    from verl_backend.platforms import tpu_runtime_from_settings
 
-    monkeypatch.delenv(EAGER_MODE_ENV, raising=False)
-    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_NEVER"
-    monkeypatch.setenv(EAGER_MODE_ENV, "fused")
-    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_AND_FUSE"
-    monkeypatch.setenv(EAGER_MODE_ENV, "debug")
-    assert tpu_runtime_from_env().eager_mode_enum_name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
-    monkeypatch.setenv(EAGER_MODE_ENV, "turbo")
+    monkeypatch.setenv(settings.RECORD_ENV, settings.record(settings.RlTpuSettings(tpu_eager_mode="fused")))
+    assert tpu_runtime_from_settings().eager_mode_enum_name == "DEFER_AND_FUSE"  # the job's record
+    assert tpu_runtime_from_settings("strict").eager_mode_enum_name == "DEFER_NEVER"
+    assert tpu_runtime_from_settings("debug").eager_mode_enum_name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
     with pytest.raises(DeviceError, match="turbo"):
-        tpu_runtime_from_env()
+        tpu_runtime_from_settings("turbo")
 
 
 def test_verls_per_sample_builder_warning_shows_once_per_process():

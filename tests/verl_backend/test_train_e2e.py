@@ -31,7 +31,7 @@ def run(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("e2e")
     reward = out / "length_reward.py"
     reward.write_text(REWARD)
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     cmd = [
@@ -131,7 +131,7 @@ def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
 def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
     """``sampler_placement=worker`` (the TPU default: a worker owns its chip) run here on CPU: the rollout server
     forwards batches to the trainer worker, whose in-process sampler is synced by an on-device copy."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     cmd = [
@@ -155,7 +155,7 @@ def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
 def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
     """examples/ppo_cpu.yaml: GAE advantages from a learned critic (VeRL's value-head engine, packed rows, sdpa;
     VeRL 0.9.1 would load the critic with flash-attn only). Two steps on the tiny model."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     cmd = [
@@ -183,7 +183,7 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
     reward = tmp_path / "raising_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                       "    raise RuntimeError('boom in my reward')\n")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", "RL_TPU_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     cmd = [

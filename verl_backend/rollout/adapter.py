@@ -11,7 +11,7 @@ collective under FSDP). No NCCL, no shared device memory. Three transports, the 
   sync). A sync copies nothing: it holds generation, checks each tensor is its slot, and tags the new step.
 - **shared memory, copied** (server on this host, CPU): the leader maps the server's weight file
   (:class:`rl_tpu.shared_weights.SharedWeightsWriter`) and copies each tensor into place: one memory copy.
-- **Ray object store** (otherwise, or ``RL_TPU_SHARED_WEIGHTS=0``): tensors are packed into buckets
+- **Ray object store** (otherwise, or ``rl_tpu.shared_weights=false``): tensors are packed into buckets
   (:func:`rl_tpu.collectives.pack_bucket`); each bucket is ``ray.put`` and loaded by the server as it arrives.
 """
 
@@ -110,9 +110,9 @@ class NativeServerAdapter(BaseRollout):
         shared weights, or the file cannot be opened (then the object store is used, and a warning says why)."""
         if self._writer is None:
             self._writer = False
-            from verl_backend.rollout.server import SHARED_WEIGHTS_ENV
+            from verl_backend.settings import current
 
-            if os.environ.get(SHARED_WEIGHTS_ENV, "1") != "0":
+            if current().shared_weights:
                 server = self._server_handle()
                 handle = await server.shared_weights_handle.remote()
                 if handle is not None and handle["node_id"] == ray.get_runtime_context().get_node_id():
@@ -234,11 +234,16 @@ class NativeServerAdapter(BaseRollout):
         sent += sum(await asyncio.gather(*pending))
         self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n),
                           "transport": "object_store"}
-        self._report_first_sync()
+        from verl_backend.settings import current
+
+        self._report_first_sync(detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
 
     def _report_first_sync(self, detail: str = "") -> None:
         if not getattr(self, "_reported", False):
             self._reported = True
             s = self.last_sync
+            rank = int(getattr(self.model_config, "lora_rank", 0) or 0)  # LoRA: the engine sends the merged model
+            what = f" (merged weights: base + LoRA rank {rank} adapter)" if rank else ""
             print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {s['transport'].replace('_', ' ')}"
-                  f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s", flush=True)
+                  f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
+                  flush=True)

@@ -1,0 +1,316 @@
+"""rl-tpu's job settings: one typed table, resolved once in the ``verl train`` driver, delivered with the job.
+
+Every behaviour setting of rl-tpu is a key of the job config's ``rl_tpu:`` section, declared once in
+:data:`SETTINGS` (name, type, default, allowed values, help, whether it changes the checkpoint format, and who reads
+it). Precedence, highest first: the command line (``rl_tpu.<key>=value``, or a flag that is the key's shortcut), the
+``--config`` YAML's ``rl_tpu:`` section, an ``RL_TPU_*`` environment variable of the driver (a deprecated alias kept
+for one release: it warns and names the key), then the default.
+
+Ray workers never read their own environment for these: a worker on a host started before the job (a TPU slice
+under KubeRay) did not inherit the driver's. The driver serialises the resolved settings into one record
+(:data:`RECORD_ENV`, JSON) that goes into the job's ``runtime_env``, so every worker of the job on every host gets
+it with the job; :func:`current` is the one typed loader, and a worker that finds no record raises instead of
+running on defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Mapping
+
+from verl_backend.errors import BadInputError
+
+RECORD_ENV = "RL_TPU_SETTINGS"  # the job's resolved settings, JSON, in every worker's runtime_env
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One rl-tpu setting: the key ``rl_tpu.<name>`` of the job config.
+
+    Attributes:
+        name: the key under ``rl_tpu:``.
+        type: ``bool``, ``int``, ``float`` or ``str`` (``dict`` for a JSON mapping).
+        default: the value when nobody sets it.
+        help: one line for ``--help`` and ``--print-config``.
+        choices: the allowed values (``None``: any value of ``type``).
+        minimum: the lowest allowed number (``int`` / ``float`` only).
+        env: the deprecated ``RL_TPU_*`` environment variable that still sets it (one release), or ``None``.
+        flag: the ``verl train`` flag that is a shortcut for it, or ``None``.
+        checkpoint_format: changing it changes what a checkpoint holds (a resume across values is refused).
+        reader: ``"driver"`` (read by ``verl train`` only) or ``"workers"`` (read inside Ray workers, from the record).
+        mirrors: a VeRL config key this setting follows: users set that key, and the driver copies its value here
+            for the workers VeRL hands no such key (:func:`mirror_from_config`).
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    minimum: float | None = None
+    env: str | None = None
+    flag: str | None = None
+    checkpoint_format: bool = False
+    reader: str = "workers"
+    mirrors: str | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- the trainer's and rollout's fast paths (read in the workers)
+    Setting("shared_weights", bool, True, "weight sync through shared memory when trainer and rollout share a host "
+            "(false: the Ray object store)", env="RL_TPU_SHARED_WEIGHTS"),
+    Setting("shared_prefix", bool, True, "the trainer holds each prompt once for its GRPO samples (Prefix Grouper); "
+            "set it as VeRL's actor_rollout_ref.actor.use_prefix_grouper", env="RL_TPU_SHARED_PREFIX",
+            mirrors="actor_rollout_ref.actor.use_prefix_grouper"),
+    Setting("response_only_logits", bool, True, "the trainer runs the LM head only where a response token is "
+            "predicted (false: at every position, as VeRL does)", env="RL_TPU_RESPONSE_ONLY_LOGITS"),
+    Setting("trim_backward", bool, True, "on CPU, hand each transformer block's freed activation pages back to the "
+            "OS during the actor's backward (lower peak memory)", env="RL_TPU_TRIM_BACKWARD"),
+    Setting("plain_module", bool, True, "on one CPU rank, run the model without FSDP2 (its copies shard nothing "
+            "there); false wraps it anyway", env="RL_TPU_PLAIN_MODULE", checkpoint_format=True),
+    Setting("num_threads", int, 0, "torch threads per process (0: 1 on cpu, torch's own count elsewhere)",
+            minimum=0, env="RL_TPU_NUM_THREADS", flag="--num-threads"),
+    Setting("tpu_eager_mode", str, "strict", "TorchTPU eager mode on --backend tpu: strict (DEFER_NEVER), debug "
+            "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)", choices=("strict", "debug", "fused"),
+            env="RL_TPU_EAGER_MODE", flag="--tpu-eager-mode"),
+    Setting("slice", str, "", "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
+            "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice", flag="--slice"),
+    Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",
+            minimum=1, env="RL_TPU_SLICE_TIMEOUT_S"),
+    # --- how the driver runs the job (read by verl train only)
+    Setting("fork_server", bool, True, "local CPU job: fork Ray's workers from one process that has imported "
+            "torch and VeRL (imports held once, workers start in ~1 s)", env="RL_TPU_FORK_SERVER", reader="driver"),
+    Setting("compact_malloc", bool, False, "CPU job: glibc malloc settings that keep the backward from fragmenting "
+            "the heap (lower peak memory, update up to 2x slower)", env="RL_TPU_COMPACT_MALLOC", reader="driver"),
+    Setting("task_runner", str, "driver", "where VeRL's TaskRunner runs: driver (in the verl process) or actor "
+            "(its own Ray actor)", choices=("driver", "actor"), env="RL_TPU_TASK_RUNNER", reader="driver"),
+    # --- the built-in data (used when data.train_files is not given)
+    Setting("task", str, "basic_arithmetic", "reasoning-gym task of the built-in data", reader="driver"),
+    Setting("train_size", int, 256, "built-in training problems", minimum=1, reader="driver"),
+    Setting("val_size", int, 32, "built-in held-out problems", minimum=1, reader="driver"),
+    Setting("seed", int, 1, "seed of the built-in data (held-out: seed + 1000)", minimum=0, reader="driver"),
+    Setting("task_config", dict, None, "reasoning-gym task options, a mapping (JSON on the command line)",
+            reader="driver"),
+    Setting("gsm8k_jsonl", str, "", "GSM8K jsonl (question, answer ending '#### N') to train on instead",
+            reader="driver"),
+    Setting("gsm8k_val_fraction", float, 0.1, "share of the GSM8K rows held out for validation (0..0.9)",
+            minimum=0.0, reader="driver"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}
+
+RlTpuSettings = make_dataclass(
+    "RlTpuSettings",
+    [(s.name, s.type, field(default=s.default, metadata={"help": s.help})) for s in SETTINGS],
+    frozen=True,
+)
+RlTpuSettings.__module__ = __name__
+RlTpuSettings.__doc__ = "The resolved ``rl_tpu:`` section of one job (fields: :data:`SETTINGS`)."
+
+
+def parse_value(setting: Setting, raw: Any, where: str) -> Any:
+    """``raw`` (a string from the command line or the environment, or a YAML value) as ``setting``'s type.
+
+    Args:
+        where: how the user gave it, for the error (``"rl_tpu.plain_module=maybe"``, ``"--config job.yaml"``).
+
+    Raises:
+        BadInputError: one line naming ``where``, the key and the values it takes.
+    """
+    kind, value = setting.type, raw
+    if isinstance(raw, str):
+        text = raw.strip().strip("\"'")
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise BadInputError(f"{where}: rl_tpu.{setting.name} takes true or false (or 1 / 0)")
+            value = lowered in ("1", "true", "yes", "on")
+        elif kind is dict:
+            if text in ("", "null", "None"):
+                value = None
+            else:
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise BadInputError(f"{where}: rl_tpu.{setting.name} is not JSON ({exc.msg})") from None
+        elif kind in (int, float):
+            try:
+                value = kind(text)
+            except ValueError:
+                raise BadInputError(f"{where}: rl_tpu.{setting.name} takes {'a whole number' if kind is int else 'a number'}") \
+                    from None
+        else:
+            value = text
+    elif kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        value = float(raw)
+    elif kind is int and isinstance(raw, float) and raw.is_integer():
+        value = int(raw)
+    if value is not None and not (isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))):
+        raise BadInputError(f"{where}: rl_tpu.{setting.name} takes a {kind.__name__}, not {raw!r}")
+    if kind is dict and value is not None and not isinstance(value, dict):
+        raise BadInputError(f"{where}: rl_tpu.{setting.name} takes a mapping")
+    if setting.choices is not None and value not in setting.choices:
+        raise BadInputError(f"{where}: rl_tpu.{setting.name} takes one of {', '.join(map(str, setting.choices))}")
+    if setting.minimum is not None and value < setting.minimum:
+        raise BadInputError(f"{where}: rl_tpu.{setting.name} must be >= {setting.minimum:g}")
+    return value
+
+
+def _unknown(name: str, where: str) -> BadInputError:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(BY_NAME), n=1)
+    hint = f" (did you mean rl_tpu.{close[0]}?)" if close else ""
+    return BadInputError(f"{where}: rl_tpu.{name} is not an rl-tpu setting{hint}; `verl train --help` lists them")
+
+
+def resolve(cli: Mapping[str, Any], file: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+            file_name: str = "--config", flags: Mapping[str, Any] | None = None) -> "RlTpuSettings":
+    """The job's settings: command line > ``--config`` file > deprecated ``RL_TPU_*`` variable > default.
+
+    Args:
+        cli: ``rl_tpu.<name>=value`` words of the command line, as ``{name: "value"}``.
+        file: the ``--config`` YAML's ``rl_tpu:`` mapping.
+        environ: the driver's environment (default ``os.environ``), read only for the deprecated aliases.
+        file_name: the config file's path, for errors.
+        flags: shortcut flags the user gave, ``{"--num-threads": 2}`` (``None`` values are ignored); a flag and
+            its key both given with different values is refused.
+
+    Raises:
+        BadInputError: an unknown key, a value of the wrong type or out of range, or a flag and key that disagree.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in file:
+        if name not in BY_NAME:
+            raise _unknown(name, file_name)
+    for name in cli:
+        if name not in BY_NAME:
+            raise _unknown(name, "command line")
+    for s in SETTINGS:
+        if s.mirrors and (s.name in cli or s.name in file):
+            raise BadInputError(f"rl_tpu.{s.name} follows VeRL's own key: set {s.mirrors} instead")
+        if s.mirrors:
+            continue  # mirror_from_config sets it; its env alias is a VeRL override (env_overrides)
+        if s.name in cli:
+            values[s.name] = parse_value(s, cli[s.name], f"rl_tpu.{s.name}={cli[s.name]}")
+        elif s.name in file:
+            values[s.name] = parse_value(s, file[s.name], f"{file_name} rl_tpu.{s.name}")
+        elif s.env and environ.get(s.env, "").strip():
+            values[s.name] = parse_value(s, environ[s.env], f"{s.env}={environ[s.env]!r}")
+            _deprecated(s.env, f"rl_tpu.{s.name}={environ[s.env]}")
+    for flag, given in (flags or {}).items():
+        if given is None:
+            continue
+        s = BY_FLAG[flag]
+        value = parse_value(s, str(given), f"{flag} {given}")
+        if s.name in cli and values[s.name] != value:
+            raise BadInputError(f"{flag} {given} and rl_tpu.{s.name}={cli[s.name]} disagree: give one of them")
+        values[s.name] = value
+    return RlTpuSettings(**values)
+
+
+def _deprecated(env: str, instead: str) -> None:
+    print(f"[rl-tpu] warning: {env} is deprecated and will be removed; use {instead} (a job config key)",
+          file=sys.stderr, flush=True)
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """VeRL overrides from the deprecated variables of mirrored settings (``RL_TPU_SHARED_PREFIX=0`` ->
+    ``{"actor_rollout_ref.actor.use_prefix_grouper": "false"}``), each with its warning. They rank above the
+    backend's defaults and below ``--config`` and the command line, as every alias does.
+
+    Raises:
+        BadInputError: a value that is not true / false.
+    """
+    environ = os.environ if environ is None else environ
+    out = {}
+    for s in SETTINGS:
+        if s.mirrors and s.env and environ.get(s.env, "").strip():
+            value = parse_value(s, environ[s.env], f"{s.env}={environ[s.env]!r}")
+            _deprecated(s.env, f"{s.mirrors}={str(value).lower()}")
+            out[s.mirrors] = str(value).lower()
+    return out
+
+
+def mirror_from_config(settings: "RlTpuSettings", config) -> "RlTpuSettings":
+    """``settings`` with each mirrored setting copied from the composed VeRL ``config`` (an OmegaConf mapping)."""
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+
+    updates = {}
+    for s in SETTINGS:
+        if s.mirrors:
+            value = OmegaConf.select(config, s.mirrors, default=s.default)
+            updates[s.name] = parse_value(s, str(value), s.mirrors) if s.type is bool else value
+    return replace(settings, **updates)
+
+
+def as_dict(settings: "RlTpuSettings") -> dict[str, Any]:
+    """``{name: value}`` in table order (for ``config.yaml``, ``--print-config`` and the record)."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}
+
+
+def record(settings: "RlTpuSettings") -> str:
+    """The serialised record workers load (:func:`current`): compact JSON of every setting."""
+    return json.dumps(as_dict(settings), sort_keys=True, separators=(",", ":"))
+
+
+def digest(text: str) -> str:
+    """A short fingerprint of a record (12 hex digits), logged by the driver and by each worker that loads it."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class SettingsMissingError(RuntimeError):
+    """A worker of an rl-tpu job found no settings record in its environment (start jobs with ``verl train``)."""
+
+
+_LOADED: tuple[str, Any] | None = None
+
+
+def current() -> "RlTpuSettings":
+    """The settings record this process was started with (``$RL_TPU_SETTINGS``, set by ``verl train`` in the job's
+    ``runtime_env``), parsed once per record.
+
+    Raises:
+        SettingsMissingError: no record: this process was not started by a ``verl train`` job.
+        BadInputError: a record that does not parse as the settings table.
+    """
+    global _LOADED
+    text = os.environ.get(RECORD_ENV)
+    if not text:
+        raise SettingsMissingError(
+            f"no rl-tpu settings record (${RECORD_ENV}) in this process: rl-tpu's engine and rollout run inside a "
+            "job started by `verl train`, which delivers it to every Ray worker with the job's runtime_env")
+    if _LOADED is not None and _LOADED[0] == text:
+        return _LOADED[1]
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"${RECORD_ENV} is not a settings record ({exc.msg})") from None
+    unknown = set(raw) - set(BY_NAME)
+    if unknown:
+        raise BadInputError(f"${RECORD_ENV} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
+                            "run different rl-tpu versions")
+    settings = RlTpuSettings(**{n: parse_value(BY_NAME[n], v, f"${RECORD_ENV}") for n, v in raw.items()})
+    _LOADED = (text, settings)
+    return settings
+
+
+def help_table(width: int = 118) -> str:
+    """The table as ``--help`` prints it: ``rl_tpu.<name>=<default>  [choices] help (env alias, flag)``."""
+    lines = []
+    for s in SETTINGS:
+        default = "" if s.default in (None, "") else json.dumps(s.default) if s.type is dict else \
+            str(s.default).lower() if s.type is bool else s.default
+        extra = [x for x in (f"choices: {'|'.join(s.choices)}" if s.choices else "",
+                             f"flag {s.flag}" if s.flag else "", "changes the checkpoint format"
+                             if s.checkpoint_format else "", f"was ${s.env}" if s.env else "") if x]
+        text = f"  rl_tpu.{s.name}={default}"
+        lines.append(f"{text:<38}{s.help}" + (f" ({'; '.join(extra)})" if extra else ""))
+    return "\n".join(lines)
