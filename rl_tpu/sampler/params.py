@@ -103,13 +103,13 @@ class SampleOutput:
 # --------------------------------------------------------------------------------- requests (vLLM / SGLang names)
 HONOURED, NO_EFFECT, DEFAULT_ONLY = "honoured", "no effect on sampling", "default only"
 
-#: Every sampling-request key the native rollout knows: ``key -> (what happens, values that change nothing)``.
+#: Every sampling-request key the native rollout knows: ``key -> (what happens, its default values)``.
 #: HONOURED keys become :class:`SamplingParams` fields (``max_new_tokens``/``min_new_tokens`` are SGLang's names for
 #: ``max_tokens``/``min_tokens``; ``logprobs`` is VeRL's bool, any truthy value returning the chosen tokens'
 #: log-probs as VeRL's vLLM adapter does). NO_EFFECT keys pass with any value: they shape text output or
-#: streaming, and the rollout returns token ids. DEFAULT_ONLY keys pass only at the listed values (vLLM's defaults,
-#: plus the empty forms a client may send), else :func:`request_params` refuses the request. Any key not listed
-#: is refused unless ``None``.
+#: streaming, and the rollout returns token ids. DEFAULT_ONLY keys pass only at their default values (vLLM's
+#: ``SamplingParams`` defaults, plus the empty forms a client may send), else :func:`request_params` refuses the
+#: request. Any key not listed is refused unless ``None`` (vLLM's ``SamplingParams`` refuses unknown keys too).
 REQUEST_KEYS: dict[str, tuple[str, tuple]] = {
     "temperature": (HONOURED, (1.0,)),
     "top_p": (HONOURED, (1.0,)),
