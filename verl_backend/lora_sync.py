@@ -79,3 +79,54 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
                 if adapter in layer.scaling:
                     tensor = tensor + _delta(layer, adapter).to(tensor.dtype)
         yield hf, tensor
+
+
+def save_lora_checkpoint(module: torch.nn.Module, checkpoint_dir: str, rank: int = 0) -> tuple[str, str] | None:
+    """Make a LoRA checkpoint usable outside VeRL: its ``huggingface/`` folder becomes the merged model under the base
+    model's names (VeRL 0.9.1 writes the peft model's names there, ``base_model.model.….base_layer.weight``, which
+    ``AutoModelForCausalLM.from_pretrained`` does not recognise and silently initialises at random), and
+    ``lora_adapter/`` receives the adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``;
+    ``PeftModel.from_pretrained(base, dir)``). Call on every rank after VeRL's save (gathering is collective); rank
+    0 writes.
+
+    Args:
+        module: the trainer's peft model (possibly FSDP2-wrapped).
+        checkpoint_dir: VeRL's ``global_step_N/actor`` folder (holding ``huggingface/`` with config and tokenizer).
+        rank: this process's rank.
+
+    Returns:
+        ``(merged model folder, adapter folder)`` on rank 0, else ``None``.
+    """
+    import os
+
+    from peft.utils.save_and_load import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from verl.utils.transformers_compat import drop_tied_target_keys
+
+    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    merged = dict(merged_lora_weights(module))  # every rank: full_tensor() is collective
+    adapter = {k: _full(v).detach() for k, v in get_peft_model_state_dict(peft_model).items()}
+    if rank != 0:
+        return None
+    hf_dir, adapter_dir = os.path.join(checkpoint_dir, "huggingface"), os.path.join(checkpoint_dir, "lora_adapter")
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(merged.values())).dtype)
+    drop_tied_target_keys(merged, shell, base.config)
+    keep = {}  # VeRL's config and generation config (the shell's own would replace them)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as f:
+                keep[name] = f.read()
+    for stale in os.listdir(hf_dir):  # VeRL's peft-named weights
+        if stale.endswith(".safetensors") or stale == "model.safetensors.index.json":
+            os.remove(os.path.join(hf_dir, stale))
+    shell.save_pretrained(hf_dir, state_dict={k: v.contiguous() for k, v in merged.items()})
+    for name, data in keep.items():
+        with open(os.path.join(hf_dir, name), "wb") as f:
+            f.write(data)
+    os.makedirs(adapter_dir, exist_ok=True)
+    peft_model.peft_config["default"].save_pretrained(adapter_dir)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, os.path.join(adapter_dir, "adapter_model.safetensors"))
+    return hf_dir, adapter_dir

@@ -68,34 +68,25 @@ def test_lora_run_trains_and_syncs_merged_weights(run):
         assert max(abs(m["rollout_corr/log_ppl_diff_max"]), abs(m["rollout_corr/log_ppl_diff_min"])) < 1e-4
 
 
-def _merged(ckpt_hf, base_dir):
-    """The step's merged model, built from the adapter checkpoint VeRL saved (peft names) and the base model."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    saved = load_file(str(ckpt_hf / "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, a in saved.items():
-            if ".lora_A." not in name:
-                continue
-            b = saved[name.replace(".lora_A.", ".lora_B.")]
-            target = name.removeprefix("base_model.model.").split(".lora_A.")[0] + ".weight"
-            state[target] += (16 / 8) * (b @ a)  # lora_alpha / r
-    return model, saved
-
-
-def test_the_adapter_moved_the_model_the_rollout_sampled(run, model_dir):
-    """Step 1's update changed the merged model enough that a rollout left on the base weights (or on bfloat16
-    merged ones) would have shown it in step 2's comparison (the check above could fail)."""
+def test_the_checkpoint_is_the_merged_model_and_the_adapter_moved_it(run, model_dir):
+    """``huggingface/`` of the step-1 checkpoint loads in transformers as the merged model (the same log-probs as
+    the base model with ``lora_adapter/`` applied by peft), and step 1's update moved it enough that a rollout left
+    on the base weights (or on bfloat16 merged ones) would have shown in step 2's comparison (the check above could
+    fail)."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out, _ = run
-    merged, saved = _merged(out / "checkpoints/global_step_1/actor/huggingface", model_dir)
-    assert any(".lora_B." in n and float(t.abs().max()) > 0 for n, t in saved.items())
+    actor = out / "checkpoints/global_step_1/actor"
+    merged = AutoModelForCausalLM.from_pretrained(actor / "huggingface", dtype=torch.float32).eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        gap = (merged(ids).logits.log_softmax(-1) - base(ids).logits.log_softmax(-1)).abs().max()
-    assert float(gap) > 1e-2
+        got = merged(ids).logits.log_softmax(-1)
+        before = base(ids).logits.log_softmax(-1)
+        adapted = PeftModel.from_pretrained(base, actor / "lora_adapter").eval()
+        want = adapted(input_ids=ids).logits.log_softmax(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert float((got - before).abs().max()) > 1e-2
+    greedy = lambda m: m.generate(input_ids=ids[:, :8], max_new_tokens=8, do_sample=False)[0].tolist()
+    assert greedy(merged) == greedy(adapted)

@@ -67,3 +67,30 @@ def test_bfloat16_merged_weights_would_not_match(models) -> None:
     rollout = Sampler(base, pad_token_id=0, eos_token_ids=[])
     rollout.load_state_dict((n, t.to(torch.bfloat16)) for n, t in merged_lora_weights(trainer))
     assert gap(rollout, trainer) > 1e-3
+
+
+def test_a_lora_checkpoint_holds_the_merged_model_and_the_adapter(models, tmp_path) -> None:
+    """What VeRL saved in ``huggingface/`` (the peft model's names, which transformers would not load) is replaced by
+    the merged model; ``lora_adapter/`` loads with peft onto the base model. Both give the trainer's log-probs."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from verl_backend.lora_sync import save_lora_checkpoint
+
+    trainer, _ = models
+    hf = tmp_path / "actor" / "huggingface"
+    hf.mkdir(parents=True)
+    trainer.get_base_model().config.save_pretrained(hf)
+    save_file({"base_model.model.model.norm.weight": torch.ones(64)}, hf / "model.safetensors")  # as VeRL leaves it
+    hf_dir, adapter_dir = save_lora_checkpoint(trainer, str(tmp_path / "actor"))
+    merged = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, 40000, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trainer(input_ids=ids).logits.log_softmax(-1)
+        torch.testing.assert_close(merged(ids).logits.log_softmax(-1), want, atol=1e-4, rtol=0)
+        base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)  # the base weights go in below
+        plain = {k.replace(".base_layer", ""): v for k, v in trainer.get_base_model().state_dict().items()
+                 if "lora_" not in k}
+        base.load_state_dict(plain)
+        reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+        torch.testing.assert_close(reloaded(input_ids=ids).logits.log_softmax(-1), want, atol=1e-5, rtol=0)
