@@ -129,3 +129,20 @@ def test_lean_blocker_names_what_it_cannot_compute(tokenizer_dir, tmp_path_facto
     path = build_tiny_model("gemma3", tokenizer_dir, tmp_path_factory.mktemp("g_cap"), final_logit_softcapping=30.0,
                             layer_types=["full_attention"] * 3, sliding_window=None)
     assert "soft-capping" in lean_blocker(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_window_wider_than_the_prompt_bucket_fills_then_rolls_during_decode(family, tokenizer_dir, tmp_path_factory):
+    """Window 40, prompts of 5-31 tokens (bucket 32), 30 new tokens: the static sliding-window cache is written in
+    place during the first decode steps, then rolls; the log-probs stay the plain forward's."""
+    path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(f"{family}_w40"), sliding_window=40)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (12, 23, 31, 5)]
+    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=30),
+                   SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=1)):
+        sampler = Sampler(model, pad_token_id=0, eos_token_ids=[])
+        for i, o in enumerate(sampler.generate(ps, params)):
+            ref = reference_logprobs(model, ps[i // 2], o.token_ids, params.temperature)
+            assert float((torch.tensor(o.logprobs) - ref).abs().max()) <= 1e-4
+        assert {c for _, _, c in sampler.shapes_seen} == {64}  # 32 prompt + 32 generation slots > the window
