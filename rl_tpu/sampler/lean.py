@@ -49,7 +49,7 @@ def _computes_rms_norm(norm: torch.nn.Module) -> bool:
         w, eps = getattr(norm, "weight", None), _eps(norm)
         ok = isinstance(w, torch.Tensor) and w.dim() == 1 and eps is not None and w.dtype == torch.float32
         if ok:
-            x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))
+            x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device)
             with torch.no_grad():
                 ok = torch.allclose(norm(x), F.rms_norm(x, (w.shape[0],), w, eps), rtol=1e-5, atol=1e-6)
         _NORM_IS_RMS[cls] = bool(ok)
