@@ -8,10 +8,7 @@ wheel) on reasoning-gym's ``basic_arithmetic``, about 8 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from pathlib import Path
 
 
 BACKENDS = ("tpu", "cpu", "cuda")
@@ -95,7 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-USER_ERRORS = ("BadInputError", "DeviceError", "TopologyError", "ClusterError")
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types whose message is a one-line fix for the user."""
+    from ray_cluster.errors import ClusterError
+    from rl_tpu.device import DeviceError
+    from rl_tpu.topology import TopologyError
+    from verl_backend.errors import BadInputError
+
+    return BadInputError, DeviceError, TopologyError, ClusterError
 
 
 def _user_error(exc: BaseException) -> BaseException | None:
@@ -103,11 +107,15 @@ def _user_error(exc: BaseException) -> BaseException | None:
 
     Follows Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker; its ``cause``) and ``__cause__``, so both a
     worker's own error and one the driver re-raised from a VeRL failure (``raise BadInputError(...) from exc``) count.
+    Ray re-raises a worker's error as a class deriving from both ``RayTaskError`` and the error's own class.
     """
+    kinds = _user_errors()
+    ray_exceptions = sys.modules.get("ray.exceptions")  # not imported: no Ray error can be in the chain
+    wrapper = getattr(ray_exceptions, "RayTaskError", ())
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if type(exc).__name__ in USER_ERRORS:
+        if isinstance(exc, kinds) and not isinstance(exc, wrapper):  # the error itself, not Ray's copy of it
             return exc
         exc = getattr(exc, "cause", None) or exc.__cause__
     return None
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "train":
-            from verl_backend.train import run_train
+            from verl_backend.driver.train import run_train
 
             return run_train(args)
     except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found
@@ -131,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if user is not None:
             print(f"verl: error: {user}", file=sys.stderr)
             return 2
-        if type(exc).__name__ == "ActorFailedError":  # verl_backend.train: a dead actor, no restart left
+        from verl_backend.driver.runner import ActorFailedError
+
+        if isinstance(exc, ActorFailedError):  # a dead actor, no restart left
             import traceback
 
             traceback.print_exception(exc.__cause__ or exc)  # for diagnosis; the last line says what to do
@@ -139,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     except KeyboardInterrupt as exc:
-        if type(exc).__name__ == "Terminated":  # verl_backend.preemption.Terminated: SIGTERM during the run
+        from verl_backend.driver.preemption import Terminated
+
+        if isinstance(exc, Terminated):  # SIGTERM during the run
             step = getattr(exc, "step", None)
             if step is None:
                 print("verl: terminated (SIGTERM); checkpoints already written are kept", file=sys.stderr)

@@ -170,8 +170,6 @@ def _make_create_resource_pool(original):
         spec = job_slice()
         if spec is None:
             return
-        import os
-
         timeout_s = current().slice_timeout_s
         for pool_name, nodes in self.resource_pool_spec.items():
             if list(nodes) == [spec.chips_per_host] * spec.hosts:
@@ -230,8 +228,8 @@ def _rebind_init_pg_ray(module) -> None:
 def _patch_trainer_step_hook(module) -> None:
     """VeRL 0.9.1 ``verl/trainer/ppo/v1/trainer_base.py``: ``PPOTrainer.on_step_begin`` is an empty hook (its
     subclasses do not override it); it now also ends a SIGTERM'd run at the step boundary
-    (:func:`verl_backend.preemption.at_step_begin`)."""
-    from verl_backend.preemption import at_step_begin
+    (:func:`verl_backend.driver.preemption.at_step_begin`)."""
+    from verl_backend.driver.preemption import at_step_begin
 
     original = module.PPOTrainer.on_step_begin
 

@@ -19,8 +19,6 @@ not by ours) reads the slice's chip count instead of a host's.
 
 from __future__ import annotations
 
-import os
-
 from verl.single_controller.ray.base import RayResourcePool
 
 from rl_tpu.topology import SliceTopology, parse_slice

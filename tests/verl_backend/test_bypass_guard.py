@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from verl_backend.bypass_guard import BYPASS_KEY, guard_bypass, rollout_trainer_mismatch
+from verl_backend.driver.bypass_guard import BYPASS_KEY, guard_bypass, rollout_trainer_mismatch
 from verl_backend.errors import BadInputError
 
 

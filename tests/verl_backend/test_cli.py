@@ -183,7 +183,7 @@ def test_counts_that_are_not_whole_numbers_are_one_line(tmp_path, override):
 
 
 def test_whole_number_check_passes_verls_own_defaults(tiny_model_dir):
-    from verl_backend.train import check_whole_numbers
+    from verl_backend.driver.preflight import check_whole_numbers
 
     config = _compose_ppo(tiny_model_dir)
     check_whole_numbers(config)  # nulls (VeRL's defaults for the micro batch keys) and ints are accepted
@@ -210,7 +210,7 @@ def test_model_folder_checks_name_the_key_and_the_fix(tmp_path, tiny_model_dir):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from verl_backend.errors import BadInputError
-    from verl_backend.train import _check_model_folder
+    from verl_backend.driver.preflight import check_model_folder
 
     no_tok = tmp_path / "no_tok"
     no_tok.mkdir()
@@ -219,14 +219,14 @@ def test_model_folder_checks_name_the_key_and_the_fix(tmp_path, tiny_model_dir):
             shutil.copy(f, no_tok / f.name)
     with pytest.raises(BadInputError, match=r"critic.model.path=.*no_tok: transformers cannot load a tokenizer .*"
                                             r"or set critic.model.tokenizer_path"):
-        _check_model_folder("critic.model.path", no_tok, None)
-    _check_model_folder("critic.model.path", no_tok, str(tiny_model_dir))  # tokenizer_path given: fine
+        check_model_folder("critic.model.path", no_tok, None)
+    check_model_folder("critic.model.path", no_tok, str(tiny_model_dir))  # tokenizer_path given: fine
 
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=64, n_positions=32)).save_pretrained(gpt2)
     with pytest.raises(BadInputError, match=r"its gpt2 config has no num_key_value_heads"):
-        _check_model_folder("actor_rollout_ref.model.path", gpt2, str(tiny_model_dir))
-    _check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
+        check_model_folder("actor_rollout_ref.model.path", gpt2, str(tiny_model_dir))
+    check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
 
 
 def test_unwritable_model_cache_is_one_line(tmp_path, monkeypatch):
@@ -241,15 +241,15 @@ def test_unwritable_model_cache_is_one_line(tmp_path, monkeypatch):
 
 def test_model_path_with_a_trailing_slash_or_tilde_is_normalised(tmp_path, tiny_model_dir, monkeypatch):
     """VeRL 0.9.1's HFModelConfig asserts on a trailing '/' (a traceback inside Hydra) and does not expand '~'."""
-    from verl_backend.train import _normalized_path
+    from verl_backend.driver.plan import normalized_path
 
-    assert _normalized_path(f"actor_rollout_ref.model.path={tiny_model_dir}/") == \
+    assert normalized_path(f"actor_rollout_ref.model.path={tiny_model_dir}/") == \
         f"actor_rollout_ref.model.path={tiny_model_dir}"
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert _normalized_path("+critic.model.path='~/m/'") == f"+critic.model.path={tmp_path}/m"
-    assert _normalized_path("data.train_files=/x/") == "data.train_files=/x/"  # a data file keeps its slash
-    assert _normalized_path("data.val_files=~/v.parquet") == f"data.val_files={tmp_path}/v.parquet"
-    assert _normalized_path("data.val_files=[~/v.parquet]") == "data.val_files=[~/v.parquet]"  # a list: Hydra's
+    assert normalized_path("+critic.model.path='~/m/'") == f"+critic.model.path={tmp_path}/m"
+    assert normalized_path("data.train_files=/x/") == "data.train_files=/x/"  # a data file keeps its slash
+    assert normalized_path("data.val_files=~/v.parquet") == f"data.val_files={tmp_path}/v.parquet"
+    assert normalized_path("data.val_files=[~/v.parquet]") == "data.val_files=[~/v.parquet]"  # a list: Hydra's
     proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"), "--print-config",
                 f"actor_rollout_ref.model.path={tiny_model_dir}/", f"critic.model.path={tiny_model_dir}/")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -326,11 +326,11 @@ def test_bad_slice_is_one_line():
 
 def _compose_ppo(model_dir, *overrides: str):
     """examples/ppo_cpu.yaml (PPO, critic, rollout.n=1) on 2 nodes x 4 workers, composed without Ray."""
-    from verl_backend.defaults import BACKEND_DEFAULTS
-    from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
+    from verl_backend.driver.profiles import PROFILES
+    from verl_backend.driver.plan import compose_config, flatten_yaml_overrides, merge_overrides
 
     file_overrides, _ = flatten_yaml_overrides("examples/ppo_cpu.yaml")
-    return compose_config(merge_overrides(BACKEND_DEFAULTS["cpu"], file_overrides,
+    return compose_config(merge_overrides(PROFILES["cpu"].overrides, file_overrides,
                                           [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
                                            "trainer.nnodes=2", "trainer.n_gpus_per_node=4", *overrides]))
 
@@ -385,7 +385,7 @@ def _verl_validate(config) -> Exception | None:
 def test_batch_sizes_that_do_not_split_over_the_workers_are_one_line_before_ray(monkeypatch, tiny_model_dir, overrides,
                                                                                ours, verls):
     from verl_backend.errors import BadInputError
-    from verl_backend.train import check_batch_sizes
+    from verl_backend.driver.preflight import check_batch_sizes
 
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     config = _compose_ppo(tiny_model_dir, *overrides)
@@ -425,7 +425,7 @@ def test_micro_batches_that_do_not_divide_a_workers_share_are_one_line(tmp_path)
 def test_task_runner_in_driver_is_verls_own_class():
     from verl.trainer.main_ppo import TaskRunnerV1
 
-    from verl_backend.train import _TaskRunnerInDriver, task_runner_class
+    from verl_backend.driver.runner import _TaskRunnerInDriver, task_runner_class
 
     runner = task_runner_class("driver")
     assert isinstance(runner, _TaskRunnerInDriver)
@@ -456,7 +456,7 @@ def _epochs_config(tmp_path, rows: int, batch: int, steps, epochs: int = 1, file
 
 @pytest.mark.parametrize("rows, batch, steps, epochs", [(16, 4, 4, 1), (16, 4, None, 1), (18, 4, 8, 2), (16, 4, 3, 1)])
 def test_steps_within_the_epochs_leave_total_epochs_alone(tmp_path, capsys, rows, batch, steps, epochs):
-    from verl_backend.train import fit_epochs_to_steps
+    from verl_backend.driver.preflight import fit_epochs_to_steps
 
     config = _epochs_config(tmp_path, rows, batch, steps, epochs)
     fit_epochs_to_steps(config)
@@ -466,7 +466,7 @@ def test_steps_within_the_epochs_leave_total_epochs_alone(tmp_path, capsys, rows
 
 def test_steps_beyond_the_epochs_raise_total_epochs_with_one_line(tmp_path, capsys):
     """VeRL 0.9.1 stops after total_epochs epochs: 6 steps of a 16-row set in batches of 4 ran 4 steps."""
-    from verl_backend.train import fit_epochs_to_steps
+    from verl_backend.driver.preflight import fit_epochs_to_steps
 
     config = _epochs_config(tmp_path, 16, 4, 6)
     fit_epochs_to_steps(config)
@@ -492,7 +492,7 @@ def test_steps_beyond_the_epochs_raise_total_epochs_with_one_line(tmp_path, caps
 
 def test_batch_larger_than_the_train_rows_is_refused(tmp_path):
     from verl_backend.errors import BadInputError
-    from verl_backend.train import fit_epochs_to_steps
+    from verl_backend.driver.preflight import fit_epochs_to_steps
 
     config = _epochs_config(tmp_path, 3, 4, 6)
     with pytest.raises(BadInputError) as err:
@@ -517,7 +517,7 @@ def test_run_folder_resumes_refuses_or_moves_an_earlier_run_aside(tmp_path, caps
     from omegaconf import OmegaConf
 
     from verl_backend.errors import BadInputError
-    from verl_backend.train import prepare_run_folder
+    from verl_backend.driver.run_folder import prepare_run_folder
 
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
@@ -565,7 +565,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import pathlib, sys, time
-        from verl_backend.train import lock_run_folder
+        from verl_backend.driver.run_folder import lock_run_folder
         lock_run_folder(pathlib.Path({str(tmp_path)!r}))
         print("locked", flush=True)
         time.sleep(60)

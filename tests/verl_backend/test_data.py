@@ -143,12 +143,12 @@ def test_reward_file_that_cannot_be_loaded_is_one_line(tmp_path):
 
 def test_verls_old_top_level_reward_key_is_guarded_too():
     """VeRL 0.9.1 migrates custom_reward_function.* under reward.; passed on as is it was silently lost."""
-    from verl_backend.train import _guard_user_reward
+    from verl_backend.driver.plan import guard_user_reward
 
-    assert _guard_user_reward(["custom_reward_function.path=/r.py", "custom_reward_function.name=f", "a.b=1"]) == [
+    assert guard_user_reward(["custom_reward_function.path=/r.py", "custom_reward_function.name=f", "a.b=1"]) == [
         "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py",
         "+reward.custom_reward_function.reward_kwargs.user_fn_name=f", "a.b=1"]
-    assert _guard_user_reward(["reward.custom_reward_function.path=/r.py"]) == [
+    assert guard_user_reward(["reward.custom_reward_function.path=/r.py"]) == [
         "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py"]
 
 
@@ -162,9 +162,10 @@ def test_report_reads_metrics_past_a_line_cut_by_a_kill(tmp_path, capsys):
 
 
 def test_gsm8k_jsonl_too_small_to_split_is_one_line(tmp_path):
-    from verl_backend.train import _prepare_data
+    from verl_backend.driver.data_prep import prepare_data
+    from verl_backend.settings import RlTpuSettings
 
     src = tmp_path / "one.jsonl"
     src.write_text(json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
     with pytest.raises(BadInputError, match=r"rl_tpu.gsm8k_jsonl=.*one.jsonl: 1 row\(s\), too few to hold out 1"):
-        _prepare_data({}, {"gsm8k_jsonl": str(src)}, tmp_path / "out")
+        prepare_data({}, RlTpuSettings(gsm8k_jsonl=str(src)), tmp_path / "out")

@@ -11,11 +11,11 @@ from families import build_tiny_model
 
 
 def _compose(example: str, *overrides: str):
-    from verl_backend.defaults import BACKEND_DEFAULTS
-    from verl_backend.launch import compose_config, flatten_yaml_overrides, merge_overrides
+    from verl_backend.driver.profiles import PROFILES
+    from verl_backend.driver.plan import compose_config, flatten_yaml_overrides, merge_overrides
 
     file_overrides, ours = flatten_yaml_overrides(example)
-    return compose_config(merge_overrides(BACKEND_DEFAULTS["cpu"], file_overrides, list(overrides))), ours
+    return compose_config(merge_overrides(PROFILES["cpu"].overrides, file_overrides, list(overrides))), ours
 
 
 @pytest.fixture(scope="module")

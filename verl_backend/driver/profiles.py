@@ -1,10 +1,21 @@
-"""Backend defaults: the VeRL keys a user should not have to know, per ``--backend``.
+"""Backend profiles: what ``verl train --backend cpu|tpu|cuda`` means, one row per backend.
 
-They are Hydra overrides applied *before* the user's ``--config`` file and command-line overrides, so anything
-here can be overridden with VeRL's own keys.
+Each :class:`BackendProfile` holds a backend's choices as data: VeRL's platform name, the VeRL keys a user should not
+have to know (applied *before* the ``--config`` file and the command line, so any of them can be overridden with
+VeRL's own keys), the job run when no ``--config`` is given, the thread count, how TPU slices apply, which of the
+CPU host-memory machinery applies, and how the backend's presence is checked. The driver reads the row; nothing else
+branches on the backend's name.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from verl_backend.errors import BadInputError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # fp32 everywhere on CPU: there is no bf16 matmul hardware on most CPUs (emulated bf16 is slower), and the
 # rollout's log-probs then match the trainer's.
@@ -38,7 +49,7 @@ COMMON: dict[str, str] = {
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": "1",
 }
 
-BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
+_OVERRIDES: dict[str, dict[str, str]] = {
     "cpu": {
         **COMMON,
         "trainer.device": "cpu",
@@ -58,7 +69,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.model.use_remove_padding": "true",
         "critic.model.use_remove_padding": "true",
         # GRPO's n samples of a prompt share one copy of it in the packed row (Prefix Grouper's shared-prefix
-        # forward, VeRL's own key; see verl_backend.engine.shared_prefix_inputs): the prompt's forward and
+        # forward, VeRL's own key; see verl_backend.shared_prefix): the prompt's forward and
         # backward run once per group instead of n times, for the same log-probs and gradients.
         "actor_rollout_ref.actor.use_prefix_grouper": "true",
         # torch's fused AdamW kernel (CPU since torch 2.4): one pass over each parameter instead of foreach's
@@ -96,3 +107,73 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
         "+critic.model.override_config.attn_implementation": "sdpa",
     },
 }
+
+
+def _no_check() -> None:
+    return None
+
+
+def _require_tpu() -> None:
+    from rl_tpu.device import DeviceError, require_tpu
+
+    try:
+        require_tpu()
+    except DeviceError as exc:
+        raise BadInputError(str(exc)) from None
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadInputError("--backend cuda: no CUDA GPU visible; use --backend cpu, or run on a GPU machine")
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """One backend of ``verl train``.
+
+    Attributes:
+        name: the ``--backend`` value.
+        platform: VeRL's platform name (``VERL_PLATFORM``; rl-tpu's platforms register ``cpu`` and ``tpu``).
+        overrides: VeRL keys applied before the user's (Hydra syntax, ``+`` for keys VeRL lacks).
+        default_config: the job YAML run when no ``--config`` is given (``None``: VeRL's own defaults).
+        default_threads: torch threads per process when ``rl_tpu.num_threads`` is 0 (0: torch's own count).
+        slices: ``"auto"``: a TPU slice from ``--slice`` or the host's ``$TPU_ACCELERATOR_TYPE``; ``"dry_run"``:
+            only when ``--slice`` is given, one CPU worker per fake chip; ``"none"``: ``--slice`` is refused.
+        host_memory: the CPU host-memory machinery applies (the fork server, ``rl_tpu.compact_malloc``).
+        tpu_runtime: TorchTPU runs here (``rl_tpu.tpu_eager_mode`` applies; its import hook is kept on).
+        check: raises :class:`BadInputError` (one line) when the backend's device is missing.
+    """
+
+    name: str
+    platform: str
+    overrides: Mapping[str, str]
+    default_config: Path | None = None
+    default_threads: int = 0
+    slices: str = "none"
+    host_memory: bool = False
+    tpu_runtime: bool = False
+    check: Callable[[], None] = field(default=_no_check, repr=False)
+
+
+PROFILES: dict[str, BackendProfile] = {
+    "tpu": BackendProfile("tpu", platform="tpu", overrides=_OVERRIDES["tpu"], slices="auto", tpu_runtime=True,
+                          check=_require_tpu),
+    "cpu": BackendProfile("cpu", platform="cpu", overrides=_OVERRIDES["cpu"], default_config=CONFIGS / "grpo_cpu.yaml",
+                          default_threads=1, slices="dry_run", host_memory=True),
+    "cuda": BackendProfile("cuda", platform="nvidia", overrides=_OVERRIDES["cuda"], check=_require_cuda),
+}
+BACKENDS = tuple(PROFILES)
+
+
+def profile(name: str) -> BackendProfile:
+    """The profile of ``--backend name`` (case and spaces ignored).
+
+    Raises:
+        BadInputError: an unknown backend, naming the known ones.
+    """
+    key = str(name).strip().lower()
+    if key not in PROFILES:
+        raise BadInputError(f"--backend {name!r} is unknown: choose one of {', '.join(PROFILES)}")
+    return PROFILES[key]

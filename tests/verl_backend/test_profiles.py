@@ -1,0 +1,37 @@
+"""The backend profile table: one row per ``--backend``, read by the driver instead of branches on the name."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_backend.driver.profiles import BACKENDS, PROFILES, profile
+from verl_backend.errors import BadInputError
+
+
+def test_every_device_backend_has_a_profile_with_verls_platform_name():
+    from rl_tpu.device import BACKENDS as DEVICE_BACKENDS
+
+    assert set(BACKENDS) == set(DEVICE_BACKENDS)
+    assert {name: p.platform for name, p in PROFILES.items()} == {"cpu": "cpu", "tpu": "tpu", "cuda": "nvidia"}
+    for name, p in PROFILES.items():
+        assert p.name == name and p.slices in ("auto", "dry_run", "none")
+        assert p.overrides.get("trainer.device", "cuda") == name  # each profile names its own device to VeRL
+    assert PROFILES["cpu"].default_config.is_file() and PROFILES["cpu"].default_threads == 1
+    assert PROFILES["tpu"].tpu_runtime and not PROFILES["cpu"].tpu_runtime
+    assert PROFILES["cpu"].host_memory and not PROFILES["tpu"].host_memory
+
+
+def test_unknown_backend_is_one_line_naming_the_known_ones():
+    assert profile(" CPU ") is PROFILES["cpu"]
+    with pytest.raises(BadInputError, match=r"--backend 'gpu' is unknown: choose one of tpu, cpu, cuda"):
+        profile("gpu")
+
+
+def test_a_missing_device_is_refused_by_its_profiles_check():
+    import torch
+
+    PROFILES["cpu"].check()  # always there
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here: the cuda profile's check passes")
+    with pytest.raises(BadInputError, match="--backend cuda: no CUDA GPU visible"):
+        PROFILES["cuda"].check()

@@ -1,0 +1,351 @@
+"""Pre-flight checks of ``verl train``: everything about the job that can be found wrong before Ray starts.
+
+Each check raises :class:`~verl_backend.errors.BadInputError` with one line naming the input, where it is (config
+key, file and row) and the fix: the backend is there, counts are whole numbers, batch sizes split over the workers,
+prompts fit ``data.max_prompt_length``, the model folder is a model with a tokenizer, the user's reward function
+imports, the native rollout can serve the lengths asked for; and the epoch count is fitted to the steps asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+from verl_backend.driver.data_prep import data_files
+from verl_backend.errors import BadInputError
+
+
+def check_user_reward(config) -> None:
+    """Import the user's reward function in this process before Ray starts (its file, module and name).
+
+    Inside Ray a missing file, a syntax error or a wrong name failed every sample in VeRL's reward worker, and the
+    run ended some 90 s later on the replay buffer's ``RuntimeError``.
+
+    Raises:
+        BadInputError: one line naming ``reward.custom_reward_function.path/name`` and what went wrong.
+    """
+    kwargs = config.reward.custom_reward_function.get("reward_kwargs") or {}
+    path = kwargs.get("user_fn_path")
+    if not path:
+        return
+    name = kwargs.get("user_fn_name") or "compute_score"
+    from verl_backend.data.rewards import load_user_reward
+
+    if not callable(load_user_reward(str(path), str(name))):
+        raise BadInputError(f"reward.custom_reward_function.name={name}: {path} defines it, but not as a function")
+
+
+def _n_prompt_tokens(tok, messages: list) -> int:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return len(ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path)``, loaded once per path for the checks that run before Ray starts."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def check_prompt_lengths(config) -> None:
+    """Count prompts longer than ``data.max_prompt_length`` and say what happens to them (never silent)."""
+    import pandas as pd
+
+    limit = int(config.data.max_prompt_length)  # a whole number: check_whole_numbers ran first
+    tok = _tokenizer(str(config.actor_rollout_ref.model.path))
+    for key in ("train_files", "val_files"):
+        for f in data_files(config.data.get(key)):
+            df = pd.read_parquet(f)
+            lengths = [_n_prompt_tokens(tok, list(p)) for p in df["prompt"]]
+            too_long = sum(n > limit for n in lengths)
+            if not too_long:
+                continue
+            if not config.data.filter_overlong_prompts:
+                raise BadInputError(
+                    f"{f}: {too_long} of {len(df)} prompts are longer than data.max_prompt_length={limit} tokens "
+                    f"(longest {max(lengths)}); raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                )
+            if too_long == len(df):
+                raise BadInputError(
+                    f"{f}: all {len(df)} prompts are longer than data.max_prompt_length={limit}; raise it"
+                )
+            print(f"[rl-tpu] {f}: dropping {too_long} of {len(df)} prompts longer than {limit} tokens "
+                  "(data.filter_overlong_prompts=true)")
+
+
+def check_native_rollout(config) -> None:
+    """Refuse, before any process starts, native-rollout settings that would only fail inside Ray.
+
+    - ``actor_rollout_ref.rollout.checkpoint_engine`` must be a mapping (the weight sync reads its bucket size).
+    - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`).
+    - A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
+      call's sequence passes ``original_max_position_embeddings``
+      (:func:`rl_tpu.sampler.engine.longrope_switch_length`). The rollout fills its KV cache below the switch, the
+      trainer's forward sees the whole sequence above it: their log-probs differ by whole nats. So the rollout's
+      ``prompt_length + response_length`` (filled from ``data.max_*`` unless set) must not pass the switch.
+
+    Raises:
+        BadInputError: one of the above, naming the config key and the fix.
+    """
+    rollout = config.actor_rollout_ref.rollout
+    if str(rollout.get("name")) != "native":
+        return
+    engine = rollout.get("checkpoint_engine")
+    if not hasattr(engine, "get"):
+        raise BadInputError(
+            f"actor_rollout_ref.rollout.checkpoint_engine={engine!r}: the native rollout's weight sync needs one; "
+            "drop the override (VeRL's default) or set actor_rollout_ref.rollout.checkpoint_engine.backend="
+            "naive|native"
+        )
+    from transformers import AutoConfig
+
+    from rl_tpu.sampler.engine import longrope_switch_length
+    from verl_backend.rollout.adapter import sampler_placement
+
+    try:
+        sampler_placement(rollout)
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
+    model = config.actor_rollout_ref.model
+    try:
+        hf = AutoConfig.from_pretrained(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    except (OSError, ValueError):
+        return  # not a model folder: the model check reports it
+    switch = longrope_switch_length(hf)
+    if switch is None:
+        return
+    need = int(rollout.prompt_length) + int(rollout.response_length)  # whole numbers: check_whole_numbers
+    if need > switch:
+        raise BadInputError(
+            f"actor_rollout_ref.rollout.prompt_length + response_length = {need} tokens (from data.max_prompt_length "
+            f"and data.max_response_length unless set) is past {switch}, where {model.path}'s longrope RoPE switches "
+            "from its short to its long factors: rollout and trainer log-probs would disagree for sequences that "
+            f"cross it; lower them to {switch} tokens or less in total"
+        )
+
+
+# Counts the planning below and VeRL's trainer do arithmetic with: (key, smallest value, may be null)
+WHOLE_NUMBER_KEYS = (
+    ("data.train_batch_size", 1, False), ("data.max_prompt_length", 1, False), ("data.max_response_length", 1, False),
+    ("actor_rollout_ref.rollout.n", 1, False), ("actor_rollout_ref.rollout.prompt_length", 1, True),
+    ("actor_rollout_ref.rollout.response_length", 1, True), ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, True),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1, True), ("actor_rollout_ref.actor.ppo_epochs", 1, True),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 1, True),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, True), ("critic.ppo_mini_batch_size", 1, True),
+    ("critic.ppo_micro_batch_size_per_gpu", 1, True), ("trainer.total_training_steps", 1, True),
+    ("trainer.total_epochs", 1, False), ("trainer.n_gpus_per_node", 1, False), ("trainer.nnodes", 1, False),
+)
+
+
+def check_whole_numbers(config) -> None:
+    """Refuse a count in :data:`WHOLE_NUMBER_KEYS` that is not a whole number at or above its smallest value.
+
+    Before this check ``data.train_batch_size=0`` divided by zero in the step planning, ``=abc`` was a ``ValueError``
+    traceback, and ``actor_rollout_ref.rollout.n=0`` started the whole job only to fail in VeRL's replay buffer.
+    Keys a config does not have are skipped.
+
+    Raises:
+        BadInputError: one line naming the key, its value and what to give.
+    """
+    from omegaconf import OmegaConf
+
+    for key, low, nullable in WHOLE_NUMBER_KEYS:
+        value = OmegaConf.select(config, key, default="<absent>", throw_on_missing=False)
+        if isinstance(value, str) and value == "<absent>" or (value is None and nullable):
+            continue
+        number = None
+        if not isinstance(value, bool):
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                pass
+            if number is not None and isinstance(value, float) and number != value:
+                number = None
+        if number is None or number < low:
+            raise BadInputError(f"{key}={value!r}: give a whole number of {low} or more"
+                                + (" (or null for VeRL's default)" if nullable else ""))
+
+
+def fit_epochs_to_steps(config) -> None:
+    """Raise ``trainer.total_epochs`` so that ``trainer.total_training_steps`` is reached, or refuse an empty epoch.
+
+    VeRL 0.9.1's trainer (``verl/trainer/ppo/v1/trainer_base.py``, ``PPOTrainer._init_dataloader`` and ``fit``)
+    takes ``steps_per_epoch = len(train_dataset) // data.train_batch_size`` (the train loader drops the last
+    partial batch) and lets an explicit ``trainer.total_training_steps`` replace ``steps_per_epoch × total_epochs``,
+    but its loop also stops after ``total_epochs`` epochs and reports success: 6 steps asked of 4 batches × 1 epoch
+    ran 4. The rule here: rows = the train parquet rows (capped by ``data.train_max_samples``), batches =
+    rows // ``data.train_batch_size``; if ``total_training_steps > batches × total_epochs``, set ``total_epochs =
+    ceil(steps / batches)`` (VeRL still stops at the step count) and say so in one ``[rl-tpu]`` line. With
+    ``data.filter_overlong_prompts`` VeRL may drop rows, so the count is an upper bound and the line says so.
+
+    Raises:
+        BadInputError: fewer train rows than ``data.train_batch_size`` (VeRL would divide by zero, or assert).
+    """
+    import pyarrow.parquet as pq
+    from omegaconf import open_dict
+
+    files = data_files(config.data.get("train_files"))
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    cap = int(config.data.get("train_max_samples") or -1)
+    if 0 < cap < rows:
+        rows = cap
+    batch = int(config.data.train_batch_size)
+    batches = rows // batch
+    if batches == 0:
+        raise BadInputError(
+            f"data.train_files ({', '.join(files)}) has {rows} rows, fewer than data.train_batch_size={batch}: "
+            f"an epoch would have no batch; {f'set data.train_batch_size={rows} or less, or ' if rows else ''}give "
+            "more rows (rl_tpu.train_size for the built-in data)"
+        )
+    steps, epochs = config.trainer.get("total_training_steps"), int(config.trainer.total_epochs)
+    if steps is None or int(steps) <= batches * epochs:
+        return
+    needed = -(-int(steps) // batches)
+    with open_dict(config):
+        config.trainer.total_epochs = needed
+    bound = (f" ({rows} rows is an upper bound: data.filter_overlong_prompts=true may drop some)"
+             if config.data.get("filter_overlong_prompts") else "")
+    print(f"[rl-tpu] trainer.total_training_steps={steps} needs {needed} epochs of {batches} batches ({rows} rows "
+          f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
+
+
+def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None:
+    """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
+
+    Checks: ``config.json`` and ``*.safetensors`` are there; transformers loads its config and a tokenizer (from
+    ``tokenizer_path`` when given); the config has ``num_key_value_heads``, which VeRL's FSDP engine reads for every
+    model (``verl/models/transformers/monkey_patch.py``, ``apply_monkey_patch``; GPT-2-style configs lack it).
+
+    Raises:
+        BadInputError: the first check that fails.
+    """
+    from verl_backend.models import is_hf_model_dir
+
+    if not is_hf_model_dir(path):
+        raise BadInputError(
+            f"{key}={path} is not a model folder (needs config.json and *.safetensors); "
+            "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
+        )
+    from transformers import AutoConfig
+
+    def first_line(exc: Exception) -> str:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise BadInputError(f"{key}={path}: transformers cannot read its config.json ({first_line(exc)}); pass a "
+                            "folder written by save_pretrained") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_key_value_heads", None) is None:
+        raise BadInputError(
+            f"{key}={path}: its {config.model_type} config has no num_key_value_heads, which VeRL 0.9.1's FSDP engine "
+            "reads for every model (verl/models/transformers/monkey_patch.py); use a Llama-, Qwen- or Mistral-style "
+            "checkpoint"
+        )
+    tok = Path(os.path.expanduser(tokenizer_path.strip("\"'"))) if tokenizer_path else path
+    try:
+        _tokenizer(str(tok))
+    except Exception as exc:
+        raise BadInputError(
+            f"{key}={path}: transformers cannot load a tokenizer from {tok} ({first_line(exc)}); copy the base "
+            f"model's tokenizer files (tokenizer.json, tokenizer_config.json) into it, or set "
+            f"{key.rsplit('.', 1)[0]}.tokenizer_path"
+        ) from None
+
+
+def check_batch_sizes(config, workers_from: str = "") -> None:
+    """Refuse batch sizes that do not split over the workers, before Ray starts (VeRL finds out later, as a traceback).
+
+    Mirrors VeRL 0.9.1's own rules for FSDP strategies: ``verl.utils.config.validate_config`` (each step's
+    ``data.train_batch_size × rollout.n`` sequences a multiple of the ``n_gpus_per_node × nnodes`` workers, unless
+    ``use_dynamic_bsz``), ``ActorConfig/CriticConfig.validate`` (``ppo_mini_batch_size <= data.train_batch_size``),
+    and the engine worker's ``update_actor``/``update_critic`` (each ``ppo_mini_batch_size × rollout.n`` update a
+    multiple of the data-parallel size, workers / Ulysses sequence-parallel size). Megatron is left to VeRL.
+
+    Args:
+        config: the composed VeRL config.
+        workers_from: where the worker count came from (e.g. ``--slice v4-16``), for the message.
+
+    Raises:
+        BadInputError: one line naming the keys, their values, the worker count and a value that works.
+    """
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic
+
+    actor, critic = config.actor_rollout_ref.actor, config.critic
+    if actor.strategy not in ("fsdp", "fsdp2"):
+        return
+    per_node, nodes = int(config.trainer.n_gpus_per_node), int(config.trainer.nnodes)
+    workers = per_node * nodes
+    n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
+    pool = (f"{workers} workers (trainer.n_gpus_per_node={per_node} × trainer.nnodes={nodes}"
+            + (f", from {workers_from})" if workers_from else ")"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # need_critic warns that a non-GAE estimator has no critic
+        roles = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if need_critic(config) else [])
+
+    def multiple(size: int, of: int) -> int:
+        """The smallest value >= size whose product with n is a multiple of ``of``."""
+        step = of // math.gcd(of, n)
+        return max(step, -(-size // step) * step)
+
+    if not actor.use_dynamic_bsz and (batch * n) % workers:
+        raise BadInputError(
+            f"data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} = {batch * n} sequences per step do "
+            f"not split evenly over the {pool}: set data.train_batch_size={multiple(batch, workers)} (a multiple "
+            f"of {workers // math.gcd(workers, n)}), or run on fewer workers"
+        )
+    dp_of: dict[str, int] = {}
+    for role, section in roles:
+        mini = section.ppo_mini_batch_size
+        if mini is None:
+            continue
+        mini = int(mini)
+        if not section.use_dynamic_bsz and batch < mini:
+            raise BadInputError(
+                f"data.train_batch_size={batch} is below {role}.ppo_mini_batch_size={mini}: a PPO update needs "
+                f"that many prompts; set {role}.ppo_mini_batch_size={batch} or raise data.train_batch_size"
+            )
+        engine = section.get("fsdp_config" if role != "critic" else "fsdp") or {}
+        sp = max(int(section.get("ulysses_sequence_parallel_size") or 1),
+                 int(engine.get("ulysses_sequence_parallel_size") or 1))
+        dp = max(1, workers // sp)
+        dp_of[role] = dp
+        if (mini * n) % dp:
+            raise BadInputError(
+                f"{role}.ppo_mini_batch_size={mini} × actor_rollout_ref.rollout.n={n} = {mini * n} sequences per "
+                f"PPO update do not split over the {dp} data-parallel ranks of the {pool}: set "
+                f"{role}.ppo_mini_batch_size={multiple(mini, dp)} (a multiple of {dp // math.gcd(dp, n)})"
+            )
+    # VeRL's engine splits each rank's share of a PPO update into micro batches (workers/engine/utils.py asserts)
+    for role, section in roles:
+        mini, micro = section.ppo_mini_batch_size, section.get("ppo_micro_batch_size_per_gpu")
+        if mini is None or not micro or section.use_dynamic_bsz:
+            continue
+        share = int(mini) * n // dp_of[role]
+        if share % int(micro):
+            raise BadInputError(
+                f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {share} sequences each "
+                f"data-parallel rank gets per PPO update ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / "
+                f"{dp_of[role]} ranks): set it to a divisor of {share}"
+            )
+    # VeRL's engine splits each rank's share of the batch into log-prob micro batches (workers/engine/utils.py)
+    per_rank = batch * n // max(1, workers)
+    for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
+        section = config.actor_rollout_ref.rollout if ".rollout." in key else config.actor_rollout_ref.ref
+        micro = section.get("log_prob_micro_batch_size_per_gpu")
+        if micro and not section.get("log_prob_use_dynamic_bsz", False) and per_rank % int(micro):
+            raise BadInputError(
+                f"{key}={micro} does not divide the {per_rank} sequences each worker scores per step "
+                f"(data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} / {workers} workers): set it to a "
+                f"divisor of {per_rank}"
+            )
+

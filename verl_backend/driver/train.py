@@ -1,0 +1,158 @@
+"""``verl train``: resolve the settings, plan the job, check it, prepare its run folder and data, run VeRL."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from verl_backend import settings as job_settings
+from verl_backend.driver.bypass_guard import guard_bypass
+from verl_backend.driver.data_prep import prepare_data, validate_data_files
+from verl_backend.driver.plan import (compose_config, fit_default_micro_batches, flatten_yaml_overrides,
+                                      guard_user_reward, merge_overrides, model_path_overrides, normalized_path,
+                                      slice_defaults, split_rl_tpu)
+from verl_backend.driver.preflight import (check_batch_sizes, check_native_rollout, check_prompt_lengths,
+                                           check_user_reward, check_whole_numbers, fit_epochs_to_steps)
+from verl_backend.driver.profiles import profile
+from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
+from verl_backend.driver.runner import fork_server_here, job_runtime_env, run_with_restarts
+from verl_backend.errors import BadInputError
+
+
+def run_train(args) -> int:
+    """``verl train``: check and compose the config, then run VeRL's trainer (see the README)."""
+    fork_server: dict = {}  # the fork server started for this run (verl_backend.zygote), stopped whatever happens
+    try:
+        return _run_train(args, fork_server)
+    finally:
+        if fork_server.get("pid"):
+            from verl_backend import zygote
+
+            zygote.stop(fork_server["pid"])
+
+
+def _keys(overrides: list[str]) -> set[str]:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def _run_train(args, fork_server: dict) -> int:
+    backend = profile(args.backend)
+    if not (backend.tpu_runtime and args.print_config):  # a dry run composes the TPU config without a chip
+        backend.check()
+    # The platform must be chosen before VeRL is imported anywhere in this process or its workers.
+    os.environ["VERL_PLATFORM"] = backend.platform
+    if int(getattr(args, "max_restarts", 0) or 0) < 0:
+        raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
+
+    config_path = args.config or backend.default_config
+    file_overrides, file_ours = flatten_yaml_overrides(config_path) if config_path else ([], {})
+    cli_overrides, cli_ours = split_rl_tpu(list(args.overrides))
+    if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
+        file_ours = {k: v for k, v in file_ours.items() if k != "task_config"}  # belongs to the file's task
+    settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
+        "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
+        "--slice": getattr(args, "slice", None)})
+    settings = _apply_profile(backend, settings)
+
+    file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
+    defaults = dict(backend.overrides)
+    defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
+    slice_keys: dict[str, str] = {}
+    slice_from = f"--slice {args.slice}" if getattr(args, "slice", None) else \
+        f"rl_tpu.slice={settings.slice}" if settings.slice else "$TPU_ACCELERATOR_TYPE"
+    if backend.slices == "auto" or (backend.slices == "dry_run" and settings.slice):
+        # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
+        slice_keys, resolved_slice = slice_defaults(settings.slice)
+        settings = replace(settings, slice=resolved_slice)
+        defaults.update(slice_keys)
+    elif settings.slice:
+        raise BadInputError(f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not "
+                            f"{backend.name}")
+    merged = [normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
+
+    out = _run_folder(args, keys)
+    if not args.print_config:
+        fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
+        lock_run_folder(out)
+    extra = model_path_overrides(keys) + prepare_data(keys, settings, out)
+    if "trainer.default_local_dir" not in keys:
+        extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
+    config = compose_config(merged + extra)
+    check_whole_numbers(config)
+    if config_path == backend.default_config:
+        fit_default_micro_batches(config, _keys(cli_overrides))
+    guard_bypass(config, _keys(file_overrides + cli_overrides))
+    from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
+    check_batch_sizes(config, workers_from=slice_from if from_slice else "")
+    from omegaconf import OmegaConf, open_dict
+
+    settings = job_settings.mirror_from_config(settings, config)
+    with open_dict(config):
+        config.rl_tpu = job_settings.as_dict(settings)  # printed, saved in config.yaml; workers get the record
+    if args.print_config:
+        print(OmegaConf.to_yaml(config))
+        return 0
+
+    validate_data_files(config, keys)
+    check_prompt_lengths(config)
+    check_user_reward(config)
+    check_native_rollout(config)
+    fit_epochs_to_steps(config)
+    prepare_run_folder(config, out)
+    job_runtime_env(config, out, settings, fork_server)
+    OmegaConf.save(config, out / "config.yaml")
+
+    import gc
+
+    from rl_tpu.device import trim_host_heap
+    from verl_backend.report import write_report
+
+    gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
+    trim_host_heap()
+    start = time.time()
+    run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0),
+                      task_runner=settings.task_runner)
+    summary = write_report(out, wall_s=time.time() - start)
+    print(summary)
+    return 0
+
+
+def _apply_profile(backend, settings):
+    """The settings as this backend takes them: TPU-only keys refused elsewhere, its thread default, and the host
+    malloc settings of ``rl_tpu.compact_malloc`` put in place for every process started from here on."""
+    if not backend.tpu_runtime and settings.tpu_eager_mode != "strict":
+        raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
+                            f"--backend tpu only, not {backend.name}")
+    if settings.compact_malloc and backend.host_memory:
+        from rl_tpu.device import host_malloc_env, tune_host_malloc
+
+        os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
+        tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.zygote)
+    settings = replace(settings, num_threads=settings.num_threads or backend.default_threads)
+    if settings.num_threads:
+        os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)  # this process; workers get the record
+    if not backend.tpu_runtime:
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
+    return settings
+
+
+def _run_folder(args, keys: dict[str, str]) -> Path:
+    """``--output-dir`` or ``outputs/<trainer.experiment_name>``, created.
+
+    Raises:
+        BadInputError: it is a file, or cannot be created.
+    """
+    experiment = keys.get("trainer.experiment_name", "grpo_smollm2").strip("\"'")
+    out = Path(args.output_dir or Path("outputs") / experiment).resolve()
+    what = "--output-dir" if args.output_dir else "run folder"
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"{what} {out} is a file, not a folder: give a folder path (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
+            from None
+    return out
