@@ -141,17 +141,17 @@ def runtime_rows(ckpt: str, args) -> None:
 
     Per bundle: file size, top-1 agreement with PyTorch over 8 chats x ``--steps`` greedy steps (teacher-forced
     along the runtime's answers, ``edge_export.runtime_chat``), leading-agreement steps per chat, the runtime's
-    prefill and decode tokens/s (its own benchmark counters, CPU backend: this CPU with XNNPACK, not a phone) and
-    PyTorch eager greedy decode tokens/s with the same thread count, and the process's peak RSS after the bundle.
+    prefill and decode tokens/s on the chats (its conversation counters) and from its own ``Benchmark`` API
+    (128-token prefill, 64-token decode, in a child process whose peak RSS is the runtime's memory), beside PyTorch
+    eager on the same threads. CPU backend: this CPU with XNNPACK, not a phone.
     """
-    import resource
     import tempfile
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from edge_export.bundle import finish_bundle
-    from edge_export.chat_template import chat_format_for, hf_prompt_ids
-    from edge_export.runtime_chat import DEFAULT_CHATS, torch_greedy, verify_bundle
+    from edge_export.chat_template import chat_format_for
+    from edge_export.runtime_chat import verify_bundle
 
     fp32 = os.path.join(args.workdir, "smollm2_fp32.litertlm")
     shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache)]
@@ -161,28 +161,29 @@ def runtime_rows(ckpt: str, args) -> None:
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     chat = chat_format_for(tokenizer, model.generation_config)
-    prompt = hf_prompt_ids(tokenizer, DEFAULT_CHATS[0])
-    start = time.perf_counter()
-    torch_greedy(model, prompt, args.steps, ())
-    torch_tps = args.steps / (time.perf_counter() - start)
+    torch_speed = bench_lib.torch_tokens_per_s(model, 128, 64, args.threads)
     rows = []
-    for name in ("none", "dynamic-int8", "weight-int8", "dynamic-int4"):
+    for name in ("none", "dynamic-int8", "weight-int8", "dynamic-int4", "dynamic-int4-block"):
         path = fp32 if name == "none" else os.path.join(args.workdir, f"smollm2_{name}.litertlm")
         if name != "none" and not (args.reuse and os.path.exists(path)):
             with tempfile.TemporaryDirectory(dir=args.workdir) as work:
                 finish_bundle(fp32, path, chat, work, name)
         result = verify_bundle(path, model, tokenizer, quantization=name, stop_ids=chat.stop_token_ids,
                                steps=args.steps, cache_length=args.cache, num_threads=args.threads)
+        speed = bench_lib.bench_litertlm(path, num_threads=args.threads)
         rows.append((name, os.path.getsize(path) / 2**20, result["top1_agreement"],
                      [c.get("agreed_steps", 0) for c in result["chats"]], result["prefill_tokens_per_s"] or 0,
-                     result["decode_tokens_per_s"] or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                     result["decode_tokens_per_s"] or 0, speed["litert_prefill_tokens_per_s"],
+                     speed["litert_decode_tokens_per_s"], speed["litert_peak_rss_gib"],
                      result["chats"][0].get("runtime_answer", "")[:40]))
-    print(f"\nSmolLM2-135M-Instruct .litertlm through LiteRT-LM (CPU backend, XNNPACK, threads={args.threads}; "
-          f"PyTorch eager greedy {torch_tps:.1f} tokens/s)\n")
-    print(f"{'bundle':<14}{'MiB':>8}{'top1':>7}  {'leading agreed steps per chat':<34}{'prefill t/s':>12}"
-          f"{'decode t/s':>11}{'peak RSS GiB':>13}  first answer")
+    print(f"\nSmolLM2-135M-Instruct .litertlm through LiteRT-LM (CPU backend: this CPU, XNNPACK, not a phone; "
+          f"threads={args.threads})\nPyTorch eager: prefill {torch_speed['torch_prefill_tokens_per_s']:.0f} tokens/s, "
+          f"decode {torch_speed['torch_decode_tokens_per_s']:.1f} tokens/s\n")
+    print(f"{'bundle':<20}{'MiB':>7}{'top1':>7}  {'leading agreed steps per chat':<34}{'chat prefill/decode t/s':>24}"
+          f"{'bench prefill/decode t/s':>26}{'peak RSS GiB':>13}  first answer")
     for r in rows:
-        print(f"{r[0]:<14}{r[1]:>8.1f}{r[2]:>7.1%}  {str(r[3]):<34}{r[4]:>12.0f}{r[5]:>11.1f}{r[6]:>13.2f}  {r[7]!r}")
+        print(f"{r[0]:<20}{r[1]:>7.1f}{r[2]:>7.1%}  {str(r[3]):<34}{f'{r[4]:.0f} / {r[5]:.1f}':>24}"
+              f"{f'{r[6]:.0f} / {r[7]:.1f}':>26}{r[8]:>13.2f}  {r[9]!r}")
 
 
 if __name__ == "__main__":

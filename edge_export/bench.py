@@ -9,13 +9,17 @@ Figures are wall-clock medians (``time.perf_counter``) after one warm-up call, i
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
 
+from edge_export.errors import BAD_FILE, ExportError
 from edge_export.runtime import LiteRTCausalLM, TFLiteModule
 
 
@@ -97,3 +101,59 @@ def bench_causal_lm(
     report["decode_litert_over_torch"] = report["litert_decode_ms_per_token"] / report["torch_decode_ms_per_token"]
     report["prefill_litert_over_torch"] = report["litert_prefill_ms"] / report["torch_prefill_ms"]
     return report
+
+
+_RUNTIME_BENCHMARK = """
+import dataclasses, json, sys
+import litert_lm
+info = litert_lm.Benchmark(model_path=sys.argv[1], backend=litert_lm.Backend.CPU(thread_count=int(sys.argv[2])),
+                           prefill_tokens=int(sys.argv[3]), decode_tokens=int(sys.argv[4])).run()
+peak = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+print("BENCHMARK " + json.dumps({**dataclasses.asdict(info), "peak_kib": peak[0] if peak else None}), flush=True)
+"""
+
+
+def bench_litertlm(path: str, num_threads: int = 1, prefill_tokens: int = 128, decode_tokens: int = 64) -> dict:
+    """A ``.litertlm`` through the LiteRT-LM runtime's own ``Benchmark`` API (CPU backend), in a child process.
+
+    Returns:
+        dict with ``litert_prefill_tokens_per_s``, ``litert_decode_tokens_per_s``, ``init_s``,
+        ``time_to_first_token_s`` and ``litert_peak_rss_gib`` (the child's own peak resident memory after it
+        started, ``VmHWM``: interpreter, engine, weights, KV cache; rusage's maxrss would include the parent's
+        size at fork), plus ``file_bytes`` and ``threads``.
+    Raises:
+        ExportError(BAD_FILE): the runtime cannot load or run the bundle (its last log line in the message).
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNTIME_BENCHMARK, path, str(num_threads), str(prefill_tokens), str(decode_tokens)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    found = [line for line in out.splitlines() if line.startswith("BENCHMARK ")]
+    if proc.returncode != 0 or not found:
+        last = ([line for line in err.splitlines() if line.strip()] or ["no output"])[-1]
+        raise ExportError(BAD_FILE, f"the LiteRT-LM runtime could not benchmark {path}: {last}")
+    info = json.loads(found[-1].removeprefix("BENCHMARK "))
+    return {"file_bytes": os.path.getsize(path), "threads": num_threads, "prefill_tokens": prefill_tokens,
+            "decode_tokens": decode_tokens, "litert_prefill_tokens_per_s": info["last_prefill_tokens_per_second"],
+            "litert_decode_tokens_per_s": info["last_decode_tokens_per_second"], "init_s": info["init_time_in_second"],
+            "time_to_first_token_s": info["time_to_first_token_in_second"],
+            "litert_peak_rss_gib": info["peak_kib"] / 2**20 if info.get("peak_kib") else float("nan")}
+
+
+def torch_tokens_per_s(model: torch.nn.Module, prefill_tokens: int = 128, decode_tokens: int = 64,
+                       num_threads: int = 1) -> dict:
+    """PyTorch eager prefill and greedy decode tokens/s (batch 1, HF DynamicCache), on token ids 1..prefill_tokens."""
+    torch.set_num_threads(num_threads)
+    ids = torch.arange(1, prefill_tokens + 1)[None]
+    with torch.no_grad():
+        model(input_ids=ids[:, :8])  # warm-up
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill_s = time.perf_counter() - start
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode_s = time.perf_counter() - start
+    return {"torch_prefill_tokens_per_s": prefill_tokens / prefill_s, "torch_decode_tokens_per_s": decode_tokens / decode_s}

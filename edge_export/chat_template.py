@@ -15,8 +15,8 @@ there unchanged (litert-torch#1194, LiteRT-LM#3021):
 ``chat_format_for`` builds the format that makes the runtime prefill exactly the token ids of
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``: a prelude that joins the text parts of
 each message into a string (and defines ``bos_token`` / ``eos_token``) in front of the model's own template; a start
-token only when the tokenizer itself prepends BOS to plain text (then the template renders ``bos_token`` empty so
-it is not there twice); and stop tokens by id.
+token only when the tokenizer itself prepends BOS to plain text and the chat begins with it (then the template
+renders ``bos_token`` empty so it is not there twice); and stop tokens by id.
 """
 
 from __future__ import annotations
@@ -74,10 +74,8 @@ def hf_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
     Content given as a list of text parts is joined into a string first (stock templates expect strings).
     """
-    rendered = tokenizer.apply_chat_template(
-        [text_content(m) for m in messages], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.apply_chat_template([text_content(m) for m in messages], tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def tokenizer_prepends_bos(tokenizer) -> bool:
@@ -128,7 +126,12 @@ def chat_format_for(tokenizer, generation_config=None, source: str = "the checkp
             "runtime's conversations: add chat_template to tokenizer_config.json (or chat_template.jinja), or "
             "export to .tflite",
         )
-    start = tokenizer.bos_token if tokenizer_prepends_bos(tokenizer) else None
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                          add_generation_prompt=True)
+    # The runtime's start token stands for the BOS a chat begins with: only where the tokenizer puts it before
+    # plain text too (else `litert-lm run --no-template` would get a BOS that tokenizer(text) never has).
+    begins_with_bos = bool(tokenizer.bos_token) and probe.startswith(tokenizer.bos_token)
+    start = tokenizer.bos_token if begins_with_bos and tokenizer_prepends_bos(tokenizer) else None
     # With a start token the runtime supplies the BOS, so the template must not render it a second time.
     bos_text = "" if start is not None else (tokenizer.bos_token or "")
     prelude = (

@@ -180,12 +180,20 @@ def _run_bench(args) -> int:
 
     if not os.path.isfile(args.file):
         raise ExportError(BAD_FILE, f"FILE '{args.file}' does not exist; give a .tflite or .litertlm")
-    is_lm = args.file.endswith(".litertlm")
-    if not is_lm:
-        from edge_export.runtime import load_interpreter
+    if args.file.endswith(".litertlm"):  # through the LiteRT-LM runtime's own Benchmark API
+        result = bench_lib.bench_litertlm(args.file, num_threads=args.threads, decode_tokens=args.steps)
+        if args.source:
+            if not is_checkpoint_dir(args.source):
+                raise ExportError(BAD_FILE, f"--source '{args.source}' is not a model folder with config.json")
+            from transformers import AutoModelForCausalLM
 
-        is_lm = "decode" in load_interpreter(args.file).get_signature_list()
-    if is_lm:
+            model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
+            result.update(bench_lib.torch_tokens_per_s(model, result["prefill_tokens"], args.steps, args.threads))
+        print(f"{args.file} (this CPU, XNNPACK: not a phone)\n" + format_table(bench_rows(result)))
+        return 0
+    from edge_export.runtime import load_interpreter
+
+    if "decode" in load_interpreter(args.file).get_signature_list():
         model, prompt_ids = None, list(range(1, 17))
         if args.source:
             if not is_checkpoint_dir(args.source):
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "verify":
-            from edge_export.export import verify_litertlm
+            from edge_export.runtime_chat import verify_litertlm
 
             result = verify_litertlm(args.file, args.source, quantize=args.quantize, steps=args.verify_steps,
                                      min_agreement=args.min_agreement, num_threads=args.threads,

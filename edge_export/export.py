@@ -24,7 +24,7 @@ from edge_export.bundle import finish_bundle
 from edge_export.chat_template import chat_format_for
 from edge_export.errors import BAD_SOURCE, VERIFICATION_FAILED, ExportError
 from edge_export.quantize import check_block_size, recipe_name
-from edge_export.runtime_chat import DEFAULT_CHATS, verify_bundle
+from edge_export.runtime_chat import DEFAULT_CHATS, verification_rows, verify_bundle
 from edge_export.sources import inspect_checkpoint, run_on_sample
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -330,17 +330,7 @@ def export_module(
 
 def _verification_rows(result: dict) -> list[tuple[str, str]]:
     if result.get("runtime") == "litert_lm":
-        rows = [(f"chat {i}", f"prompt {c['torch_prompt_tokens']} tokens, " + (
-            f"runtime error: {c['runtime_error']}" if "runtime_error" in c else
-            f"runtime prefilled {c['runtime_prompt_tokens']}, greedy {c['agreed_steps']}/{c['steps']}: "
-            f"{c['runtime_answer'][:48]!r}")) for i, c in enumerate(result["chats"])]
-        rows.append(("top-1 agreement", f"{result['top1_agreement']:.1%} of {result['compared_steps']} steps "
-                                        f"(bound {result['min_agreement']:.0%})"))
-        if result["decode_tokens_per_s"]:
-            rows.append(("runtime tokens/s", f"prefill {result['prefill_tokens_per_s']:.0f}, decode "
-                                             f"{result['decode_tokens_per_s']:.1f} (this CPU, XNNPACK)"))
-        rows.append(("result", "PASS" if result["passed"] else "FAIL: " + "; ".join(result["failures"])))
-        return rows
+        return verification_rows(result)
     rows = [
         ("max abs error", f"{result['max_abs_error']:.4g}"),
         ("relative error", f"{result['relative_error']:.3g} (bound {result['tolerance']['relative_error']:.3g})"),
@@ -360,61 +350,14 @@ def bench_rows(result: dict) -> list[tuple[str, str]]:
         ("litert_decode_ms_per_token", "LiteRT decode ms/token"),
         ("torch_decode_ms_per_token", "PyTorch decode ms/token"),
         ("decode_litert_over_torch", "decode LiteRT / PyTorch"),
+        ("litert_prefill_tokens_per_s", "LiteRT-LM prefill tokens/s"),
+        ("litert_decode_tokens_per_s", "LiteRT-LM decode tokens/s"),
+        ("torch_prefill_tokens_per_s", "PyTorch prefill tokens/s"),
+        ("torch_decode_tokens_per_s", "PyTorch decode tokens/s"),
+        ("time_to_first_token_s", "LiteRT-LM first token s"),
+        ("litert_peak_rss_gib", "LiteRT-LM peak RSS GiB"),
     ):
         if key in result:
             rows.append((label, f"{result[key]:.3f}"))
     return rows
 
-
-def verify_litertlm(path: str, source: str, *, quantize: str = "none", steps: int = 32,
-                    min_agreement: float | None = None, chats: list[list[dict]] | None = None, num_threads: int = 1,
-                    eval_file: str | None = None, scorer: str = "number", eval_max_tokens: int = 128,
-                    max_drop: float = 5.0, quiet: bool = False) -> dict:
-    """Check an existing ``.litertlm`` through the LiteRT-LM runtime against the checkpoint it came from.
-
-    The bundle's own stop tokens (ids) and ``max_num_tokens`` are used; ``quantize`` only picks the default bound.
-    With ``eval_file`` the items are scored too (as in ``export_checkpoint``), under the key ``eval``.
-    Returns:
-        the verification dict of ``runtime_chat.verify_bundle`` (plus ``eval``).
-    Raises:
-        ExportError: BAD_FILE (no such bundle), BAD_SOURCE (not a model folder), VERIFICATION_FAILED (outside
-            the bound; the first failure and what to do in one line).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from edge_export.bundle import read_chat_format
-    from edge_export.errors import BAD_FILE
-    from edge_export.sources import is_checkpoint_dir
-
-    if not path.endswith(".litertlm") or not os.path.isfile(path):
-        raise ExportError(BAD_FILE, f"FILE '{path}' is not an existing .litertlm bundle; give one litert export wrote")
-    if not is_checkpoint_dir(source):
-        raise ExportError(BAD_SOURCE, f"--source '{source}' is not a model folder with config.json; give the "
-                                      "checkpoint the bundle was exported from")
-    with tempfile.TemporaryDirectory(prefix=".litertlm-read-", dir=os.path.dirname(os.path.abspath(path))) as tmp:
-        stored = read_chat_format(path, tmp)
-    stop_ids = tuple(t[0] for t in stored["stop_tokens"] if isinstance(t, list) and len(t) == 1)
-    if eval_file is not None:
-        from edge_export import evaluate
-
-        eval_items = evaluate.read_items(eval_file)
-        evaluate.load_scorer(scorer)
-    torch.set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    result = verify_bundle(path, model, tokenizer, quantization=quantize, stop_ids=stop_ids, chats=chats,
-                           steps=steps, cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads,
-                           min_agreement=min_agreement)
-    _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
-    if not result["passed"]:
-        more = f" (and {len(result['failures']) - 1} more)" if len(result["failures"]) > 1 else ""
-        raise ExportError(VERIFICATION_FAILED, f"{path} fails in the LiteRT-LM runtime: {result['failures'][0]}{more}; "
-                                               f"{result['hint']}")
-    if eval_file is not None:
-        result["eval"] = evaluate.evaluate_bundle(
-            path, model, tokenizer, eval_items, stop_ids=stop_ids, scorer=scorer, max_tokens=eval_max_tokens,
-            cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads, max_drop_points=max_drop)
-        if not result["eval"]["passed"]:
-            raise ExportError(VERIFICATION_FAILED, f"{path}: {result['eval']['failures'][0]}; use a milder "
-                                                   "--quantize, or raise --max-drop")
-    return result

@@ -7,6 +7,7 @@ controls are the same bundle rewritten by `edge_export.bundle.finish_bundle`.
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -208,3 +209,24 @@ def test_eval_file_errors_before_conversion(chatml_dir, tmp_path, capsys):
     assert code == 1 and "items.jsonl:1 needs keys 'prompt' and 'answer'" in one_line_error(err)
     code, _, err = run_cli(capsys, "export", chatml_dir, "-o", tmp_path / "m.tflite", "--eval", bad)
     assert code == 1 and "give a .litertlm output" in one_line_error(err)
+
+
+def test_bench_litertlm_through_the_runtime_benchmark_api(chatml_bundle, chatml_dir, capsys):
+    code, stdout, _ = run_cli(capsys, "bench", chatml_bundle, "--source", chatml_dir, "--steps", "16")
+    assert code == 0 and "this CPU, XNNPACK: not a phone" in stdout
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in stdout.splitlines()[1:])
+    for label in ("LiteRT-LM prefill tokens/s", "LiteRT-LM decode tokens/s", "PyTorch decode tokens/s",
+                  "LiteRT-LM peak RSS GiB"):
+        assert float(rows[label].strip()) > 0, label
+
+
+def test_a_bundle_the_runtime_cannot_load_fails_verification(tmp_path, capsys):
+    junk = tmp_path / "junk.litertlm"
+    junk.write_bytes(b"not a bundle" * 100)
+    from edge_export.runtime_chat import verify_bundle
+
+    result = verify_bundle(str(junk), None, None, quantization="none", stop_ids=(1,))
+    assert not result["passed"] and "the LiteRT-LM runtime cannot load" in result["failures"][0]
+    assert "Invalid magic number" in result["failures"][0]  # the runtime's own reason
+    code, _, err = run_cli(capsys, "verify", junk, "--source", tmp_path)
+    assert code == 1 and "--source" in one_line_error(err)
