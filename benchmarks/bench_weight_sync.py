@@ -182,7 +182,8 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
     rows["shared memory, in place (default)"] = [in_place() for _ in range(repeats)]
     with torch.no_grad():  # an optimizer step in the trainer is what the server serves next: no copy
         trainer.get_output_embeddings().weight.zero_()
-    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2}))
+    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2,
+                                                               "logprobs": True}))
     assert all(lp == out.log_probs[0] for lp in out.log_probs)  # all-zero logits: every token equally likely
     return rows
 

@@ -30,8 +30,9 @@ def worker_sampler() -> Any:
 class NativeCheckpointEngine(ColocatedCheckpointEngine):
     """VeRL's colocated (``naive``) weight sync, plus ``native_generate`` for the in-worker sampler."""
 
-    def native_generate(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
-        """Sample one response per prompt with ``key = (temperature, top_p, top_k, max_new_tokens)``.
+    def native_generate(self, prompts: list[list[int]], key) -> list[tuple[list[int], list[float] | None]]:
+        """Sample one response per prompt with ``key`` (:class:`rl_tpu.sampler.SamplingParams`, built from VeRL's
+        request by :func:`verl_backend.rollout.server.sampling_params_from_request`).
 
         Raises:
             RuntimeError: no sampler in this worker (``sampler_placement`` is not ``worker``).
