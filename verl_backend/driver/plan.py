@@ -208,10 +208,11 @@ def model_path_overrides(keys: dict[str, str]) -> list[str]:
     return extra
 
 
-def slice_defaults(slice_arg: str | None) -> tuple[dict[str, str], str]:
+def slice_defaults(slice_arg: str | None, given_as: str = "rl_tpu.slice") -> tuple[dict[str, str], str]:
     """Resource-pool keys for a TPU slice: one VeRL node per host, one worker per chip (whole chips).
 
-    ``slice_arg`` is ``"v6e-16"`` or ``"v6e-16:4x4"`` (``rl_tpu.slice``, ``--slice``); empty reads
+    ``slice_arg`` is ``"v6e-16"`` or ``"v6e-16:4x4"`` (``rl_tpu.slice``, ``--slice``: ``given_as`` names which, for
+    the error); empty reads
     ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY`` of this host (set on every TPU VM and by ``rl-tpu cluster up
     --fake-slice``).
 
@@ -233,7 +234,8 @@ def slice_defaults(slice_arg: str | None) -> tuple[dict[str, str], str]:
     try:
         spec = parse_slice(acc, topo or None)
     except TopologyError as exc:
-        raise BadInputError(f"rl_tpu.slice={slice_arg or acc}: {exc}") from None
+        raise BadInputError(f"{given_as if slice_arg else '$TPU_ACCELERATOR_TYPE'}={slice_arg or acc}: {exc}") \
+            from None
     keys = {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
     return keys, f"{spec.accelerator_type}:{spec.topology}"
 

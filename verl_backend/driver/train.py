@@ -64,7 +64,8 @@ def _run_train(args, fork_server: dict) -> int:
         f"rl_tpu.slice={settings.slice}" if settings.slice else "$TPU_ACCELERATOR_TYPE"
     if backend.slices == "auto" or (backend.slices == "dry_run" and settings.slice):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
-        slice_keys, resolved_slice = slice_defaults(settings.slice)
+        slice_keys, resolved_slice = slice_defaults(settings.slice, "--slice" if getattr(args, "slice", None)
+                                                    else "rl_tpu.slice")
         settings = replace(settings, slice=resolved_slice)
         defaults.update(slice_keys)
     elif settings.slice:
