@@ -94,3 +94,27 @@ def test_a_lora_checkpoint_holds_the_merged_model_and_the_adapter(models, tmp_pa
         base.load_state_dict(plain)
         reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
         torch.testing.assert_close(reloaded(input_ids=ids).logits.log_softmax(-1), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_merged_lora_checkpoint_exports_to_litert(models, tmp_path) -> None:
+    """The merged ``huggingface/`` folder is an ordinary checkpoint: ``litert export`` converts and verifies it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    pytest.importorskip("litert_torch")
+    from edge_export import export_checkpoint
+
+    from verl_backend.lora_sync import save_lora_checkpoint
+
+    trainer, _ = models
+    hf = tmp_path / "actor" / "huggingface"
+    hf.mkdir(parents=True)
+    trainer.get_base_model().config.save_pretrained(hf)
+    AutoTokenizer.from_pretrained(trainer.get_base_model().config._name_or_path).save_pretrained(hf)
+    hf_dir, _ = save_lora_checkpoint(trainer, str(tmp_path / "actor"))
+    export_checkpoint(hf_dir, str(tmp_path / "merged.tflite"), quantize="none", prefill_lengths=(32,),
+                      cache_length=64, verify_steps=4, quiet=True)
+    report = json.loads((tmp_path / "merged.tflite.report.json").read_text())
+    assert report["verification"]["passed"] is True and report["verification"]["max_abs_error"] < 1e-2
