@@ -153,11 +153,18 @@ def match_saved_config_dtype(hf_dir: str | os.PathLike) -> str | None:
 
 
 class _HFConfigDtypeOnSave:
-    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`)."""
+    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`);
+    with LoRA, ``huggingface/`` becomes the merged model and ``lora_adapter/`` the adapter
+    (:func:`verl_backend.lora_sync.save_lora_checkpoint`)."""
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
                                 max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+        if getattr(self, "_is_lora", False) and local_path is not None:
+            from verl_backend.lora_sync import save_lora_checkpoint
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            save_lora_checkpoint(self.module, local_path, rank=rank)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             match_saved_config_dtype(Path(local_path) / "huggingface")
 

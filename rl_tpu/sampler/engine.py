@@ -10,7 +10,7 @@ One call to :meth:`Sampler.generate`:
    (decode), choosing tokens with :func:`~rl_tpu.sampler.processing.choose_tokens` (after the repetition penalty
    and min-tokens processors, :class:`~rl_tpu.sampler.processing.LogitsProcessors`, when requested). On CPU the
    distinct prompts are prefilled unpadded, packed into one sequence whose common prefix (a chat template's system
-   prompt) is computed once (see :meth:`Sampler._packed_prefill`);
+   prompt) is computed once (see :func:`rl_tpu.sampler.prefill.packed_prefill`);
 4. stops when every row has met an EOS/stop token or ``max_new_tokens``; when half the rows or more are finished
    the batch shrinks to the next power of two (the finished rows' cache rows are dropped).
 
@@ -26,12 +26,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
-from rl_tpu.sampler.attention import ATTN_NAME, gqa_attention
+from rl_tpu.sampler.attention import gqa_attention
+from rl_tpu.sampler.fastpaths import FastPaths
 from rl_tpu.sampler.lean import LeanDecoder
 from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
 from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
+from rl_tpu.sampler.prefill import packed_prefill
 from rl_tpu.sampler.processing import LogitsProcessors, choose_tokens, token_logprobs
 
 
@@ -66,15 +67,6 @@ def longrope_switch_length(config) -> int | None:
     return min(found) if found else None
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the longest common start of ``a`` and ``b``, at most ``limit``."""
-    n = min(limit, len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Sampler:
     """Generate completions and their log-probs from a Hugging Face causal LM.
 
@@ -101,8 +93,8 @@ class Sampler:
         packed_prefill_tokens: most tokens in one packed prefill sequence (prompts beyond go to further ones); its
             attention mask is ``tokens**2`` bytes.
         lean_decode: run decode steps through :class:`rl_tpu.sampler.lean.LeanDecoder` (the same modules and
-            weights without transformers' per-call overhead) when the model is a float32 Llama-architecture model;
-            ``None``: on for the CPU. Other models keep their own forward.
+            weights without transformers' per-call overhead) when it computes the model's numbers
+            (:mod:`rl_tpu.sampler.fastpaths`); ``None``: on for the CPU. Other models keep their own forward.
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
     repetition penalty, min tokens and top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as
@@ -160,6 +152,7 @@ class Sampler:
             lean_decode = self.device.type == "cpu"
         self.lean_decode = bool(lean_decode)
         self.lean: LeanDecoder | None = None  # built per generate: the model may be cast or resized in between
+        self.fast_paths = FastPaths(model)  # whether packed prefill and lean decode compute the model's numbers
         if packed_prefill_tokens < 1:
             raise SamplerError(f"packed_prefill_tokens={packed_prefill_tokens!r}: give a positive token count")
         self.packed_prefill_tokens = int(packed_prefill_tokens)
@@ -177,15 +170,19 @@ class Sampler:
         """Copy new weights into the model in place (weight sync); names are the model's ``state_dict`` keys.
 
         The parameters keep their storage, so anything holding them (a compiled graph, this sampler) stays
-        valid; dtype and device are converted on copy.
+        valid; dtype and device are converted on copy. Per-expert names of a model that holds its experts fused go
+        into their slices (:func:`rl_tpu.expert_slices.expert_slice`).
 
         Raises:
             SamplerError: a name the model does not have, or a shape that differs from the model's.
         """
         from rl_tpu.collectives import weight_mismatch
+        from rl_tpu.expert_slices import expert_slice
 
         for name, src in named_tensors:
             dst = self._tensors.get(name)
+            if dst is None and (piece := expert_slice(name, self._tensors.get)) is not None:
+                dst = piece[1]
             problem = weight_mismatch("load_state_dict", name, dst, src, next(iter(self._tensors)))
             if problem:
                 raise SamplerError(problem)
@@ -210,7 +207,7 @@ class Sampler:
         self._check(prompts, params)
         if not prompts:
             return []
-        self.lean = LeanDecoder.build(self.model) if self.lean_decode else None
+        self.lean = self.fast_paths.lean() if self.lean_decode else None
         rows = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # prompt-major
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths share a prompt bucket
         step = self.max_batch_size or len(rows)
@@ -376,14 +373,12 @@ class Sampler:
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]  # row -> first row with its prompt
         uniq = sorted(set(src))
-        if (
-            self.packed_prefill
-            and getattr(self.config, "_attn_implementation", None) == ATTN_NAME  # our attention reads the mask
-            and all(type(layer) is StaticLayer for layer in cache.layers)  # not sliding-window layers
-        ):
+        if self.packed_prefill and self.fast_paths.packed_prefill(cache):  # else said once, and padded
             if not self.share_prefix:
                 src, uniq = list(range(len(rows))), list(range(len(rows)))
-            return self._packed_prefill(rows, src, uniq, ids.shape[1], cache)
+            return packed_prefill(self.model, rows, src, uniq, ids.shape[1], cache,
+                                  max_tokens=self.packed_prefill_tokens, shapes_seen=self.shapes_seen,
+                                  device=self.device)
         if not self.share_prefix or len(uniq) == len(rows):
             return self._forward(ids, mask, pos, cache)
         sub = uniq + [uniq[0]] * (_next_pow2(len(uniq)) - len(uniq))  # pad to a power of two
@@ -393,85 +388,6 @@ class Sampler:
         expand = torch.tensor([where[s] for s in src], device=ids.device)  # (batch,) row -> prefill row
         self._reorder(cache, expand)
         return logits[expand]
-
-    def _packed_prefill(
-        self, rows: list[list[int]], src: list[int], uniq: list[int], prompt_len: int, cache: StaticCache
-    ) -> torch.Tensor:
-        """Prefill the distinct prompts ``rows[j]`` for ``j`` in ``uniq`` unpadded and write the batch's cache.
-
-        The prompts (in groups of at most ``packed_prefill_tokens`` tokens) become one sequence ``prefix + s_1 +
-        ... + s_u``: ``prefix`` is their longest common prefix (kept shorter than the shortest prompt), ``s_j``
-        the rest of prompt ``j``. Position ids restart per prompt (``prefix`` at ``0..P-1``, ``s_j`` at ``P..``),
-        and a boolean mask lets a token of ``s_j`` see ``prefix`` and the earlier tokens of ``s_j``, nothing else:
-        each prompt's keys, values and last logits are those of a forward of that prompt alone (RoPE depends only
-        on the position id). Row ``i``'s cache slots ``[prompt_len - len_i, prompt_len)`` then receive its
-        prompt's keys and values (the left-padding slots get its first token's, hidden by the attention mask).
-
-        Args:
-            rows: the batch's prompts (left-padded to ``prompt_len`` in the cache).
-            src: ``src[i]`` is the first row with row ``i``'s prompt; ``uniq`` the distinct ``src`` values.
-
-        Returns:
-            ``(batch, vocab)`` logits of each row's last prompt token.
-        """
-        from transformers import DynamicCache
-
-        dev = self.device
-        # greedy groups within the token budget (a prompt longer than it gets a group alone); each group's shared
-        # prefix is kept shorter than its shortest prompt, so every prompt has a token of its own
-        groups: list[tuple[list[int], int]] = []  # (members, prefix length)
-        for j in uniq:
-            if groups:
-                members, plen = groups[-1]
-                plen = min(_common_prefix_len(rows[members[0]], rows[j], plen), len(rows[j]) - 1)
-                if plen + sum(len(rows[k]) - plen for k in members) + len(rows[j]) - plen <= self.packed_prefill_tokens:
-                    groups[-1] = (members + [j], plen)
-                    continue
-            groups.append(([j], len(rows[j]) - 1))
-        last: dict[int, torch.Tensor] = {}  # uniq row -> (vocab,) logits
-        token_index: dict[int, list[int]] = {}  # uniq row -> its prompt tokens' places in the concatenated sequences
-        keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # group -> layer -> (keys, values)
-        offset = 0  # start of the group's sequence once all groups' keys are concatenated
-        for members, plen in groups:
-            tokens, pos, seg, ends = list(rows[members[0]][:plen]), list(range(plen)), [-1] * plen, []
-            for m, k in enumerate(members):
-                start = len(tokens)
-                tokens += rows[k][plen:]
-                pos += range(plen, len(rows[k]))
-                seg += [m] * (len(rows[k]) - plen)
-                ends.append(len(tokens) - 1)
-                token_index[k] = [offset + i for i in (*range(plen), *range(start, len(tokens)))]
-            seg_t = torch.tensor(seg, device=dev)
-            n = len(tokens)
-            causal = torch.ones((n, n), dtype=torch.bool, device=dev).tril()
-            allowed = causal & ((seg_t[None, :] == -1) | (seg_t[None, :] == seg_t[:, None]))  # (query, key)
-            self.shapes_seen.add((1, n, n))
-            kv = DynamicCache(config=self.config)
-            out = self.model(
-                input_ids=torch.tensor([tokens], device=dev), attention_mask=allowed[None, None],
-                position_ids=torch.tensor([pos], device=dev), past_key_values=kv, use_cache=True,
-                logits_to_keep=torch.tensor(ends, device=dev),
-            )
-            last.update(zip(members, out.logits[0]))
-            keys_values.append([(layer.keys[0], layer.values[0]) for layer in kv.layers])  # (kv_heads, n, dim)
-            offset += n
-
-        # row i's cache slot s <- place of its prompt token s - (prompt_len - len_i); left-padding slots take the
-        # row's first token (finite values, hidden by the attention mask)
-        index = torch.tensor(
-            [[token_index[src[i]][max(0, s - (prompt_len - len(r)))] for s in range(prompt_len)] for i, r in enumerate(rows)],
-            device=dev,
-        )  # (batch, prompt_len)
-        for li, layer in enumerate(cache.layers):
-            keys = torch.cat([kvs[li][0] for kvs in keys_values], dim=1)  # (kv_heads, all tokens, dim)
-            values = torch.cat([kvs[li][1] for kvs in keys_values], dim=1)
-            if not layer.is_initialized:
-                layer.lazy_initialization(keys[None, :, :1].expand(len(rows), -1, -1, -1),
-                                          values[None, :, :1].expand(len(rows), -1, -1, -1))
-            layer.keys[:, :, :prompt_len] = keys[:, index].transpose(0, 1)  # (batch, kv_heads, prompt_len, dim)
-            layer.values[:, :, :prompt_len] = values[:, index].transpose(0, 1)
-            layer.cumulative_length.fill_(prompt_len)
-        return torch.stack([last[k] for k in src])  # (batch, vocab)
 
     @staticmethod
     def _reorder(cache: StaticCache, index: torch.Tensor) -> None:

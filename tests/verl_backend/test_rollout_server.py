@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 
 
 @pytest.fixture()
-def server(tiny_model_dir):
+def server(tiny_model_dir, job_settings):
     from verl_backend.rollout.server import NativeRolloutServer
 
     cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32")

@@ -17,7 +17,6 @@ collective under FSDP). No NCCL, no shared device memory. Three transports, the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -162,13 +161,10 @@ class NativeServerAdapter(BaseRollout):
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
         """
-        from rl_tpu.collectives import iter_buckets, pack_bucket
-
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
         start, n = time.perf_counter(), 0
-        pending = []
 
         def cpu_full(it):
             for name, t in it:
@@ -216,22 +212,12 @@ class NativeServerAdapter(BaseRollout):
                               "transport": "shared_memory"}
             self._report_first_sync()
             return
-        staging = None  # one reused pack buffer: ray.put copies it into the object store
-        buckets = list(iter_buckets(cpu_full(weights), self.bucket_bytes))
-        sent = 0
-        for i, bucket in enumerate(buckets):
-            if len(pending) >= MAX_BUCKETS_IN_FLIGHT:  # bound the object store (and server) to a few buckets
-                sent += await pending.pop(0)
-            if staging is None:
-                staging = torch.empty(self.bucket_bytes + (1 << 20), dtype=torch.uint8)
-            flat, meta = pack_bucket(bucket, out=staging if sum(t.nbytes for _, t in bucket) <= self.bucket_bytes else None)
-            # A numpy view goes into the object store zero-copy (plasma); a torch tensor is pickled, ~30x slower.
-            ref = ray.put(flat.numpy())
-            pending.append(server.update_weights_bucket.remote(ref, meta, i == len(buckets) - 1, global_steps,
-                                                               total=len(buckets)))
-            del ref
-            n += 1
-        sent += sum(await asyncio.gather(*pending))
+        from verl_backend.rollout.bucket_sync import send_buckets
+
+        def send(flat, meta, last, total):  # ray.put copies the staging buffer into the object store
+            return server.update_weights_bucket.remote(ray.put(flat), meta, last, global_steps, total=total)
+
+        sent, n = await send_buckets(cpu_full(weights), self.bucket_bytes, send, MAX_BUCKETS_IN_FLIGHT)
         self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n),
                           "transport": "object_store"}
         from verl_backend.settings import current

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rl_tpu.device import trim_host_heap
+from verl_backend.settings import current
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Request:
     prompt_ids: list[int]
-    key: tuple
+    key: Any  # rl_tpu.sampler.SamplingParams (frozen): requests with equal settings share a batch
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -64,7 +65,8 @@ class NativeRolloutServer:
     ):
         from rl_tpu.device import set_num_threads
 
-        set_num_threads(None)
+        if current().num_threads:
+            set_num_threads(current().num_threads)
         self.config = rollout_config
         self.model_path = model_path
         self.device = torch.device(device)
@@ -97,7 +99,7 @@ class NativeRolloutServer:
         self.response_length = int(getattr(self.config, "response_length", 512))
         if self.worker_method is None:
             self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
-            if self.device.type == "cpu" and os.environ.get(SHARED_WEIGHTS_ENV, "1") != "0":
+            if self.device.type == "cpu" and current().shared_weights:
                 from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
 
                 try:
@@ -117,13 +119,19 @@ class NativeRolloutServer:
     ):
         """Generate one response for ``prompt_ids`` (token ids).
 
+        ``sampling_params`` becomes :class:`rl_tpu.sampler.SamplingParams` in one place,
+        :func:`sampling_params_from_request`: every key is honoured or refused (see
+        :data:`rl_tpu.sampler.params.REQUEST_KEYS`).
+
         Returns:
-            ``TokenOutput`` with ``token_ids`` (response only), ``log_probs`` (float, one per response token,
-            log-softmax of the temperature-scaled logits) and ``stop_reason`` ``"completed"``.
+            ``TokenOutput`` with ``token_ids`` (response only), ``log_probs`` (when the request asks for them with
+            VeRL's ``logprobs``, else ``None``: float, one per response token, log-softmax of the
+            temperature-scaled logits before penalties and truncation) and ``stop_reason`` ``"completed"``.
 
         Raises:
-            ValueError: images/videos given (the native rollout is text only) or a prompt longer than
-                ``rollout.prompt_length``.
+            ValueError: images/videos given (the native rollout is text only), a prompt longer than
+                ``rollout.prompt_length``, or a sampling key the native sampler cannot honour
+                (``rl_tpu.sampler.SamplerError``, one line naming it).
         """
         from verl.workers.rollout.replica import TokenOutput
 
@@ -134,17 +142,7 @@ class NativeRolloutServer:
                 f"prompt of {len(prompt_ids)} tokens is longer than rollout.prompt_length={self.max_prompt_len}; "
                 "raise data.max_prompt_length or keep data.filter_overlong_prompts=True"
             )
-        params = dict(sampling_params)
-        max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", None))
-        if max_tokens is None:
-            max_tokens = self.response_length
-        max_tokens = int(max(1, min(max_tokens, self.response_length)))
-        key = (
-            float(params.get("temperature", 1.0)),
-            float(params.get("top_p", 1.0)),
-            int(params.get("top_k", -1) if params.get("top_k") is not None else -1),
-            max_tokens,
-        )
+        key = sampling_params_from_request(sampling_params, self.config, self.response_length, self.replica_rank)
         loop = asyncio.get_running_loop()
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -153,7 +151,7 @@ class NativeRolloutServer:
         self._queue.append(req)
         self.stats["requests"] += 1
         self._wake.set()
-        token_ids, log_probs = await req.future
+        token_ids, log_probs = await req.future  # log_probs None unless requested
         extra = {"global_steps": self.global_steps}
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason="completed", extra_fields=extra)
 
@@ -186,7 +184,7 @@ class NativeRolloutServer:
                     if not r.future.done():
                         r.future.set_result(out)
 
-    def _run_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+    def _run_batch(self, prompts: list[list[int]], key: Any) -> list[tuple[list[int], list[float] | None]]:
         if self.shared is not None and not self.shared.resident:
             raise RuntimeError(
                 "the native rollout is asleep: sleep() released its weights; sync weights first "
@@ -211,7 +209,8 @@ class NativeRolloutServer:
         """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`) and load it.
 
         ``flat`` is the ``uint8`` bytes (a read-only numpy view of the Ray object store, or a tensor), ``metadata``
-        its layout; ``total`` the number of buckets in this sync (``None``: the one marked ``last`` ends it).
+        its layout; ``total`` the number of buckets in this sync, given with any of them (a streaming sender knows
+        it at the last); the sync ends once that many are loaded (``None`` on all: the one marked ``last`` ends it).
         Each bucket is copied into the model as it arrives, so the object store and this process hold one
         bucket at a time, not a second copy of the model. Generation is held from the first bucket until all
         have been loaded (a batch already running finishes first on the old weights), so no batch ever sees a
@@ -223,12 +222,15 @@ class NativeRolloutServer:
             raise RuntimeError("this rollout computes on the trainer's weights in shared memory (read-only): a bucket "
                                "sync cannot write them; restart the rollout server to sync through the object store")
         if not self._updating:
-            self._updating, self._buckets_loaded = True, 0
+            self._updating, self._buckets_loaded, self._buckets_total = True, 0, None
+        if total is not None:
+            self._buckets_total = total
         while self._batch_running:  # never copy weights under a running batch
             await asyncio.sleep(0.005)
         start = time.perf_counter()
         self.sampler.load_state_dict(unpack_bucket(flat, metadata))
         self._buckets_loaded += 1
+        total = self._buckets_total
         if (total is not None and self._buckets_loaded >= total) or (total is None and last):
             self._updating = False
             self.set_global_steps(global_steps)
@@ -370,7 +372,6 @@ class NativeRolloutServer:
         return ray.util.get_node_ip_address(), 0
 
 
-SHARED_WEIGHTS_ENV = "RL_TPU_SHARED_WEIGHTS"  # "0": sync through the Ray object store even on one host
 
 
 def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False):
@@ -404,13 +405,33 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     )
 
 
-def run_sampler(sampler, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
-    """Sample one response per prompt with settings ``key = (temperature, top_p, top_k, max_new_tokens)``."""
-    from rl_tpu.sampler import SamplingParams
+def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, response_length: int,
+                                 replica_rank: int = 0):
+    """The one place VeRL's ``sampling_params`` dict becomes :class:`rl_tpu.sampler.SamplingParams`.
 
-    temperature, top_p, top_k, max_tokens = key
-    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens)
-    return [(list(o.token_ids), [float(x) for x in o.logprobs]) for o in sampler.generate(prompts, params)]
+    As VeRL 0.9.1's vLLM adapter (``vllm_async_server.generate``) does, ``repetition_penalty`` and ``ignore_eos``
+    default to the rollout config's keys and, with ``rollout.full_determinism``, ``seed`` to ``replica_rank +
+    rollout.seed``; new tokens are capped at ``rollout.response_length``. Every key is then honoured or refused by
+    :func:`rl_tpu.sampler.params.request_params` (its table :data:`~rl_tpu.sampler.params.REQUEST_KEYS`).
+
+    Raises:
+        rl_tpu.sampler.SamplerError: a key with a value the native sampler cannot honour (one line naming it).
+    """
+    from rl_tpu.sampler.params import request_params
+
+    request = dict(request)
+    request.setdefault("repetition_penalty", getattr(rollout_config, "repetition_penalty", 1.0))
+    request.setdefault("ignore_eos", getattr(rollout_config, "ignore_eos", False))
+    if getattr(rollout_config, "full_determinism", False) is True:
+        request.setdefault("seed", replica_rank + int(getattr(rollout_config, "seed", 0)))
+    return request_params(request, max_tokens=response_length)
+
+
+def run_sampler(sampler, prompts: list[list[int]], params) -> list[tuple[list[int], list[float] | None]]:
+    """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
+    in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt."""
+    outs = sampler.generate(prompts, params)
+    return [(list(o.token_ids), None if o.logprobs is None else [float(x) for x in o.logprobs]) for o in outs]
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -424,7 +445,9 @@ def _buckets(limit: int) -> tuple[int, ...]:
 
 
 def server_env() -> dict[str, str]:
-    """Environment for the server actor: thread count and TorchTPU autoload follow the driver's."""
-    keep = ("RL_TPU_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY",
-            SHARED_WEIGHTS_ENV)
+    """Environment for the server actor: the job's settings record, thread count and TorchTPU autoload as in the
+    process that creates it (Ray merges these into the job's own runtime_env)."""
+    from verl_backend.settings import RECORD_ENV
+
+    keep = (RECORD_ENV, "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
     return {k: os.environ[k] for k in keep if k in os.environ}
