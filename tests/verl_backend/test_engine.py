@@ -26,7 +26,7 @@ def test_response_only_log_probs_equal_full_logits_path(tiny_model_dir, temperat
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
     from verl.workers.utils.padding import build_attention_mask_from_nested
 
-    from verl_backend.engine import first_response_logit_position, response_log_probs
+    from verl_backend.response_logits import first_response_logit_position, response_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def test_response_only_log_probs_equal_full_logits_path(tiny_model_dir, temperat
 def test_other_layouts_keep_verls_own_path():
     from tensordict import TensorDict
 
-    from verl_backend.engine import first_response_logit_position
+    from verl_backend.response_logits import first_response_logit_position
 
     dense = TensorDict({"input_ids": torch.ones(2, 4, dtype=torch.long)}, batch_size=[2])
     assert first_response_logit_position(dense) is None
@@ -85,7 +85,7 @@ def test_packed_response_log_probs_equal_each_sequence_run_alone(tiny_model_dir,
     from transformers import AutoModelForCausalLM
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-    from verl_backend.engine import packed_response_log_probs, response_logit_indices
+    from verl_backend.response_logits import packed_response_log_probs, response_logit_indices
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(1)
@@ -123,7 +123,7 @@ def test_packed_response_log_probs_equal_each_sequence_run_alone(tiny_model_dir,
 
 
 def test_packed_log_probs_carry_gradients_to_the_kept_positions_only(tiny_model_dir):
-    from verl_backend.engine import packed_response_log_probs
+    from verl_backend.response_logits import packed_response_log_probs
 
     logits = torch.randn(1, 3, 11, requires_grad=True)
     keep = torch.tensor([1, 2, 5])
@@ -139,7 +139,7 @@ def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(
     same gradient as the row with a copy per sequence (VeRL's layout)."""
     from transformers import AutoModelForCausalLM
 
-    from verl_backend.engine import packed_response_log_probs, response_logit_indices
+    from verl_backend.response_logits import packed_response_log_probs, response_logit_indices
     from verl_backend.shared_prefix import attention_kinds, shared_prefix_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -224,7 +224,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
         return fully_shard(m, mesh=mesh)
 
     shared, plain, trimmed = build(), build(), build()
-    # one CPU rank: the engine trains the module unwrapped (verl_backend.engine._SingleRankPlainModule)
+    # one CPU rank: the engine trains the module unwrapped (verl_backend.plain_module._SingleRankPlainModule)
     unwrapped = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trim = BackwardHeapTrim(trimmed)  # FSDP2 renames the block class (FSDPLlamaDecoderLayer): matched by its base
     params, unwrapped_params = list(shared.parameters()), list(unwrapped.parameters())
@@ -302,7 +302,7 @@ def test_saved_checkpoint_config_names_the_dtype_of_its_weights(tmp_path, tiny_m
 
     from transformers import AutoModelForCausalLM
 
-    from verl_backend.engine import match_saved_config_dtype
+    from verl_backend.plain_module import match_saved_config_dtype
 
     ckpt = tmp_path / "huggingface"
     shutil.copytree(tiny_model_dir, ckpt)

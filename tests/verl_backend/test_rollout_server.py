@@ -257,7 +257,7 @@ def test_sampling_request_a_key_it_cannot_honour_is_one_clear_error(server, requ
 def test_rollout_config_sampling_defaults_apply_as_in_vllms_adapter(tiny_model_dir):
     """rollout.repetition_penalty fills a request that names none (VeRL's vLLM adapter: setdefault); rollout.ignore_eos
     is refused; full_determinism seeds the request."""
-    from verl_backend.rollout.server import sampling_params_from_request
+    from verl_backend.rollout.sampling import sampling_params_from_request
 
     cfg = SimpleNamespace(repetition_penalty=1.3, ignore_eos=False, full_determinism=True, seed=40)
     params = sampling_params_from_request({"temperature": 1.0}, cfg, response_length=16, replica_rank=2)

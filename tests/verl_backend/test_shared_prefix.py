@@ -51,7 +51,7 @@ def _plain_forward(model, prompts, responses):
 def _shared_forward(model, td, kinds):
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-    from verl_backend.engine import response_logit_indices
+    from verl_backend.response_logits import response_logit_indices
     from verl_backend.shared_prefix import shared_prefix_inputs
 
     model.zero_grad(set_to_none=True)

@@ -18,7 +18,6 @@ collective under FSDP). No NCCL, no shared device memory. Three transports, the 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from typing import Any, Generator
@@ -91,7 +90,7 @@ class NativeServerAdapter(BaseRollout):
             from verl.utils.device import get_device_name
 
             from verl_backend.rollout.inworker import set_worker_sampler
-            from verl_backend.rollout.server import build_sampler
+            from verl_backend.rollout.sampling import build_sampler
 
             self.sampler = build_sampler(
                 self.model_config.local_path, self.config, get_device_name(),

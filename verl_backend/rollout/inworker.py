@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl.checkpoint_engine.base import CheckpointEngineRegistry, ColocatedCheckpointEngine
+from verl.checkpoint_engine.base import (
+    CheckpointEngineRegistry,
+    ColocatedCheckpointEngine,
+)
 
 _SAMPLER: Any = None
 
@@ -32,12 +35,12 @@ class NativeCheckpointEngine(ColocatedCheckpointEngine):
 
     def native_generate(self, prompts: list[list[int]], key) -> list[tuple[list[int], list[float] | None]]:
         """Sample one response per prompt with ``key`` (:class:`rl_tpu.sampler.SamplingParams`, built from VeRL's
-        request by :func:`verl_backend.rollout.server.sampling_params_from_request`).
+        request by :func:`verl_backend.rollout.sampling.sampling_params_from_request`).
 
         Raises:
             RuntimeError: no sampler in this worker (``sampler_placement`` is not ``worker``).
         """
-        from verl_backend.rollout.server import run_sampler
+        from verl_backend.rollout.sampling import run_sampler
 
         if _SAMPLER is None:
             raise RuntimeError(

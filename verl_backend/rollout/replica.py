@@ -8,7 +8,8 @@ from verl.utils.device import get_device_name
 from verl.workers.rollout.replica import RolloutReplica
 
 from verl_backend.rollout import server_actor_name
-from verl_backend.rollout.server import NativeRolloutServer, server_env
+from verl_backend.rollout.sampling import server_env
+from verl_backend.rollout.server import NativeRolloutServer
 
 
 def _model_path(model_config) -> str:

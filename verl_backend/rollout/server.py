@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from rl_tpu.device import trim_host_heap
+from verl_backend.rollout.sampling import build_sampler, run_sampler, sampling_params_from_request
 from verl_backend.settings import current
 
 logger = logging.getLogger(__name__)
@@ -370,84 +370,3 @@ class NativeRolloutServer:
         import ray
 
         return ray.util.get_node_ip_address(), 0
-
-
-
-
-def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False):
-    """An :class:`rl_tpu.sampler.Sampler` over a fresh inference copy of the HF model at ``model_path``.
-
-    Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
-    ``rollout.max_num_seqs``; dtype ``rollout.dtype``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rl_tpu.sampler import Sampler
-
-    device = torch.device(device)
-    dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
-    )
-    model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
-    return Sampler(
-        model,
-        pad_token_id=pad,
-        eos_token_ids=eos_ids,
-        prompt_buckets=_buckets(int(getattr(rollout_config, "prompt_length", 512))),
-        gen_buckets=_buckets(int(getattr(rollout_config, "response_length", 512))),
-        max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
-        device=device,
-    )
-
-
-def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, response_length: int,
-                                 replica_rank: int = 0):
-    """The one place VeRL's ``sampling_params`` dict becomes :class:`rl_tpu.sampler.SamplingParams`.
-
-    As VeRL 0.9.1's vLLM adapter (``vllm_async_server.generate``) does, ``repetition_penalty`` and ``ignore_eos``
-    default to the rollout config's keys and, with ``rollout.full_determinism``, ``seed`` to ``replica_rank +
-    rollout.seed``; new tokens are capped at ``rollout.response_length``. Every key is then honoured or refused by
-    :func:`rl_tpu.sampler.params.request_params` (its table :data:`~rl_tpu.sampler.params.REQUEST_KEYS`).
-
-    Raises:
-        rl_tpu.sampler.SamplerError: a key with a value the native sampler cannot honour (one line naming it).
-    """
-    from rl_tpu.sampler.params import request_params
-
-    request = dict(request)
-    request.setdefault("repetition_penalty", getattr(rollout_config, "repetition_penalty", 1.0))
-    request.setdefault("ignore_eos", getattr(rollout_config, "ignore_eos", False))
-    if getattr(rollout_config, "full_determinism", False) is True:
-        request.setdefault("seed", replica_rank + int(getattr(rollout_config, "seed", 0)))
-    return request_params(request, max_tokens=response_length)
-
-
-def run_sampler(sampler, prompts: list[list[int]], params) -> list[tuple[list[int], list[float] | None]]:
-    """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
-    in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt."""
-    outs = sampler.generate(prompts, params)
-    return [(list(o.token_ids), None if o.logprobs is None else [float(x) for x in o.logprobs]) for o in outs]
-
-
-def _buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two from 16 up to ``limit`` (``limit`` itself last): a bounded set of compiled shapes."""
-    out, b = [], 16
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(int(limit))
-    return tuple(out)
-
-
-def server_env() -> dict[str, str]:
-    """Environment for the server actor: the job's settings record, thread count and TorchTPU autoload as in the
-    process that creates it (Ray merges these into the job's own runtime_env)."""
-    from verl_backend.settings import RECORD_ENV
-
-    keep = (RECORD_ENV, "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
-    return {k: os.environ[k] for k in keep if k in os.environ}
