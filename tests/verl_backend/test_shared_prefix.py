@@ -89,6 +89,47 @@ def test_shared_prefix_row_equals_each_sequence_alone(tmp_path, default_model_di
         torch.testing.assert_close(grad[name], want, rtol=1e-3, atol=1e-5, msg=name)
 
 
+def _packed_forward(model, td, response_only: bool):
+    """VeRL's own packed row (remove-padding: a copy of the prompt per sequence, ``position_ids`` restarting per
+    sequence), with the LM head at every position or, with ``response_only``, only where a response token is
+    predicted (``logits_to_keep``)."""
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    from verl_backend.response_logits import response_logit_indices
+
+    model.zero_grad(set_to_none=True)
+    keep = response_logit_indices(td)
+    ids, pos = td["input_ids"].values().unsqueeze(0), td["position_ids"].values().unsqueeze(0)
+    if response_only:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits[0]
+    else:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0][keep]
+    labels = torch.roll(td["input_ids"].values(), shifts=-1)[keep]
+    lp, ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+    (lp * _weights(lp.numel())).sum().backward()
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "qwen2_sliding", "qwen3_moe"])
+def test_the_packed_row_with_and_without_response_only_logits_equals_each_sequence_alone(tmp_path, default_model_dir,
+                                                                                         family):
+    """The trainer's paths with the shared prefix off (``use_prefix_grouper=false``, or a model it falls back on):
+    VeRL's packed row, its LM head at every position (``rl_tpu.response_only_logits=false``) or at response
+    positions only, give each model family's own log-probs, entropy and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(family, default_model_dir, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    td, prompts, responses = _group_batch()
+    lp_want, ent_want, grad_want = _plain_forward(model, prompts, responses)
+    for response_only in (False, True):
+        lp, ent, grad = _packed_forward(model, td, response_only)
+        assert (lp - lp_want).abs().max() <= 1e-4 and (ent - ent_want).abs().max() <= 1e-4, response_only
+        for name, want in grad_want.items():
+            rel = (grad[name].norm() - want.norm()).abs() / want.norm().clamp(min=1e-12)
+            assert rel <= 1e-4, (response_only, name, float(rel))
+
+
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_a_row_without_the_window_computes_other_numbers(tmp_path, default_model_dir, family):
     """Negative control: the same row with full attention where the model slides its window is measurably off, so
