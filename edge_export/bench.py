@@ -104,10 +104,11 @@ def bench_causal_lm(
 
 
 _RUNTIME_BENCHMARK = """
-import dataclasses, json, sys
+import dataclasses, json, sys, tempfile
 import litert_lm
-info = litert_lm.Benchmark(model_path=sys.argv[1], backend=litert_lm.Backend.CPU(thread_count=int(sys.argv[2])),
-                           prefill_tokens=int(sys.argv[3]), decode_tokens=int(sys.argv[4])).run()
+with tempfile.TemporaryDirectory(prefix="litertlm-xnnpack-") as cache:  # not beside the bundle
+    info = litert_lm.Benchmark(model_path=sys.argv[1], backend=litert_lm.Backend.CPU(thread_count=int(sys.argv[2])),
+                               prefill_tokens=int(sys.argv[3]), decode_tokens=int(sys.argv[4]), cache_dir=cache).run()
 peak = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 print("BENCHMARK " + json.dumps({**dataclasses.asdict(info), "peak_kib": peak[0] if peak else None}), flush=True)
 """

@@ -99,6 +99,8 @@ def native_cause(log: str) -> str:
 def open_engine(path: str, cache_length: int, num_threads: int = 1):
     """A ``litert_lm.Engine`` on the CPU backend with benchmark counters on.
 
+    The runtime writes an XNNPACK weight cache (``<bundle>_<time>_<size>.xnnpack_cache``, as large as the float
+    weights) beside the bundle unless given a ``cache_dir``: it gets a temporary folder, removed with the engine.
     Raises:
         ExportError(BAD_FILE): the runtime cannot load the bundle (its own reason in the message).
     """
@@ -106,14 +108,17 @@ def open_engine(path: str, cache_length: int, num_threads: int = 1):
 
     box: dict = {}
     engine, error = None, None
+    cache = tempfile.TemporaryDirectory(prefix="litertlm-xnnpack-")
     with native_stderr(box):
         try:
             engine = litert_lm.Engine(path, backend=litert_lm.Backend.CPU(thread_count=num_threads),
-                                      max_num_tokens=cache_length, enable_benchmark=True)
+                                      max_num_tokens=cache_length, enable_benchmark=True, cache_dir=cache.name)
         except (RuntimeError, ValueError) as exc:
             error = exc
     if engine is None:
+        cache.cleanup()
         raise ExportError(BAD_FILE, f"the LiteRT-LM runtime cannot load {path}: {native_cause(box['text']) or error}")
+    engine.edge_export_cache = cache  # removed when the engine is collected
     return engine
 
 

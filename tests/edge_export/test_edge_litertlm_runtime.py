@@ -81,6 +81,8 @@ def test_chatml_report_has_runtime_answers_beside_pytorch(chatml_bundle):
         assert chat["runtime_answer"] == chat["torch_answer"] and chat["runtime_answer"]
     assert len({c["runtime_answer"] for c in check["chats"]}) > 4  # answers depend on the prompt
     assert check["top1_agreement"] == 1.0 and check["decode_tokens_per_s"] > 0
+    # nothing else is left beside OUT: no temporary bundle, no runtime XNNPACK cache of it
+    assert sorted(os.listdir(os.path.dirname(chatml_bundle))) == ["model.litertlm", "model.litertlm.report.json"]
 
 
 def test_chatml_bundle_metadata(chatml_bundle, chatml_dir, tmp_path):
