@@ -23,8 +23,9 @@ FAMILIES = {
 
 
 def build_tiny_model(family: str, tokenizer_dir: Path, out: Path, attn_implementation: str = "sdpa", seed: int = 0,
-                     **overrides) -> Path:
-    """Write a 2-3 layer, 64-wide random ``family`` model with the tokenizer of ``tokenizer_dir`` into ``out``."""
+                     weight_std: float = 0.2, **overrides) -> Path:
+    """Write a 2-3 layer, 64-wide random ``family`` model with the tokenizer of ``tokenizer_dir`` into ``out``
+    (``overrides``: config keys, e.g. a larger shape; matrices drawn with ``weight_std``)."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -43,7 +44,7 @@ def build_tiny_model(family: str, tokenizer_dir: Path, out: Path, attn_implement
     with torch.no_grad():  # random weights far from zero, so masking mistakes show in the numbers
         for p in model.parameters():
             if p.dim() >= 2:
-                p.normal_(0, 0.2)
+                p.normal_(0, weight_std)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -35,6 +35,15 @@ def tokenizer_dir() -> Path:
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
+@pytest.fixture(autouse=True)
+def fallbacks_said_afresh(monkeypatch):
+    """The sampler says each fast-path fallback once per process; each test here reads what it says itself, so an
+    earlier test (this file or another) that met the same model must not have used up the line."""
+    from rl_tpu.sampler import fastpaths
+
+    monkeypatch.setattr(fastpaths, "_SAID", set())
+
+
 def tiny(family: str, tokenizer_dir: Path, tmp_path_factory) -> torch.nn.Module:
     if family not in _MODELS:
         path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(family))
