@@ -28,11 +28,11 @@ def _delta(layer, adapter: str) -> torch.Tensor:
 
     if isinstance(layer, Linear):
         a, b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)  # (r, in), (out, r)
-        delta = b @ a  # (out, in)
-        return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+        delta = b @ a  # (out, in); scaled in place: one new tensor per adapted matrix
+        return (delta.T.contiguous() if layer.fan_in_fan_out else delta).mul_(layer.scaling[adapter])
     if isinstance(layer, Embedding):
         a, b = _full(layer.lora_embedding_A[adapter]), _full(layer.lora_embedding_B[adapter])  # (r, vocab), (dim, r)
-        return (b @ a).T * layer.scaling[adapter]  # (vocab, dim)
+        return (b @ a).T.contiguous().mul_(layer.scaling[adapter])  # (vocab, dim)
     raise ValueError(f"LoRA on a {type(layer).__name__} layer: the native rollout merges Linear and Embedding "
                      "adapters only; leave this module out of actor_rollout_ref.model.target_modules")
 
@@ -77,7 +77,8 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         if layer is not None and not layer.merged and not layer.disable_adapters:
             for adapter in layer.active_adapters:
                 if adapter in layer.scaling:
-                    tensor = tensor + _delta(layer, adapter).to(tensor.dtype)
+                    # into the fresh delta, in place: W + delta without a third copy (and W is never written)
+                    tensor = _delta(layer, adapter).to(tensor.dtype).add_(tensor)
         yield hf, tensor
 
 
