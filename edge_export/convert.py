@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from edge_export import _tf_alias
+from edge_export import litert_patches
 from edge_export.errors import ExportError, explain_conversion_failure
 from edge_export.quantize import quantize_tflite, recipe_name
 from edge_export.sources import Checkpoint
@@ -59,7 +59,7 @@ def export_causal_lm(
         ExportError: a known conversion failure kind, or CONVERSION_FAILED with the library's message.
     """
     recipe = recipe_name(quantization)
-    _tf_alias.install()
+    litert_patches.install()  # litert-torch fixes, version-ranged (edge_export/litert_patches.py)
     with quiet_stdout(True):  # transformers prints "[ERROR] ... not documented" lines for litert's model files
         from litert_torch.generative.export_hf import export as export_hf
 
@@ -76,7 +76,7 @@ def export_causal_lm(
     except ExportError:
         raise
     except Exception as exc:
-        raise _conversion_error(exc, checkpoint.source) from exc
+        raise _conversion_error(exc, f"{checkpoint.source} (model_type {checkpoint.model_type})") from exc
     pattern = "model.litertlm" if bundle else os.path.join("*", "model.tflite")
     found = glob.glob(os.path.join(out_dir, pattern))
     if len(found) != 1:

@@ -7,7 +7,7 @@ at most ``max_tokens`` tokens, and one scorer scores both answers:
 
 - ``exact``: 1 when the answer, stripped, equals the expected text;
 - ``number`` (default): 1 when the last number in the answer equals the expected one (GSM8K ``#### 42`` accepted);
-- ``package.module:function``: ``function(answer, expected)``, or VeRL's ``compute_score(data_source,
+- ``package.module:function`` or ``path/to/file.py:function``: ``function(answer, expected)``, or VeRL's ``compute_score(data_source,
   solution_str, ground_truth, extra_info)`` when its parameters are named so (e.g. the project's reasoning-gym and
   GSM8K scorer ``verl_backend.data.rewards:compute_score``, imported by name only when asked for).
 """
@@ -15,9 +15,11 @@ at most ``max_tokens`` tokens, and one scorer scores both answers:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import math
+import os
 import re
 
 from edge_export.errors import BAD_SOURCE, ExportError
@@ -55,9 +57,17 @@ def load_scorer(name: str):
     if name in SCORERS:
         fn = SCORERS[name]
         return lambda answer, expected, item: fn(answer, expected)
-    module_name, _, attr = name.partition(":")
+    module_name, _, attr = name.rpartition(":") if name.count(":") > 1 else name.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr) if attr else None
+        if module_name.endswith(".py"):  # a reward file, as VeRL's custom_reward_function.path names one
+            spec = importlib.util.spec_from_file_location(f"_scorer_{abs(hash(module_name))}", module_name)
+            if spec is None or not os.path.isfile(module_name):
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            fn = getattr(module, attr, None) if attr else None
+        else:
+            fn = getattr(importlib.import_module(module_name), attr) if attr else None
     except ImportError as exc:
         raise ExportError(BAD_SOURCE, f"--scorer '{name}': cannot import {module_name} ({exc}); give "
                                       f"{' or '.join(SCORERS)} or package.module:function") from exc
@@ -78,7 +88,8 @@ def read_items(path: str) -> list[dict]:
         ExportError(BAD_SOURCE): missing file, a line that is not JSON, or an item without prompt/answer.
     """
     try:
-        lines = open(path).read().splitlines()
+        with open(path) as fh:
+            lines = fh.read().splitlines()
     except OSError as exc:
         raise ExportError(BAD_SOURCE, f"--eval '{path}': {exc.strerror}; give a JSONL file of "
                                       '{"prompt": ..., "answer": ...} lines') from exc

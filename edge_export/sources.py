@@ -219,23 +219,53 @@ def inspect_checkpoint(source: str, staging_dir: str) -> Checkpoint:
                 f"{root / 'config.json'}: quantization_config (quant_method={method}) with non-float weights "
                 f"({', '.join(sorted(dtypes))}); dequantize and save float weights, then use --quantize",
             )
-        os.makedirs(staging_dir, exist_ok=True)
-        for item in root.iterdir():
-            if item.is_file() and item.name != "config.json":
-                try:
-                    os.link(item, os.path.join(staging_dir, item.name))
-                except OSError:
-                    shutil.copy2(item, staging_dir)
         del config["quantization_config"]
-        with open(os.path.join(staging_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        path = staging_dir
+        path = _stage(root, staging_dir, config)
         notes.append(
             f"ignored quantization_config (quant_method={method}) in config.json: the weights are already float "
             f"({', '.join(sorted(dtypes))})"
         )
     try:
-        AutoConfig.from_pretrained(path)
+        loaded = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise ExportError(BAD_CHECKPOINT, f"{root / 'config.json'} does not load with transformers: {exc}") from exc
+    if _routes_through_experts_kernels(loaded) and config.get("experts_implementation") != EXPORT_EXPERTS:
+        config["experts_implementation"] = EXPORT_EXPERTS
+        path = _stage(root, staging_dir, config)
+        notes.append(f"mixture of experts: exported with transformers' {EXPORT_EXPERTS} experts forward (its default "
+                     "counts tokens per expert with aten.histc, which has no LiteRT lowering); the same experts, "
+                     "weights and routing")
     return Checkpoint(path=path, source=str(root), model_type=model_type, notes=notes)
+
+
+EXPORT_EXPERTS = "batched_mm"  # transformers' experts forward with static shapes: gathers each token's experts
+
+
+def _routes_through_experts_kernels(config) -> bool:
+    """Whether the model's experts dispatch through transformers' experts interface (``use_experts_implementation``;
+    Qwen3-MoE, Mixtral, ... in transformers 5), decided from the model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, ImportError, RuntimeError, AttributeError, KeyError):  # the export says why
+        return False
+    return any(hasattr(m, "is_concatenated") and hasattr(m, "has_gate") for m in model.modules())
+
+
+def _stage(root: Path, staging_dir: str, config: dict) -> str:
+    """A copy of ``root`` in ``staging_dir`` with ``config`` as its config.json (files hard-linked where the file
+    system allows, else copied; the source folder is only read). Returns the staged folder."""
+    os.makedirs(staging_dir, exist_ok=True)
+    for item in root.iterdir():
+        target = os.path.join(staging_dir, item.name)
+        if item.is_file() and item.name != "config.json" and not os.path.exists(target):
+            try:
+                os.link(item, target)
+            except OSError:
+                shutil.copy2(item, staging_dir)
+    with open(os.path.join(staging_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return staging_dir
