@@ -6,23 +6,15 @@ differences up to 0.011 at step 1 on this model, a full fine-tuning run 8e-9 and
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from e2e_helpers import train_rows, verl_train, write_reward
 from families import build_tiny_model
 
 pytestmark = pytest.mark.slow
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return (len(solution_str) % 7) / 7.0
-'''
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +25,14 @@ def model_dir(tmp_path_factory, default_model_dir):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("lora_e2e")
-    reward = out / "length_reward.py"
-    reward.write_text(REWARD)
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=8",
+    proc = verl_train(
+        out, f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=8",
         "actor_rollout_ref.model.lora_alpha=16", "trainer.total_training_steps=2", "trainer.test_freq=-1",
         "trainer.save_freq=1", "rl_tpu.train_size=8", "rl_tpu.val_size=4", "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-2",  # an adapter step large enough to move the merged model
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false",
-        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out),
+    )
     return out, proc
 
 
@@ -57,8 +41,7 @@ def test_lora_run_trains_and_syncs_merged_weights(run):
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert re.search(r"weight sync to rollout replica 0: .* MB in [0-9.]+ s \(merged weights: base \+ LoRA rank 8 "
                      r"adapter\)", proc.stdout + proc.stderr)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    train = [r["data"] for r in rows if "actor/pg_loss" in r["data"]]
+    train = train_rows(out)
     assert len(train) == 2
     assert abs(train[0]["actor/ppo_kl"]) <= 1e-6  # rollout and trainer computed the same log-probs
     for m in train:

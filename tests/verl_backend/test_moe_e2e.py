@@ -5,21 +5,13 @@ its fused expert tensors. After each sync the rollout's log-probs are the traine
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from e2e_helpers import train_rows, verl_train, write_reward
 from families import build_tiny_model
 
 pytestmark = pytest.mark.slow
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return (len(solution_str) % 7) / 7.0
-'''
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +19,14 @@ def run(tmp_path_factory, default_model_dir):
     out = tmp_path_factory.mktemp("moe_e2e")
     model = build_tiny_model("qwen3_moe", default_model_dir, out / "model", hidden_size=256, intermediate_size=256,
                              moe_intermediate_size=1088)
-    reward = out / "length_reward.py"
-    reward.write_text(REWARD)
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out / "run"),
-        f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "rl_tpu.train_size=8", "rl_tpu.val_size=4", "data.max_response_length=16",
+    proc = verl_train(
+        out / "run", f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=2",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8", "rl_tpu.val_size=4",
+        "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.rollout_correction.bypass_mode=false",
         "rl_tpu.shared_weights=false", "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
-        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+        *write_reward(out),
+    )
     return out / "run", proc
 
 
@@ -50,8 +36,7 @@ def test_moe_syncs_per_expert_through_1mib_buckets_and_rollout_matches_trainer(r
     line = re.search(r"weight sync to rollout replica 0: object store, rl_tpu.shared_weights=false, (\d+) MB", proc.stdout
                      + proc.stderr)
     assert line and int(line.group(1)) > 50  # the whole model, in 1 MiB buckets
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    train = [r["data"] for r in rows if "actor/pg_loss" in r["data"]]
+    train = train_rows(out)
     assert len(train) == 2
     assert abs(train[0]["actor/ppo_kl"]) <= 1e-6
     for m in train:  # step 2 sampled on the experts step 1 updated and synced (measured: 1.3e-5 and 2.0e-5, float32

@@ -11,40 +11,26 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-import yaml
 import torch
+import yaml
+from e2e_helpers import train_rows, verl_train, write_reward
 
 pytestmark = pytest.mark.slow
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return (len(solution_str) % 7) / 7.0
-'''
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("e2e")
-    reward = out / "length_reward.py"
-    reward.write_text(REWARD)
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-        f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+    proc = verl_train(
+        out, f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
         "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
         "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false",
-        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out),
+    )
     return out, proc
 
 
@@ -64,8 +50,7 @@ def test_run_exits_cleanly_and_reports(run):
 
 def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     out, proc = run
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    train = [r["data"] for r in rows if "actor/pg_loss" in r["data"]]
+    train = train_rows(out)
     assert len(train) == 2
     for m in train:
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
@@ -97,7 +82,7 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
 def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    out, proc = run
+    out, _ = run
     ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
     assert (ckpt / "config.json").is_file()
     # VeRL 0.9.1 labels the config bfloat16 over float32 weights; the engine relabels it (match_saved_config_dtype)
@@ -131,22 +116,17 @@ def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
 def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
     """``sampler_placement=worker`` (the TPU default: a worker owns its chip) run here on CPU: the rollout server
     forwards batches to the trainer worker, whose in-process sampler is synced by an on-device copy."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
-        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=1",
+    proc = verl_train(
+        tmp_path, "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
         "rl_tpu.val_size=4", "data.max_response_length=16",
         "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
         "algorithm.rollout_correction.bypass_mode=false",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    rows = [json.loads(l)["data"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    step = [r for r in rows if "actor/pg_loss" in r]
+    step = train_rows(tmp_path)
     assert len(step) == 1
     assert step[0]["training/rollout_probs_diff_max"] < 1e-3
     assert step[0]["response_length/mean"] > 0
@@ -155,21 +135,15 @@ def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
 def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
     """examples/ppo_cpu.yaml: GAE advantages from a learned critic (VeRL's value-head engine, packed rows, sdpa;
     VeRL 0.9.1 would load the critic with flash-attn only). Two steps on the tiny model."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--config", "examples/ppo_cpu.yaml",
-        "--output-dir", str(tmp_path), f"actor_rollout_ref.model.path={tiny_model_dir}",
+    proc = verl_train(
+        tmp_path, "--config", "examples/ppo_cpu.yaml", f"actor_rollout_ref.model.path={tiny_model_dir}",
         f"critic.model.path={tiny_model_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=8",
-        "data.max_response_length=16",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        "data.max_response_length=16", timeout=1200,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    rows = [json.loads(l)["data"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    train = [r for r in rows if "critic/vf_loss" in r]
+    train = train_rows(tmp_path, key="critic/vf_loss")
     assert len(train) == 2
     for m in train:
         for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "critic/values/mean"):
@@ -183,17 +157,14 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
     reward = tmp_path / "raising_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                       "    raise RuntimeError('boom in my reward')\n")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("VERL_PLATFORM", None)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path / "o"),
-        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=1",
+    proc = verl_train(
+        tmp_path / "o", "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
         "rl_tpu.val_size=4", "data.max_response_length=8",
         f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+        timeout=1200,
+    )
     assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
     lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]  # Ray may forward worker logs after
     assert len(lines) == 1, proc.stderr[-3000:]

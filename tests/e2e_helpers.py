@@ -1,0 +1,50 @@
+"""What the end-to-end tests share: a ``verl train --backend cpu`` subprocess with the test environment, the
+length-based user reward (non-zero GRPO advantages even on a random model, through the guarded-reward path), and
+the training rows of a run's ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# reward in [0, 1) from the response's length in characters: varies within a GRPO group, so advantages are non-zero
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return (len(solution_str) % 7) / 7.0
+'''
+
+
+def write_reward(folder: Path) -> list[str]:
+    """Write the length reward to ``folder/length_reward.py``; returns the overrides that make it the job's reward."""
+    path = Path(folder) / "length_reward.py"
+    path.write_text(REWARD)
+    return [f"reward.custom_reward_function.path={path}", "reward.custom_reward_function.name=compute_score"]
+
+
+def train_env() -> dict[str, str]:
+    """This process's environment for a child ``verl train``: Ray without token auth, no TorchTPU autoload, and no
+    platform or Ray address inherited from a caller (the child starts its own Ray)."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("VERL_PLATFORM", None)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = None,
+               backend: str = "cpu") -> subprocess.CompletedProcess:
+    """Run ``verl train --backend BACKEND --output-dir OUT ARGS...`` to the end (``args``: CLI flags and Hydra
+    overrides); returns the finished process with text stdout/stderr."""
+    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", backend, "--output-dir", str(out), *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=train_env(), timeout=timeout,
+                          cwd=cwd)
+
+
+def train_rows(out: Path, key: str = "actor/pg_loss") -> list[dict]:
+    """The metric rows (dicts of name -> float) of the training steps in ``out/metrics.jsonl``, in step order:
+    those that hold ``key``."""
+    rows = [json.loads(line)["data"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    return [r for r in rows if key in r]
