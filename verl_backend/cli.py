@@ -29,7 +29,7 @@ They are written into the run's config.yaml and reach every Ray worker with the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from verl_backend.settings import help_table
+    from verl_backend.settings import EXPORT_RECIPES, help_table
 
     p = argparse.ArgumentParser(prog="verl", description="VeRL post-training on TPU, CPU or CUDA (rl-tpu).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tpu-eager-mode", choices=["strict", "debug", "fused"],
                    help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
                    "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode")
+    t.add_argument("--export", metavar="OUT.litertlm",
+                   help="after training, export the final checkpoint to OUT (.litertlm or .tflite) with litert "
+                   "export, verified, a .litertlm scored on the held-out items through the LiteRT-LM runtime; exit "
+                   "3 if that fails (the checkpoint stays). Shortcut for rl_tpu.export (needs the export extra)")
+    t.add_argument("--quantize", choices=list(EXPORT_RECIPES),
+                   help="quantization of --export (litert export --quantize; default none). Shortcut for "
+                   "rl_tpu.export_quantize")
     t.add_argument("--max-restarts", type=int, default=1,
                    help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
                    "set trainer.save_freq so there is a checkpoint to resume)")

@@ -25,6 +25,8 @@ from typing import Any, Mapping
 from verl_backend.errors import BadInputError
 
 RECORD_ENV = "RL_TPU_SETTINGS"  # the job's resolved settings, JSON, in every worker's runtime_env
+# litert export's quantization recipes (edge_export.quantize.RECIPES; not imported: the driver needs no litert)
+EXPORT_RECIPES = ("none", "dynamic-int8", "weight-int8", "dynamic-int4", "dynamic-int4-block")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,15 @@ SETTINGS: tuple[Setting, ...] = (
             "the heap (lower peak memory, update up to 2x slower)", env="RL_TPU_COMPACT_MALLOC", reader="driver"),
     Setting("task_runner", str, "driver", "where VeRL's TaskRunner runs: driver (in the verl process) or actor "
             "(its own Ray actor)", choices=("driver", "actor"), env="RL_TPU_TASK_RUNNER", reader="driver"),
+    # --- train, then ship: the final checkpoint exported with litert export (read by verl train only)
+    Setting("export", str, "", "after training, export the final checkpoint to this .litertlm (or .tflite) with "
+            "litert export, verified through the LiteRT runtime and, for a .litertlm, scored on the run's held-out "
+            "items beside PyTorch; a failed export exits 3 and leaves the checkpoint as it was", flag="--export",
+            reader="driver"),
+    Setting("export_quantize", str, "none", "quantization of rl_tpu.export (litert export --quantize)",
+            choices=EXPORT_RECIPES, flag="--quantize", reader="driver"),
+    Setting("export_max_drop", float, 5.0, "accuracy points the exported bundle may lose against PyTorch on the "
+            "held-out items before rl_tpu.export fails", minimum=0.0, reader="driver"),
     # --- the built-in data (used when data.train_files is not given)
     Setting("task", str, "basic_arithmetic", "reasoning-gym task of the built-in data", reader="driver"),
     Setting("train_size", int, 256, "built-in training problems", minimum=1, reader="driver"),

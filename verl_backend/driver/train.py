@@ -10,6 +10,7 @@ from pathlib import Path
 from verl_backend import settings as job_settings
 from verl_backend.driver.bypass_guard import guard_bypass
 from verl_backend.driver.data_prep import prepare_data, validate_data_files
+from verl_backend.driver.export_step import check_export
 from verl_backend.driver.plan import (compose_config, fit_default_micro_batches, flatten_yaml_overrides,
                                       guard_user_reward, merge_overrides, model_path_overrides, normalized_path,
                                       slice_defaults, split_rl_tpu)
@@ -53,7 +54,8 @@ def _run_train(args, fork_server: dict) -> int:
         file_ours = {k: v for k, v in file_ours.items() if k != "task_config"}  # belongs to the file's task
     settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
         "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
-        "--slice": getattr(args, "slice", None)})
+        "--slice": getattr(args, "slice", None), "--export": getattr(args, "export", None),
+        "--quantize": getattr(args, "quantize", None)})
     settings = _apply_profile(backend, settings)
 
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
@@ -101,6 +103,7 @@ def _run_train(args, fork_server: dict) -> int:
     check_prompt_lengths(config)
     check_user_reward(config)
     check_native_rollout(config)
+    check_export(settings, config)
     fit_epochs_to_steps(config)
     prepare_run_folder(config, out)
     job_runtime_env(config, out, settings, fork_server)
@@ -118,7 +121,29 @@ def _run_train(args, fork_server: dict) -> int:
                       task_runner=settings.task_runner)
     summary = write_report(out, wall_s=time.time() - start)
     print(summary)
+    if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
+        return _export(config, out, settings)
     return 0
+
+
+def _export(config, out: Path, settings) -> int:
+    """Export the final checkpoint (``rl_tpu.export``), record it in ``summary.json``; 0, or 3 when it failed."""
+    import json
+    import sys
+
+    from verl_backend.driver.export_step import EXPORT_FAILED, export_final_checkpoint, export_lines
+
+    entry = export_final_checkpoint(config, out, settings)
+    path = out / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary["export"] = entry
+    tmp = path.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, path)
+    for line in export_lines(entry):
+        print(line if entry["status"] == "written" else f"verl: error: {line}",
+              file=sys.stdout if entry["status"] == "written" else sys.stderr, flush=True)
+    return 0 if entry["status"] == "written" else EXPORT_FAILED
 
 
 def _apply_profile(backend, settings):
