@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from rl_tpu.topology import TopologyError, host_env, host_resources, parse_slice
+from rl_tpu.slice_hosts import host_env, host_resources
+from rl_tpu.topology import TopologyError, parse_slice
 
 from .errors import ClusterError
 

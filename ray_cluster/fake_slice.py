@@ -25,15 +25,25 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
-from rl_tpu.topology import SliceTopology, host_env, host_resources, parse_slice
+from rl_tpu.slice_hosts import host_env, host_resources
+from rl_tpu.topology import SliceTopology, parse_slice
 
 from .errors import ClusterError
-from .ray_nodes import (MARKER_ENV, NodeLaunch, NodeRecord, alive, free_ports, node_command, start_nodes,
-                        stop_processes, tail)
+from .ray_nodes import (
+    MARKER_ENV,
+    NodeLaunch,
+    NodeRecord,
+    alive,
+    free_ports,
+    node_command,
+    start_nodes,
+    stop_processes,
+    tail,
+)
 
 STATE_ENV = "RL_TPU_CLUSTER_STATE"
 DEFAULT_STATE_FILE = Path.home() / ".cache" / "rl-tpu" / "fake-cluster.json"

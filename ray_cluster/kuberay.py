@@ -9,7 +9,7 @@ in a RayJob whose entrypoint is ``verl train --backend tpu ...``.
 On GKE, KubeRay's TPU webhook (part of the GKE Ray operator add-on) sets ``TPU_WORKER_ID``,
 ``TPU_NAME`` and ``TPU_WORKER_HOSTNAMES`` on each pod of a multi-host group and GKE sets
 ``TPU_ACCELERATOR_TYPE`` / ``TPU_TOPOLOGY``; Ray then offers the same per-host resources as
-``rl_tpu.topology.host_resources`` (and the local fake slice) do.
+``rl_tpu.slice_hosts.host_resources`` (and the local fake slice) do.
 
 :func:`validate` checks a manifest offline with ``jsonschema`` against the KubeRay v1.7.0 CRD
 (``openAPIV3Schema`` of the ``v1`` version) and then walks it against the schema's declared

@@ -17,8 +17,8 @@ Example::
     >>> s = parse_slice("v4-16")
     >>> (s.topology, s.hosts, s.chips_per_host, s.chips, s.mesh_shape)
     ('2x2x2', 2, 4, 8, (2, 2, 2))
-    >>> host_resources(s, worker_id=0, slice_name="my-slice")
-    {'TPU': 4.0, 'my-slice': 1.0, 'TPU-v4-16-head': 1.0, 'accelerator_type:TPU-V4': 1.0}
+
+What each host of a slice offers Ray and has in its environment is ``rl_tpu.slice_hosts``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "TopologyError",
@@ -40,8 +39,6 @@ __all__ = [
     "valid_topologies",
     "accelerator_types",
     "check_chip_request",
-    "host_resources",
-    "host_env",
 ]
 
 # Ray accepts a TPU request of 1, 2, 4 or 8 whole chips (ray._private.accelerators.tpu).
@@ -378,70 +375,3 @@ def check_chip_request(chips: float, spec: SliceTopology | None = None) -> int:
             f"{spec.accelerator_type} host; use one of {tuple(fits)} and more actors"
         )
     return n
-
-
-def _check_worker(spec: SliceTopology, worker_id: int) -> None:
-    if not isinstance(worker_id, int) or not 0 <= worker_id < spec.hosts:
-        raise TopologyError(
-            f"worker id {worker_id!r} is outside {spec.accelerator_type} "
-            f"({spec.hosts} hosts): use 0..{spec.hosts - 1}"
-        )
-
-
-def host_resources(spec: SliceTopology, worker_id: int, slice_name: str) -> dict[str, float]:
-    """Ray resources one host of the slice offers, as Ray's TPU detection sets them.
-
-    ``{"TPU": chips_per_host, <slice_name>: 1, "accelerator_type:TPU-<GEN>": 1}`` plus
-    ``"TPU-<accelerator_type>-head": 1`` on worker 0 only (the handle
-    ``ray.util.tpu`` uses to find a slice).
-
-    Raises:
-        TopologyError: ``worker_id`` not in ``0..hosts-1`` or an empty ``slice_name``.
-    """
-    _check_worker(spec, worker_id)
-    if not slice_name or not isinstance(slice_name, str):
-        raise TopologyError(f"slice name {slice_name!r} is empty; give the slice a name (TPU_NAME)")
-    res = {"TPU": float(spec.chips_per_host), slice_name: 1.0}
-    if worker_id == 0:
-        res[spec.head_resource] = 1.0
-    res[f"accelerator_type:{spec.ray_accelerator_type}"] = 1.0
-    return res
-
-
-def host_env(
-    spec: SliceTopology,
-    worker_id: int,
-    slice_name: str,
-    hostnames: Sequence[str] | None = None,
-) -> dict[str, str]:
-    """Environment variables a host of the slice has on GKE (and a fake slice must set).
-
-    Args:
-        spec: the slice.
-        worker_id: this host's index, 0..hosts-1.
-        slice_name: ``TPU_NAME``.
-        hostnames: one per host, worker 0 first; default ``<slice_name>-<i>``.
-
-    Returns:
-        ``TPU_ACCELERATOR_TYPE``, ``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_TOPOLOGY``,
-        ``TPU_WORKER_HOSTNAMES`` (comma separated).
-
-    Raises:
-        TopologyError: bad ``worker_id`` or a ``hostnames`` list of the wrong length.
-    """
-    _check_worker(spec, worker_id)
-    if not slice_name or not isinstance(slice_name, str):
-        raise TopologyError(f"slice name {slice_name!r} is empty; give the slice a name (TPU_NAME)")
-    names = list(hostnames) if hostnames is not None else [f"{slice_name}-{i}" for i in range(spec.hosts)]
-    if len(names) != spec.hosts:
-        raise TopologyError(
-            f"{len(names)} hostnames given for {spec.accelerator_type}, which has "
-            f"{spec.hosts} hosts; give exactly one per host"
-        )
-    return {
-        "TPU_ACCELERATOR_TYPE": spec.accelerator_type,
-        "TPU_NAME": slice_name,
-        "TPU_WORKER_ID": str(worker_id),
-        "TPU_TOPOLOGY": spec.topology,
-        "TPU_WORKER_HOSTNAMES": ",".join(names),
-    }

@@ -5,10 +5,11 @@ import time
 
 import pytest
 
-from rl_tpu.topology import TopologyError, host_resources, parse_slice
 from ray_cluster.errors import ClusterError
 from ray_cluster.fake_slice import list_alive_nodes
 from ray_cluster.placement import PoolLayout, cluster_slices, place_pools, reserve_slice
+from rl_tpu.slice_hosts import host_resources
+from rl_tpu.topology import TopologyError, parse_slice
 
 
 def test_nodes_offer_real_slice_resources_and_labels(fake_cluster):

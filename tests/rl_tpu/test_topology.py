@@ -4,14 +4,13 @@ import math
 
 import pytest
 
+from rl_tpu.slice_hosts import host_env, host_resources
 from rl_tpu.topology import (
     GENERATIONS,
     TopologyError,
     accelerator_types,
     check_chip_request,
     default_topology,
-    host_env,
-    host_resources,
     parse_slice,
     valid_topologies,
 )
