@@ -26,8 +26,11 @@ import torch
 from rl_tpu.sampler.attention import ATTN_NAME
 from rl_tpu.sampler.lean import LeanDecoder, lean_blocker, probe_error
 
-#: largest log-prob difference the lean step's probe may show against the model's forward (float32 rounding is ~1e-6)
-LEAN_PROBE_TOLERANCE = 1e-5
+#: largest log-prob difference (over the whole vocabulary) the lean step's probe may show against the model's full
+#: forward: the project's float32 parity bound. Rounding alone reaches a few 1e-5 on a real model: on SmolLM2-135M the
+#: model's own KV-cached decode step differs from its full forward by 3.8e-5 (the lean step by 3.6e-5), at tokens of
+#: log-prob near -30; at 1e-5 the default model lost its lean decode to rounding.
+LEAN_PROBE_TOLERANCE = 1e-4
 
 _SAID: set[str] = set()
 
