@@ -4,9 +4,11 @@ It registers, in every process that imports VeRL (driver, TaskRunner, trainer wo
 
 - the ``cpu`` and ``tpu`` platforms (:mod:`verl_backend.platforms`);
 - the FSDP2 training engine for devices ``cpu`` and ``tpu`` (:mod:`verl_backend.engine`);
-- the ``native`` rollout (replica + in-worker adapter, :mod:`verl_backend.rollout`);
+- the ``native`` rollout (replica + in-worker adapter, :mod:`verl_backend.rollout`; the adapter's entry in VeRL's
+  private rollout table is one of the patches);
 - the ``ray_object_store`` checkpoint engine for disaggregated weight sync;
-- the narrow VeRL 0.9.1 patches in :mod:`verl_backend.patches`;
+- the narrow patches of VeRL 0.9.1 and TransferQueue in :mod:`verl_backend.patches`, after refusing in one line a
+  version of either outside the tested range;
 - a filter that lets a VeRL warning repeated per sample through once per process (:class:`RepeatedWarningFilter`).
 
 VeRL swallows plugin import errors at debug level, so failures here are logged as warnings instead.
@@ -21,10 +23,6 @@ logger = logging.getLogger("rl_tpu.verl_plugin")
 
 def _register_engine(_module) -> None:
     from verl_backend import engine  # noqa: F401  (registration by import)
-
-
-def _register_rollout(module) -> None:
-    module._ROLLOUT_REGISTRY[("native", "async")] = "verl_backend.rollout.adapter.NativeServerAdapter"
 
 
 def _register_replica(module) -> None:
@@ -81,11 +79,13 @@ def register() -> None:
     """
     import wrapt
 
+    from verl_backend import patches
+
+    patches.check_versions()  # before anything of an untested VeRL is touched
     # Platforms first: importing VeRL's FSDP engine resolves the platform at module level.
-    from verl_backend import patches, platforms  # noqa: F401  (registration by import)
+    from verl_backend import platforms  # noqa: F401  (registration by import)
 
     wrapt.register_post_import_hook(_register_engine, "verl.workers.engine.fsdp.transformer_impl")
-    wrapt.register_post_import_hook(_register_rollout, "verl.workers.rollout.base")
     wrapt.register_post_import_hook(_register_replica, "verl.workers.rollout.replica")
     wrapt.register_post_import_hook(_register_checkpoint_engine, "verl.checkpoint_engine.base")
     patches.apply()
@@ -95,5 +95,10 @@ def register() -> None:
 try:
     register()
 except Exception as exc:  # pragma: no cover - shown to the user instead of VeRL's silent debug log
-    logger.warning("rl-tpu VeRL plugin failed to load: %s: %s", type(exc).__name__, exc)
+    from verl_backend.patches import UnsupportedVersionError
+
+    if isinstance(exc, UnsupportedVersionError):
+        logger.warning("rl-tpu: %s", exc)  # one line; `verl train` refuses with the same line before VeRL runs
+    else:
+        logger.warning("rl-tpu VeRL plugin failed to load: %s: %s", type(exc).__name__, exc)
     raise

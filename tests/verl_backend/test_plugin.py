@@ -106,34 +106,6 @@ def test_tpu_platform_registers_without_starting_libtpu_and_asks_whole_chips():
     assert out["env"] == "TPU_VISIBLE_CHIPS"
 
 
-def test_patches_fix_backend_string_and_resource_check():
-    out = _run(
-        """
-        import json, ray, verl
-        import verl.workers.engine_workers as ew
-        from verl_backend.patches import _dedupe_backend
-        from verl.single_controller.ray.base import ResourcePoolManager
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            ok = ResourcePoolManager({"global_pool": [1]}, mapping={})
-            ok._check_resource_available()
-            too_big = ResourcePoolManager({"global_pool": [3, 3]}, mapping={})
-            try:
-                too_big._check_resource_available(); msg = None
-            except ValueError as e:
-                msg = str(e)
-        finally:
-            ray.shutdown()
-        print(json.dumps({"dedupe": _dedupe_backend("cpu:gloo,cpu:gloo"),
-                          "mixed": _dedupe_backend("cpu:gloo,tpu:tpu_dist"),
-                          "patched": hasattr(ew.initialize_global_process_group_ray, "__wrapped__"), "msg": msg}))
-        """
-    )
-    assert out["dedupe"] == "cpu:gloo" and out["mixed"] == "cpu:gloo,tpu:tpu_dist"
-    assert out["patched"] is True
-    assert "has 2 CPU available but the resource pools need 6" in out["msg"]
-
-
 def test_tpu_eager_mode_setting_maps_to_torch_tpu_enum_and_rejects_bad_values(monkeypatch):
     from rl_tpu.device import DeviceError
     from verl_backend import settings

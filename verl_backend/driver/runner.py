@@ -9,6 +9,8 @@ from pathlib import Path
 
 from verl_backend.driver.run_folder import last_checkpoint_step
 from verl_backend.errors import BadInputError, recorded_bad_input
+from verl_backend.patches.transfer_queue import apply_num_threads
+
 
 def _actor_failure(exc: BaseException) -> BaseException | None:
     """The Ray actor/worker failure somewhere in ``exc``'s cause chain (an actor that died or is unavailable, a
@@ -105,21 +107,6 @@ def run_with_restarts(config, max_restarts: int, task_runner: str = "driver") ->
                 config.trainer.resume_mode = "auto"
 
 
-def apply_tq_num_threads(threads: str) -> None:
-    """TransferQueue reads ``TQ_NUM_THREADS`` once, at import. With VeRL's TaskRunner in this process it may be
-    imported before the variable is set, and Ray ships its storage actor's methods with this process's module
-    globals, so set the value where it was already read (else every put and get warns that 8 threads exceed the
-    cores)."""
-    import sys
-
-    if not threads.strip().isdigit():
-        return  # TransferQueue's own int() names it
-    for name in ("transfer_queue.client", "transfer_queue.storage.simple_storage"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "TQ_NUM_THREADS"):
-            module.TQ_NUM_THREADS = int(threads)
-
-
 class _TaskRunnerInDriver:
     """VeRL's ``TaskRunner`` class as ``run_ppo`` uses it (``.remote()``, then ``ray.get(runner.run.remote(config))``),
     but run in this process instead of as a Ray actor.
@@ -209,7 +196,7 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)
-    apply_tq_num_threads(env["TQ_NUM_THREADS"])
+    apply_num_threads()  # where TransferQueue already read it (verl_backend.patches.transfer_queue)
     print(f"[rl-tpu] settings record {job_settings.digest(env[job_settings.RECORD_ENV])} goes to every worker "
           "with the job", flush=True)
     with open_dict(config):

@@ -1,0 +1,297 @@
+"""Narrow patches of VeRL 0.9.1 where it assumes CUDA, flash-attn, TRL's value head or a fresh run (:data:`PATCHES`).
+
+Each wraps VeRL's own function (or replaces the one name it calls) and leaves CUDA behaviour unchanged; each is
+applied when the process imports its module (:func:`verl_backend.patches.apply`), so the plugin itself imports no
+heavy VeRL module.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from types import ModuleType
+
+from verl_backend.patches.record import Patch, attribute_check, is_marked, mark, wrap
+
+VERSIONS = "==0.9.1"  # the VeRL release these patches were written against and tested with
+NATIVE_ROLLOUT = "verl_backend.rollout.adapter.NativeServerAdapter"
+REPLAY_POLL_S = 0.2
+
+
+def _dedupe_backend(backend: str | None) -> str | None:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: one backend per device type, first one wins."""
+    if not backend or ":" not in backend:
+        return backend
+    seen: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.partition(":")
+        seen.setdefault(device.strip(), name.strip())
+    return ",".join(f"{d}:{n}" for d, n in seen.items())
+
+
+def _init_pg_ray(original):
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        """Patched ``verl.utils.distributed.initialize_global_process_group_ray`` (VeRL 0.9.1).
+
+        VeRL builds ``f"cpu:gloo,{device}:{backend}"``, which is ``"cpu:gloo,cpu:gloo"`` on the CPU platform and
+        torch rejects duplicate device types. We pass the de-duplicated string.
+        """
+        if backend is None:
+            from verl.utils.device import get_device_name, get_nccl_backend
+
+            backend = f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+        return original(timeout_second=timeout_second, backend=_dedupe_backend(backend))
+
+    return initialize_global_process_group_ray
+
+
+def _rebind_init_pg_ray(module: ModuleType) -> None:
+    """Where VeRL imported the function by name (before or after the patch), bind the patched one."""
+    import verl.utils.distributed as vdist
+
+    wrap(vdist, "initialize_global_process_group_ray", _init_pg_ray, _INIT_PG)
+    module.initialize_global_process_group_ray = vdist.initialize_global_process_group_ray
+
+
+def _resource_check(original):
+    def _check_resource_available(self) -> None:
+        """Patched ``ResourcePoolManager._check_resource_available`` (VeRL 0.9.1).
+
+        VeRL counts only ``GPU``/``NPU`` resources, so on CPU or TPU it always reports "Total available GPUs 0". On
+        other platforms this counts the platform's Ray resource (``CPU``, ``TPU``) against VeRL's own
+        ``get_n_gpus()`` and raises one clear error when the cluster is too small, instead of a placement group
+        that waits forever; on GPU and NPU it is VeRL's check.
+        """
+        import ray
+        from verl.plugin.platform import get_platform
+
+        resource = get_platform().ray_resource_name()
+        if resource in ("GPU", "NPU"):
+            return original(self)
+        per_node = ray._private.state.available_resources_per_node()
+        available = sum(float(info.get(resource, 0)) for info in per_node.values())
+        required = self.get_n_gpus()
+        if available < required:
+            raise ValueError(
+                f"the Ray cluster has {available:g} {resource} available but the resource pools need {required} "
+                f"(trainer.nnodes x trainer.n_gpus_per_node); lower them or add {resource} to the cluster"
+            )
+
+    return _check_resource_available
+
+
+def _create_resource_pool(original):
+    def create_resource_pool(self) -> None:
+        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
+
+        With ``rl_tpu.slice`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
+        :class:`SliceResourcePool`; every other pool (and every pool without a slice) is VeRL's own.
+        """
+        from verl_backend.settings import current
+        from verl_backend.slice_pool import SliceResourcePool, job_slice
+
+        original(self)
+        spec = job_slice()
+        if spec is None:
+            return
+        timeout_s = current().slice_timeout_s
+        for pool_name, nodes in self.resource_pool_spec.items():
+            if list(nodes) == [spec.chips_per_host] * spec.hosts:
+                self.resource_pool_dict[pool_name] = SliceResourcePool(
+                    spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
+
+    return create_resource_pool
+
+
+def _replay_buffer_init(original):
+    def __init__(self, *args, **kwargs):
+        """Patched ``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.__init__`` (VeRL 0.9.1).
+
+        The sync replay buffer waits for finished rollouts by polling TransferQueue every ``poll_interval``
+        seconds, hard-coded to 2.0 with no config key: every rollout phase rounds up to a multiple of 2 s
+        (~1 s lost per step on average, more with validation). Polling every 0.2 s costs one small Ray call.
+        """
+        original(self, *args, **kwargs)
+        self.poll_interval = min(float(self.poll_interval), REPLAY_POLL_S)
+
+    return __init__
+
+
+def _value_head_class_importable() -> bool:
+    try:
+        from trl.experimental.ppo import AutoModelForCausalLMWithValueHead
+    except ImportError:
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
+def _trl_with_value_head(original):
+    def is_trl_available() -> bool:
+        """Patched ``is_trl_available`` as ``verl.utils.model`` and ``verl.models.transformers.monkey_patch`` see it.
+
+        VeRL treats "trl is importable" as "``AutoModelForCausalLMWithValueHead`` exists" and then imports it while
+        building every model; TRL 1.x removed that class, so merely having ``trl`` installed (e.g. for a TRL
+        baseline benchmark) made model set-up fail with ImportError. VeRL's answer, and the class is really there.
+        """
+        return bool(original()) and _value_head_class_importable()
+
+    return is_trl_available
+
+
+def _load_valuehead_model(original):
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        """Patched ``verl.utils.model.load_valuehead_model`` (VeRL 0.9.1), which builds the critic.
+
+        VeRL loads it as ``AutoModelForTokenClassification`` with ``attn_implementation="flash_attention_2"``
+        hard-coded and, when that fails, falls back to TRL's value-head wrapper (gone in TRL 1.x). Without
+        flash-attn (CPU, TPU) no critic could be built at all. When flash-attn is not installed, load it with the
+        model config's own attention implementation (``sdpa`` from the backend defaults) instead.
+        """
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+        from transformers import AutoModelForTokenClassification
+
+        attn = getattr(model_config, "_attn_implementation", None) or "sdpa"
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path, dtype=torch_dtype, config=model_config,
+            attn_implementation="sdpa" if attn.startswith("flash_attention") else attn,
+            trust_remote_code=trust_remote_code,
+        )
+
+    return load_valuehead_model
+
+
+def _append_instead_of_truncate(file, mode="r", *args, **kwargs):
+    """``open`` as ``verl.utils.tracking`` sees it (VeRL 0.9.1): mode ``"wb"`` becomes ``"ab"``.
+
+    ``FileLogger.__init__`` opens ``VERL_FILE_LOGGER_PATH`` with ``"wb"`` (its only ``"wb"``), so a run resumed
+    from its checkpoint (``verl train`` restarts after a killed actor) would erase the metrics of every step
+    before the crash.
+    """
+    return builtins.open(file, "ab" if mode == "wb" else mode, *args, **kwargs)
+
+
+def _cpu_offload_policy_without_pinning(original_cls):
+    def CPUOffloadPolicy(pin_memory: bool = True, **kwargs):  # stands in for the class
+        """Patched ``CPUOffloadPolicy`` inside ``verl.workers.engine.fsdp.transformer_impl`` (VeRL 0.9.1).
+
+        VeRL gives the reference model ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator and
+        raises "Cannot access accelerator device when none is available" on the CPU platform, where the
+        parameters already live in host memory. Pinning is dropped there.
+        """
+        return original_cls(pin_memory=False, **kwargs)
+
+    return CPUOffloadPolicy
+
+
+def _on_cpu() -> bool:
+    from verl.utils.device import get_device_name
+
+    return get_device_name() == "cpu"
+
+
+def _step_begin_hook(original):
+    def on_step_begin(self):
+        """Patched ``PPOTrainer.on_step_begin`` (VeRL 0.9.1, an empty hook its subclasses do not override): it
+        also ends a SIGTERM'd run at the step boundary (:func:`verl_backend.driver.preemption.at_step_begin`)."""
+        from verl_backend.driver.preemption import at_step_begin
+
+        at_step_begin(self)
+        return original(self)
+
+    return on_step_begin
+
+
+def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str | None = None,
+              when: Callable[[], bool] | None = None) -> Patch:
+    """The record of a patch that wraps ``module.path`` (``"Cls.attr"`` or ``"name"``) with ``make(original)``;
+    with ``when``, only where it returns true (elsewhere the patch counts as in place)."""
+    target = f"{module}.{path}"
+    owner_path, _, name = path.rpartition(".")
+    check = attribute_check(path, target)
+
+    def apply(mod: ModuleType) -> None:
+        if when is None or when():
+            wrap(_resolve(mod, owner_path), name, make, target)
+
+    def applied(mod: ModuleType) -> bool:
+        return (when is not None and not when()) or check(mod)
+
+    return Patch(target=target, module=module, library="verl", versions=VERSIONS, why=why, upstream=upstream,
+                 apply=apply, applied=applied)
+
+
+def _resolve(module: ModuleType, path: str):
+    obj = module
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+_INIT_PG = "verl.utils.distributed.initialize_global_process_group_ray"
+_TRACKING_OPEN = "verl.utils.tracking.open"
+_ROLLOUT = "verl.workers.rollout.base._ROLLOUT_REGISTRY"
+mark(_append_instead_of_truncate, _TRACKING_OPEN)
+
+
+def _rebinding(module: str) -> Patch:
+    return Patch(
+        target=f"{module}.initialize_global_process_group_ray", module=module, library="verl", versions=VERSIONS,
+        why="binds the patched process-group init where VeRL imported it by name",
+        upstream="https://github.com/verl-project/verl/issues/6237", apply=_rebind_init_pg_ray,
+        applied=attribute_check("initialize_global_process_group_ray", _INIT_PG))
+
+
+def _set_tracking_open(module: ModuleType) -> None:
+    module.open = _append_instead_of_truncate
+
+
+def _register_native_rollout(module: ModuleType) -> None:
+    module._ROLLOUT_REGISTRY[("native", "async")] = NATIVE_ROLLOUT
+
+
+# Heavy VeRL modules (its FSDP engine pulls ~2,000 modules, ~190 MiB) are never imported by us: each patch waits for
+# the process to import its module, so VeRL's light processes (agent loop, reward loop, TransferQueue) stay light.
+PATCHES: tuple[Patch, ...] = (
+    _wrapping("verl.single_controller.ray.base", "ResourcePoolManager._check_resource_available",
+              _resource_check, "VeRL counts only GPU/NPU Ray resources: on CPU/TPU it sees 0 and refuses "
+              "(no upstream issue found for non-GPU platforms)"),
+    _wrapping("verl.single_controller.ray.base", "ResourcePoolManager.create_resource_pool", _create_resource_pool,
+              "a pool of a TPU slice (rl_tpu.slice) is reserved whole with ray.util.tpu's slice placement "
+              "(rl-tpu feature, no upstream issue)"),
+    _wrapping("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.__init__", _replay_buffer_init,
+              "the replay buffer polls TransferQueue every 2 s, hard-coded (no upstream issue found)"),
+    _wrapping("verl.models.transformers.monkey_patch", "is_trl_available", _trl_with_value_head,
+              "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
+              "https://github.com/verl-project/verl/issues/5690"),
+    _wrapping("verl.utils.model", "is_trl_available", _trl_with_value_head,
+              "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
+              "https://github.com/verl-project/verl/issues/5690"),
+    _wrapping("verl.utils.model", "load_valuehead_model", _load_valuehead_model,
+              "the critic is loaded with attn_implementation='flash_attention_2' hard-coded",
+              "https://github.com/verl-project/verl/issues/5210"),
+    Patch(target=_TRACKING_OPEN, module="verl.utils.tracking", library="verl", versions=VERSIONS,
+          why="FileLogger opens metrics.jsonl with 'wb': a resumed run erased the steps before it (no upstream "
+          "issue found)", upstream=None, apply=_set_tracking_open,
+          applied=lambda m: is_marked(m.__dict__.get("open"), _TRACKING_OPEN)),
+    _wrapping("verl.utils.distributed", "initialize_global_process_group_ray", _init_pg_ray,
+              "VeRL's backend string is 'cpu:gloo,cpu:gloo' on CPU, which torch rejects (duplicate device type)",
+              "https://github.com/verl-project/verl/issues/6237"),
+    _rebinding("verl.workers.engine_workers"),
+    _rebinding("verl.checkpoint_engine.base"),
+    _wrapping("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", _cpu_offload_policy_without_pinning,
+              "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator (no upstream issue "
+              "found)", when=_on_cpu),
+    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
+              "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
+              "empty hook, no upstream issue)"),
+    Patch(target=f"{_ROLLOUT}[('native', 'async')]", module="verl.workers.rollout.base", library="verl",
+          versions=VERSIONS, why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this "
+          "private dict (no upstream issue found)", upstream=None, apply=_register_native_rollout,
+          applied=lambda m: m._ROLLOUT_REGISTRY.get(("native", "async")) == NATIVE_ROLLOUT),
+)
