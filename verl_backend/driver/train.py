@@ -39,6 +39,9 @@ def _keys(overrides: list[str]) -> set[str]:
 
 
 def _run_train(args, fork_server: dict) -> int:
+    from verl_backend.patches import check_versions
+
+    check_versions()  # one line for a VeRL (or TransferQueue) outside the range rl-tpu's patches were tested with
     backend = profile(args.backend)
     if not (backend.tpu_runtime and args.print_config):  # a dry run composes the TPU config without a chip
         backend.check()
