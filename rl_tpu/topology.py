@@ -64,6 +64,8 @@ class Generation:
             cores into one "megacore" device; v7x shows each core as its own device).
         max_grid: largest chip grid one slice may have (sorted axes), from the published
             maximum shapes (v4 16x16x16, v5p 16x16x24, v7x 8x16x16 in Ray's table).
+        hbm_gib: high-bandwidth memory per chip, GiB (Cloud TPU "TPU versions" pages: v4 32,
+            v5e 16, v5p 95, v6e 32, v7x 192; on v7x the chip's two devices share it).
     """
 
     name: str
@@ -74,6 +76,7 @@ class Generation:
     ndim: int
     devices_per_chip: int
     max_grid: tuple[int, ...]
+    hbm_gib: float
 
     def type_name(self, chips: int) -> str:
         """Canonical accelerator type for a slice of ``chips`` chips (``v4``, 8 -> ``v4-16``)."""
@@ -84,11 +87,11 @@ class Generation:
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v4", "v4", (), 2, True, 3, 1, (16, 16, 16)),
-        Generation("v5p", "v5p", (), 2, True, 3, 1, (16, 16, 24)),
-        Generation("v5litepod", "v5litepod", ("v5e",), 1, False, 2, 1, (16, 16)),
-        Generation("v6e", "v6e", (), 1, False, 2, 1, (16, 16)),
-        Generation("v7x", "tpu7x", ("v7x",), 2, True, 3, 2, (8, 16, 16)),
+        Generation("v4", "v4", (), 2, True, 3, 1, (16, 16, 16), 32),
+        Generation("v5p", "v5p", (), 2, True, 3, 1, (16, 16, 24), 95),
+        Generation("v5litepod", "v5litepod", ("v5e",), 1, False, 2, 1, (16, 16), 16),
+        Generation("v6e", "v6e", (), 1, False, 2, 1, (16, 16), 32),
+        Generation("v7x", "tpu7x", ("v7x",), 2, True, 3, 2, (8, 16, 16), 192),
     )
 }
 
@@ -156,6 +159,11 @@ class SliceTopology:
     def devices_per_chip(self) -> int:
         """Devices one chip shows to the framework (1, or 2 on v7x)."""
         return GENERATIONS[self.generation].devices_per_chip
+
+    @property
+    def hbm_gib(self) -> float:
+        """High-bandwidth memory of one chip, GiB (:attr:`Generation.hbm_gib`)."""
+        return GENERATIONS[self.generation].hbm_gib
 
     @property
     def num_devices(self) -> int:

@@ -1,0 +1,401 @@
+"""Per-chip memory plan of a ``verl train`` job: what each chip (TPU) or worker process (CPU) holds, before a run.
+
+:func:`plan_memory` reads the composed VeRL config and the model's ``config.json`` (no weights: parameters are counted
+on a meta-device model, ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``, so every family is counted
+exactly) and returns a :class:`MemoryPlan`: bytes per chip for each term, the peak, and the chip's HBM from
+:mod:`rl_tpu.topology`. All sizes are bytes unless a name says GiB (2**30 bytes).
+
+Terms and formulas (P: parameters, P_t: trainable ones, S: FSDP shards = the trainer's workers unless
+``fsdp_config.fsdp_size`` says otherwise; b(x): bytes of dtype x):
+
+- resident all run long: parameters ``P·b(model_dtype)/S``, gradients ``P_t·b(model_dtype)/S``, AdamW's two moments
+  ``2·P_t·b(model_dtype)/S`` (torch keeps them in the parameter's dtype, fp32 by VeRL's default); the reference policy
+  ``P·b(ref model_dtype)/S`` when a KL loss or penalty is on (none with LoRA: the base model is the reference); the
+  critic's parameters, gradients and moments under PPO/GAE; with the sampler inside the worker (TPU:
+  ``sampler_placement=worker``) its own unsharded copy ``P·b(rollout.dtype)``. Offloaded terms are 0.
+- the update (actor micro batch of B sequences, N tokens):
+  FSDP2's all-gather buffers: ``root·b(param_dtype) + 2 blocks·(b(param_dtype) + b(reduce_dtype))`` with tied
+  embeddings (the root module stays gathered through the step; a block and the prefetched one, parameters and
+  unsharded gradients), ``(max(block, V·h) + block)·(b(param_dtype) + b(reduce_dtype))`` untied (VeRL's
+  ``apply_fsdp2`` then shards embedding and LM head apart); none on one plain (unwrapped) CPU rank.
+  Activations saved for the backward, per token and block: the terms of Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (arXiv:2205.05198, §4.1, eq. 1: ``sbh(34 + 5as/h)`` bytes per layer for
+  GPT at 16 bits) counted for this model's own widths, without dropout: ``4h + 2q + 2kv + 4I`` elements (two norm
+  inputs, the QKV input, Q and K after RoPE, V, the output projection's input; SwiGLU's gate, up, act(gate) and
+  product; ``q``/``kv`` the query and key/value widths, ``I`` the MLP width; a mixture of experts has
+  ``E + k(h + 4I_e)`` for its MLP, k active of E experts), plus ``q + kv`` with query/key norms (Qwen3) and ``a·s``
+  softmax outputs when attention is not fused (assumed on TPU); times ``L`` blocks, plus ``2h`` for the final norm,
+  times ``b(param_dtype)``. With gradient checkpointing only each block's input ``h`` is kept, plus one block
+  recomputed. The LM head's logits: ``tokens·V·(b(param_dtype) + 4 + 4)`` (its output, the fp32 log-softmax kept for
+  the backward, its fp32 gradient), over response tokens only when the micro batch is packed and
+  ``rl_tpu.response_only_logits`` is on.
+- the log-prob forward (reference / old policy, no gradients): logits ``tokens·V·(b + 4)`` and one block's working set.
+- generation (sampler in the worker): the KV cache ``2·L·kv·(prompt+response)·batch·b(rollout.dtype)``, the batch
+  being the worker's share of ``train_batch_size·n`` up to ``rollout.max_num_seqs``, padded to a power of two, as the
+  sampler's static buckets do (:mod:`rl_tpu.sampler.engine`), plus its last-position logits ``batch·V·4``.
+
+The peak is the resident sum plus the largest phase (update, log-prob, critic update, generation), which never
+overlap in time. The python process, the runtime and XLA's own buffers are not counted: :data:`USABLE_FRACTION` of
+the chip's HBM is what the plan may fill.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+GIB = float(1 << 30)
+USABLE_FRACTION = 0.9  # of a chip's HBM; the rest for the TPU runtime, XLA's scratch buffers and fragmentation
+_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model, counted on a meta-device instance (no weights read).
+
+    Attributes:
+        name: architecture class (``Qwen3ForCausalLM``).
+        params: parameters (tied embeddings counted once).
+        layer_params: parameters of the largest decoder block; ``root_params``: parameters outside the blocks.
+        lora_linear: ``sum(in + out)`` over the blocks' linear layers (a LoRA adapter of rank r has r times this).
+        hidden, layers, heads, kv_heads, head_dim, vocab, intermediate: the config's widths (``intermediate`` is an
+            expert's width for a mixture of experts).
+        experts, experts_active: routed experts per layer and experts per token (0, 0 for a dense MLP).
+        qk_norm: the blocks normalise queries and keys (Qwen3, Gemma3).
+        tied: the LM head shares the input embedding's weight.
+    """
+
+    name: str
+    params: int
+    layer_params: int
+    root_params: int
+    lora_linear: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    experts: int = 0
+    experts_active: int = 0
+    qk_norm: bool = False
+    tied: bool = True
+
+    def block_elements(self, seq_len: int, fused_attention: bool) -> int:
+        """Activation elements one block keeps for its backward, per token (Korthikanti et al. 2022, §4.1)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = (self.experts + self.experts_active * (h + 4 * self.intermediate)) if self.experts else 4 * self.intermediate
+        n = 4 * h + 2 * q + 2 * kv + mlp + ((q + kv) if self.qk_norm else 0)
+        return n + (0 if fused_attention else self.heads * seq_len)
+
+
+def model_shape(hf_config, trust_remote_code: bool = False) -> ModelShape:
+    """Count ``hf_config``'s model (a transformers ``PretrainedConfig``) on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers = int(text.num_hidden_layers)
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers),
+                 key=lambda m: sum(p.numel() for p in m.parameters()))
+    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    params = sum(p.numel() for p in model.parameters())
+    lora = sum(m.in_features + m.out_features for m in blocks.modules() if isinstance(m, torch.nn.Linear))
+    heads = int(text.num_attention_heads)
+    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    return ModelShape(
+        name=type(model).__name__, params=params, layer_params=max(per_block), root_params=params - sum(per_block),
+        lora_linear=lora, hidden=int(text.hidden_size), layers=layers, heads=heads,
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads), vocab=int(text.vocab_size),
+        intermediate=int((getattr(text, "moe_intermediate_size", None) if experts else None) or text.intermediate_size),
+        experts=experts, experts_active=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+        qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
+        tied=bool(getattr(text, "tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", True))),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of_path(path: str, trust_remote_code: bool) -> ModelShape:
+    from transformers import AutoConfig
+
+    return model_shape(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), trust_remote_code)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the plan: ``bytes`` per chip, held ``when`` (resident, update, log-prob, critic, generation)."""
+
+    name: str
+    bytes: float
+    when: str
+    how: str
+
+
+@dataclass
+class MemoryPlan:
+    """Per-chip memory of a job (bytes), against the chip's HBM.
+
+    Attributes:
+        model: the model's :class:`ModelShape`; ``where``: the slice or device (``v6e-4 (4 chips)``, ``cpu``).
+        workers: trainer workers (one per chip on TPU); ``shards``: FSDP shards of the parameters.
+        terms: the :class:`Term` rows.
+        hbm_bytes: one chip's HBM (``None`` off TPU slices: nothing to compare with).
+        notes: assumptions worth a line under the table.
+    """
+
+    model: ModelShape
+    where: str
+    workers: int
+    shards: int
+    terms: list[Term]
+    hbm_bytes: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def term(self, name: str) -> float:
+        """Bytes of the term whose name starts with ``name``."""
+        return next(t.bytes for t in self.terms if t.name.startswith(name))
+
+    @property
+    def resident(self) -> float:
+        return sum(t.bytes for t in self.terms if t.when == "resident")
+
+    @property
+    def peak_phase(self) -> tuple[str, float]:
+        """The phase with the most transient bytes: ``(name, bytes)``."""
+        phases: dict[str, float] = {}
+        for t in self.terms:
+            if t.when != "resident":
+                phases[t.when] = phases.get(t.when, 0.0) + t.bytes
+        return max(phases.items(), key=lambda kv: kv[1], default=("none", 0.0))
+
+    @property
+    def peak(self) -> float:
+        """Estimated peak bytes per chip: resident terms plus the largest phase."""
+        return self.resident + self.peak_phase[1]
+
+    @property
+    def usable_bytes(self) -> float | None:
+        return None if self.hbm_bytes is None else self.hbm_bytes * USABLE_FRACTION
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.peak <= self.usable_bytes
+
+    @property
+    def biggest(self) -> Term:
+        """The largest term counted in the peak."""
+        phase = self.peak_phase[0]
+        return max((t for t in self.terms if t.when in ("resident", phase)), key=lambda t: t.bytes)
+
+    def format(self) -> str:
+        """The plan as one table (GiB), for ``verl train --print-config``."""
+        m = self.model
+        head = (f"memory plan per chip: {m.name} ({m.params / 1e9:.3g} B parameters) on {self.where}, "
+                f"{self.workers} trainer worker(s), parameters sharded {self.shards} ways")
+        rows = [f"  {'term':<34}{'GiB':>9}  {'held':<12}how"]
+        rows += [f"  {t.name:<34}{t.bytes / GIB:>9.3f}  {t.when:<12}{t.how}" for t in self.terms]
+        phase, extra = self.peak_phase
+        rows.append(f"  {'peak estimate':<34}{self.peak / GIB:>9.3f}  {'':<12}resident {self.resident / GIB:.3f} + "
+                    f"largest phase ({phase}) {extra / GIB:.3f}")
+        if self.hbm_bytes is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            rows.append(f"  {'usable HBM':<34}{self.usable_bytes / GIB:>9.3f}  {'':<12}{USABLE_FRACTION:.0%} of "
+                        f"{self.hbm_bytes / GIB:g} GiB per chip: {verdict}")
+        return "\n".join([head, *rows, *(f"  note: {n}" for n in self.notes)])
+
+
+def _get(config, key: str, default=None):
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, key, default=default, throw_on_missing=False)
+    return default if value is None else value
+
+
+def _bytes(dtype, hf_config=None) -> int:
+    name = str(dtype).lower().replace("torch.", "")
+    if name == "auto" and hf_config is not None:
+        name = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
+        name = name.lower().replace("torch.", "")
+    if name not in _BYTES:
+        raise ValueError(f"dtype {dtype!r}: the memory plan knows {', '.join(sorted(_BYTES))}")
+    return _BYTES[name]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def resolve_slice(slice_spec):
+    """``SliceTopology``, ``"v6e-4"`` / ``"v6e-4:2x2"`` (``rl_tpu.slice``) or ``None`` -> ``SliceTopology | None``."""
+    if slice_spec is None or slice_spec == "":
+        return None
+    if isinstance(slice_spec, str):
+        from rl_tpu.topology import parse_slice
+
+        acc, _, topo = slice_spec.partition(":")
+        return parse_slice(acc, topo or None)
+    return slice_spec
+
+
+def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None) -> MemoryPlan:
+    """Estimate per-chip memory of the job ``config`` (a composed VeRL config) on ``slice_spec``.
+
+    Args:
+        config: VeRL's composed config (``verl train --print-config`` prints it).
+        slice_spec: a ``SliceTopology``, ``"v6e-4[:2x2]"`` or ``None`` (no HBM to compare with).
+        backend_profile: the :class:`~verl_backend.driver.profiles.BackendProfile`; its ``tpu_runtime`` means
+            attention is not assumed fused (XLA's sdpa keeps the softmax output).
+        hf_config: the model's transformers config; ``None`` reads ``actor_rollout_ref.model.path``/config.json.
+        workers: trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node × trainer.nnodes``.
+
+    Returns:
+        The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).
+    """
+    spec = resolve_slice(slice_spec)
+    aro, trust = "actor_rollout_ref", bool(_get(config, "actor_rollout_ref.model.trust_remote_code", False))
+    if hf_config is None:  # counted once per model folder (the refusal plans a few slices)
+        from transformers import AutoConfig
+
+        path = str(_get(config, f"{aro}.model.path"))
+        hf_config, shape = AutoConfig.from_pretrained(path, trust_remote_code=trust), _shape_of_path(path, trust)
+    else:
+        shape = model_shape(hf_config, trust) if not isinstance(hf_config, ModelShape) else hf_config
+    w = workers or int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+    fsdp = int(_get(config, f"{aro}.actor.fsdp_config.fsdp_size", -1))
+    shards = fsdp if 0 < fsdp <= w else w
+    n = int(_get(config, f"{aro}.rollout.n", 1))
+    fc = f"{aro}.actor.fsdp_config"
+    b_model = _bytes(_get(config, f"{fc}.model_dtype", "fp32"), hf_config)
+    b_param = _bytes(_get(config, f"{fc}.mixed_precision.param_dtype", "bf16"))
+    b_reduce = _bytes(_get(config, f"{fc}.mixed_precision.reduce_dtype", "fp32"))
+    lora = int(_get(config, f"{aro}.model.lora_rank", 0))
+    p, p_t = shape.params, (lora * shape.lora_linear if lora else shape.params)
+    p_off, o_off = bool(_get(config, f"{fc}.param_offload", False)), bool(_get(config, f"{fc}.optimizer_offload", False))
+    terms: list[Term] = []
+    notes: list[str] = []
+    add = lambda *a: terms.append(Term(*a))
+    dt = {4: "fp32", 2: "bf16"}
+    add(f"parameters ({dt[b_model]})", 0 if p_off else p * b_model / shards, "resident",
+        "offloaded" if p_off else f"{p:.3e} x {b_model} B / {shards}")
+    add(f"gradients ({dt[b_model]})", 0 if p_off else p_t * b_model / shards, "resident",
+        "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""))
+    add("optimizer (AdamW, 2 moments)", 0 if o_off else 2 * p_t * b_model / shards, "resident",
+        "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}")
+    use_kl = bool(_get(config, f"{aro}.actor.use_kl_loss", False)) or bool(_get(config, "algorithm.use_kl_in_reward", False))
+    if use_kl and not lora:
+        b_ref = _bytes(_get(config, f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
+        off = bool(_get(config, f"{aro}.ref.fsdp_config.param_offload", False))
+        add(f"reference policy ({dt[b_ref]})", 0 if off else p * b_ref / shards, "resident",
+            "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}")
+    placement = str((_get(config, f"{aro}.rollout.engine_kwargs.native", {}) or {}).get("sampler_placement") or "server")
+    b_roll = _bytes(_get(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
+    in_worker = placement == "worker"
+    add(f"sampler weights ({dt[b_roll]}, unsharded)", p * b_roll if in_worker else 0, "resident",
+        f"{p:.3e} x {b_roll} B" if in_worker else "in the rollout server process")
+
+    # the actor update: FSDP2 gather buffers, activations at the micro batch, the LM head's logits
+    single_plain = shards == 1 and bool(_get(config, "rl_tpu.plain_module", True)) and not backend_profile.tpu_runtime
+    if shards > 1 or (b_param != b_model and not single_plain):
+        # VeRL's apply_fsdp2 shards each block, and embedding and LM head apart when untied; the root stays gathered
+        if shape.tied:
+            gathered = shape.root_params * b_param + 2 * shape.layer_params * (b_param + b_reduce)
+            how = "root (kept) + 2 blocks unsharded, params and grads"
+        else:
+            unit = max(shape.layer_params, shape.vocab * shape.hidden)
+            gathered = (unit + shape.layer_params) * (b_param + b_reduce)
+            how = "largest unit (LM head) + 1 block unsharded, params and grads"
+        add("FSDP2 gather buffers", gathered, "update", how)
+    prompt_len, resp_len = int(_get(config, "data.max_prompt_length", 512)), int(_get(config, "data.max_response_length", 512))
+    seq = prompt_len + resp_len
+    actor = f"{aro}.actor"
+    packed = bool(_get(config, f"{aro}.model.use_remove_padding", False))
+    sp = max(int(_get(config, f"{actor}.ulysses_sequence_parallel_size", 1)), int(_get(config, f"{fc}.ulysses_sequence_parallel_size", 1)))
+    dp = max(1, w // sp)
+    if bool(_get(config, f"{actor}.use_dynamic_bsz", False)):
+        tokens = int(_get(config, f"{actor}.ppo_max_token_len_per_gpu", 16384))
+        micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
+        logit_tokens = tokens
+    else:
+        micro = _get(config, f"{actor}.ppo_micro_batch_size_per_gpu") or \
+            max(1, int(_get(config, f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
+        micro = int(micro)
+        prompts = math.ceil(micro / n) if packed and bool(_get(config, f"{actor}.use_prefix_grouper", False)) else micro
+        tokens = prompts * prompt_len + micro * resp_len
+        micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
+        response_only = packed and bool(_get(config, "rl_tpu.response_only_logits", True))
+        logit_tokens = micro * resp_len if response_only else micro * seq
+    tokens = math.ceil(tokens / sp)
+    fused = not backend_profile.tpu_runtime
+    block = shape.block_elements(seq, fused)
+    if bool(_get(config, f"{aro}.model.enable_gradient_checkpointing", False)):
+        elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
+    else:
+        elems, how = shape.layers * block, f"L x {block} elements/token"
+    add("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}")
+    add("LM head logits", logit_tokens * shape.vocab * (b_param + 8), "update",
+        f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
+
+    # forward-only log-probs (reference policy, old policy unless bypassed)
+    lp = max(int(_get(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
+             int(_get(config, f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
+    lp = lp or max(1, int(_get(config, "data.train_batch_size", 1)) * n // w)
+    lp_tokens = lp * (resp_len if packed and bool(_get(config, "rl_tpu.response_only_logits", True)) else seq)
+    add("log-prob forward", lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param, "log-prob",
+        f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
+
+    # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
+    if str(_get(config, "algorithm.adv_estimator", "grpo")) == "gae":
+        cpath, cshape = _get(config, "critic.model.path", None), shape
+        if cpath and str(cpath) != str(_get(config, f"{aro}.model.path")):
+            try:
+                cshape = _shape_of_path(str(cpath), trust)
+            except (OSError, ValueError):
+                notes.append(f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor")
+        cb = _bytes(_get(config, "critic.fsdp.model_dtype", _get(config, "critic.model_config.model_dtype", "fp32")))
+        add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
+            f"4 x {cshape.params:.3e} x {cb} B / {shards}")
+        cmicro = int(_get(config, "critic.ppo_micro_batch_size_per_gpu", None)
+                     or max(1, int(_get(config, "critic.ppo_mini_batch_size", 1)) * n // dp))
+        cblock = cshape.block_elements(seq, fused)
+        ckpt = bool(_get(config, "critic.model.enable_gradient_checkpointing", False))
+        celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
+        add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
+            f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
+
+    # generation: the sampler's static KV cache (in the worker only)
+    if in_worker:
+        r = f"{aro}.rollout"
+        rp, rr = int(_get(config, f"{r}.prompt_length", prompt_len)), int(_get(config, f"{r}.response_length", resp_len))
+        share = math.ceil(int(_get(config, "data.train_batch_size", 1)) * n / w)
+        batch = min(_pow2(share), _pow2(int(_get(config, f"{r}.max_num_seqs", 64))))
+        kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll
+        add("sampler KV cache", kv, "generation", f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x "
+            f"{rp + rr} x {batch} x {b_roll} B")
+        add("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B")
+    if packed:
+        notes.append("packed micro batches: activations counted at the longest prompt and response (an upper bound)")
+    hbm = spec.hbm_gib * GIB if spec is not None else None
+    where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
+        str(_get(config, "trainer.device", "cpu"))
+    return MemoryPlan(shape, where, w, shards, terms, hbm, notes)
+
+
+def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:
+    """One line: the model, the slice, the estimate against usable HBM, the biggest term and the fixes."""
+    big = plan.biggest
+    more = f"more chips ({bigger[0]}: {bigger[1] / GIB:.1f} GiB per chip)" if bigger else "a generation with more HBM"
+    fixes = [more]
+    if plan.term("parameters") or plan.term("optimizer"):
+        fixes.append("actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload=true")
+    fixes.append("a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
+        fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    return (f"memory plan: {plan.model.name} ({model_path}) on {slice_name} needs about {plan.peak / GIB:.1f} GiB per "
+            f"chip, over the {plan.usable_bytes / GIB:.1f} GiB usable ({USABLE_FRACTION:.0%} of {plan.hbm_bytes / GIB:g}"
+            f" GiB HBM); biggest term: {big.name} {big.bytes / GIB:.1f} GiB. Fix: {', '.join(fixes[:-1])} or "
+            f"{fixes[-1]} (`verl train --print-config` shows the table)")
