@@ -14,8 +14,9 @@ from verl_backend.driver.export_step import check_export
 from verl_backend.driver.plan import (compose_config, fit_default_micro_batches, flatten_yaml_overrides,
                                       guard_user_reward, merge_overrides, model_path_overrides, normalized_path,
                                       slice_defaults, split_rl_tpu)
-from verl_backend.driver.preflight import (check_batch_sizes, check_native_rollout, check_prompt_lengths,
-                                           check_user_reward, check_whole_numbers, fit_epochs_to_steps)
+from verl_backend.driver.preflight import (check_batch_sizes, check_memory_fits, check_native_rollout,
+                                           check_prompt_lengths, check_user_reward, check_whole_numbers,
+                                           fit_epochs_to_steps, show_memory_plan)
 from verl_backend.driver.profiles import profile
 from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
 from verl_backend.driver.runner import fork_server_here, job_runtime_env, run_with_restarts
@@ -100,8 +101,10 @@ def _run_train(args, fork_server: dict) -> int:
         config.rl_tpu = job_settings.as_dict(settings)  # printed, saved in config.yaml; workers get the record
     if args.print_config:
         print(OmegaConf.to_yaml(config))
+        show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_plan.py)
         return 0
 
+    check_memory_fits(config, settings.slice, backend)  # a TPU job past its chips' HBM stops here, one line
     validate_data_files(config, keys)
     check_prompt_lengths(config)
     check_user_reward(config)
