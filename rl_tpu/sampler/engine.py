@@ -16,7 +16,8 @@ One call to :meth:`Sampler.generate`:
 
 So a compiled (XLA/TPU) forward (``packed_prefill=False``, the default off the CPU) sees only shapes ``(batch_bucket, prompt_bucket)`` for prefill and
 ``(batch_bucket, 1)`` against a cache of ``prompt_bucket + gen_bucket`` for decode; :attr:`Sampler.shapes_seen`
-records them.
+records them. With ``compile=True`` those two steps are compiled graphs, one per shape
+(:mod:`rl_tpu.sampler.compiled`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ import torch
 from transformers import StaticCache
 
 from rl_tpu.sampler.attention import gqa_attention
+from rl_tpu.sampler.compiled import CompiledSteps, compile_backend_for, model_logits
 from rl_tpu.sampler.fastpaths import FastPaths
 from rl_tpu.sampler.lean import LeanDecoder
 from rl_tpu.sampler.packed import PackedLinears, packed_linear_supported
-from rl_tpu.sampler.params import SampleOutput, SamplerError, SamplingParams
+from rl_tpu.sampler.params import (
+    SampleOutput,
+    SamplerError,
+    SamplingParams,
+    check_request,
+)
+from rl_tpu.sampler.params import longrope_switch_length as longrope_switch_length  # noqa: PLC0414 (old home)
 from rl_tpu.sampler.prefill import packed_prefill
 from rl_tpu.sampler.processing import LogitsProcessors, choose_tokens, token_logprobs
 
@@ -45,26 +53,6 @@ def _check_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
     if not out or out[0] < 1:
         raise SamplerError(f"{name}={tuple(buckets)!r}: give one or more positive lengths")
     return out
-
-
-def longrope_switch_length(config) -> int | None:
-    """The sequence length (tokens) past which a ``longrope`` model (Phi-3 style, transformers'
-    ``modeling_rope_utils.dynamic_rope_update``) switches every position's RoPE from ``short_factor`` to
-    ``long_factor``, or ``None`` when the model has no such switch. The choice is made per forward call from the
-    largest position id, so a KV cache filled below the switch disagrees with a forward over the whole sequence above
-    it. Reads ``config.rope_parameters`` (transformers >= 5, possibly one dict per layer type) or ``rope_scaling``."""
-    found = []
-    for attr in ("rope_parameters", "rope_scaling"):
-        spec = getattr(config, attr, None)
-        if not isinstance(spec, dict):
-            continue
-        for d in [spec, *(v for v in spec.values() if isinstance(v, dict))]:
-            if d.get("rope_type", d.get("type")) == "longrope":
-                orig = d.get("original_max_position_embeddings",
-                             getattr(config, "original_max_position_embeddings", None))
-                if orig is not None:
-                    found.append(int(orig))
-    return min(found) if found else None
 
 
 class Sampler:
@@ -95,6 +83,10 @@ class Sampler:
         lean_decode: run decode steps through :class:`rl_tpu.sampler.lean.LeanDecoder` (the same modules and
             weights without transformers' per-call overhead) when it computes the model's numbers
             (:mod:`rl_tpu.sampler.fastpaths`); ``None``: on for the CPU. Other models keep their own forward.
+        compile: run prefill and decode as compiled graphs (:class:`rl_tpu.sampler.compiled.CompiledSteps`), one
+            per bucket shape; packed weights, packed prefill and lean decode are then off (not static graphs), and
+            asking for one of them as well is refused. ``compile_backend``: ``torch.compile``'s backend (``None``:
+            the device's, :func:`rl_tpu.sampler.compiled.compile_backend_for`).
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
     repetition penalty, min tokens and top-k/top-p (see :mod:`rl_tpu.sampler.processing`): what VeRL recomputes as
@@ -106,6 +98,8 @@ class Sampler:
 
     Attributes:
         shapes_seen: set of ``(batch, query_length, cache_length)`` the model's forward was called with.
+        compiled: the :class:`~rl_tpu.sampler.compiled.CompiledSteps` (graphs and compile seconds per step kind)
+            with ``compile=True``, else ``None``.
     """
 
     def __init__(
@@ -124,6 +118,8 @@ class Sampler:
         packed_prefill: bool | None = None,
         packed_prefill_tokens: int = 2048,
         lean_decode: bool | None = None,
+        compile: bool = False,
+        compile_backend=None,
     ) -> None:
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
@@ -142,6 +138,15 @@ class Sampler:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
         # Parameters and persistent buffers by every name they have (tied weights appear under both names).
         self._tensors = model.state_dict(keep_vars=True)
+        self.compiled: CompiledSteps | None = None
+        if compile:
+            asked = [k for k, v in (("packed_weights", packed_weights), ("packed_prefill", packed_prefill),
+                                    ("lean_decode", lean_decode)) if v]
+            if asked:
+                raise SamplerError(f"compile=True with {', '.join(asked)}=True: compiled steps run the bucketed "
+                                   "static shapes through the model's forward; leave those unset")
+            packed_weights = packed_prefill = lean_decode = False
+            self.compiled = CompiledSteps(model, compile_backend or compile_backend_for(self.device))
         if packed_weights is None:
             packed_weights = self.device.type == "cpu" and packed_linear_supported()
         self.packed = PackedLinears(model, batch_hint=16) if packed_weights else None
@@ -204,7 +209,7 @@ class Sampler:
             SamplerError: an empty or too long prompt, a token id outside the vocabulary, or ``max_new_tokens``
                 above the largest generation bucket or past the model's context length.
         """
-        self._check(prompts, params)
+        check_request(prompts, params, self.prompt_buckets[-1], self.gen_buckets[-1], self.vocab_size, self.config)
         if not prompts:
             return []
         self.lean = self.fast_paths.lean() if self.lean_decode else None
@@ -227,45 +232,6 @@ class Sampler:
                     outputs[i] = out
         return outputs  # type: ignore[return-value]
 
-    def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise SamplerError(f"params is a {type(params).__name__}: pass rl_tpu.sampler.SamplingParams")
-        longest = self.prompt_buckets[-1]
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise SamplerError(f"prompt {i} is empty: give at least one token")
-            if len(p) > longest:
-                raise SamplerError(
-                    f"prompt {i} has {len(p)} tokens, more than the largest prompt bucket ({longest}): "
-                    "shorten or filter it, or pass larger prompt_buckets"
-                )
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.vocab_size:
-                raise SamplerError(
-                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab_size}): "
-                    "tokenize with the model's own tokenizer"
-                )
-        if params.max_new_tokens > self.gen_buckets[-1]:
-            raise SamplerError(
-                f"max_new_tokens={params.max_new_tokens} is more than the largest generation bucket "
-                f"({self.gen_buckets[-1]}): lower it or pass larger gen_buckets"
-            )
-        ctx = getattr(self.config, "max_position_embeddings", None)
-        need = max((len(p) for p in prompts), default=0) + params.max_new_tokens
-        if ctx is not None and need > ctx:
-            raise SamplerError(
-                f"prompt + max_new_tokens = {need} tokens is past the model's context length ({ctx}): "
-                "lower max_new_tokens or shorten the prompts"
-            )
-        switch = longrope_switch_length(self.config)
-        if switch is not None and need > switch:
-            raise SamplerError(
-                f"prompt + max_new_tokens = {need} tokens is past {switch}, where this model's longrope RoPE switches "
-                "from its short to its long factors: a sequence that crosses it is sampled with short-factor keys "
-                "that a forward pass over the whole sequence computes with long factors (log-probs off by whole "
-                f"nats). Keep prompt + max_new_tokens <= {switch}"
-            )
-
     def _bucket(self, buckets: tuple[int, ...], length: int) -> int:
         return next(b for b in buckets if b >= length)
 
@@ -278,12 +244,10 @@ class Sampler:
         :func:`rl_tpu.sampler.attention.sdpa_gqa_attention` (which reads only those; other attention functions
         ignore it)."""
         self.shapes_seen.add((ids.shape[0], ids.shape[1], mask.shape[1]))
+        if self.compiled is not None:  # no kv_len: a compiled step reads the whole static cache, masked
+            return self.compiled(ids, mask, pos, cache)
         extra = {"rl_tpu_kv_len": kv_len} if kv_len is not None and self.device.type == "cpu" else {}
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-            logits_to_keep=1, **extra,
-        )
-        return out.logits[:, -1, :]  # (batch, vocab)
+        return model_logits(self.model, ids, mask, pos, cache, **extra)  # (batch, vocab)
 
     def _generate_batch(
         self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator | None
@@ -324,8 +288,8 @@ class Sampler:
         lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
         procs = LogitsProcessors.build(params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len],
                                        stop_ids, logits.shape[-1])  # None unless requested: nothing to pay
-        sample = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator,
-                      logprobs=params.logprobs and procs is None)
+        sample = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                  "generator": generator, "logprobs": params.logprobs and procs is None}
         for t in range(max_new):
             if procs is None:
                 tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,) or None

@@ -1,9 +1,10 @@
 """Sampling settings and per-sample results of the native sampler, and the one place a vLLM-style request (what
-VeRL's agent loop sends a rollout server) becomes :class:`SamplingParams`."""
+VeRL's agent loop sends a rollout server) becomes :class:`SamplingParams`;
+:func:`check_request`, what the sampler refuses before sampling."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,3 +199,68 @@ def request_params(request: Mapping[str, Any], *, max_tokens: int) -> SamplingPa
         min_tokens=int(get("min_tokens", "min_new_tokens", default=0)),
         logprobs=bool(get("logprobs", default=False)),
     )
+
+
+def longrope_switch_length(config) -> int | None:
+    """The sequence length (tokens) past which a ``longrope`` model (Phi-3 style, transformers'
+    ``modeling_rope_utils.dynamic_rope_update``) switches every position's RoPE from ``short_factor`` to
+    ``long_factor``, or ``None`` when the model has no such switch. The choice is made per forward call from the
+    largest position id, so a KV cache filled below the switch disagrees with a forward over the whole sequence above
+    it. Reads ``config.rope_parameters`` (transformers >= 5, possibly one dict per layer type) or ``rope_scaling``."""
+    found = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        spec = getattr(config, attr, None)
+        if not isinstance(spec, dict):
+            continue
+        for d in [spec, *(v for v in spec.values() if isinstance(v, dict))]:
+            if d.get("rope_type", d.get("type")) == "longrope":
+                orig = d.get("original_max_position_embeddings",
+                             getattr(config, "original_max_position_embeddings", None))
+                if orig is not None:
+                    found.append(int(orig))
+    return min(found) if found else None
+
+
+def check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, largest_prompt: int, largest_gen: int,
+                  vocab_size: int, config) -> None:
+    """Refuse what the sampler cannot run, in one line (:class:`SamplerError`): ``params`` not a
+    :class:`SamplingParams`, an empty prompt or one longer than ``largest_prompt`` tokens, a token id outside
+    ``[0, vocab_size)``, ``max_new_tokens`` above ``largest_gen``, or prompt + new tokens past the model ``config``'s
+    context length or its longrope switch (:func:`longrope_switch_length`)."""
+    if not isinstance(params, SamplingParams):
+        raise SamplerError(f"params is a {type(params).__name__}: pass rl_tpu.sampler.SamplingParams")
+    longest = largest_prompt
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise SamplerError(f"prompt {i} is empty: give at least one token")
+        if len(p) > longest:
+            raise SamplerError(
+                f"prompt {i} has {len(p)} tokens, more than the largest prompt bucket ({longest}): "
+                "shorten or filter it, or pass larger prompt_buckets"
+            )
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise SamplerError(
+                f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size}): "
+                "tokenize with the model's own tokenizer"
+            )
+    if params.max_new_tokens > largest_gen:
+        raise SamplerError(
+            f"max_new_tokens={params.max_new_tokens} is more than the largest generation bucket "
+            f"({largest_gen}): lower it or pass larger gen_buckets"
+        )
+    ctx = getattr(config, "max_position_embeddings", None)
+    need = max((len(p) for p in prompts), default=0) + params.max_new_tokens
+    if ctx is not None and need > ctx:
+        raise SamplerError(
+            f"prompt + max_new_tokens = {need} tokens is past the model's context length ({ctx}): "
+            "lower max_new_tokens or shorten the prompts"
+        )
+    switch = longrope_switch_length(config)
+    if switch is not None and need > switch:
+        raise SamplerError(
+            f"prompt + max_new_tokens = {need} tokens is past {switch}, where this model's longrope RoPE switches "
+            "from its short to its long factors: a sequence that crosses it is sampled with short-factor keys "
+            "that a forward pass over the whole sequence computes with long factors (log-probs off by whole "
+            f"nats). Keep prompt + max_new_tokens <= {switch}"
+        )

@@ -1,0 +1,229 @@
+"""Compiled sampler steps (``Sampler(compile=True)``, :mod:`rl_tpu.sampler.compiled`): the same tokens and log-probs
+as the eager sampler and a plain Hugging Face forward, no recompile after warm-up (dynamo's ``fail_on_recompile``
+stance, which otherwise falls back to eager quietly), at most one graph per bucket shape, one line and eager numbers
+when a model does not compile; and the op counter of :mod:`rl_tpu.sampler.opcount`.
+
+One test compiles with inductor (CPU's backend; ~1-2 minutes on two loaded cores); the others use ``aot_eager``,
+which traces and guards exactly as inductor does (recompiles and graph breaks are dynamo's) without generating code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rl_tpu.sampler import Sampler, SamplerError, SamplingParams
+from rl_tpu.sampler.opcount import GRAPH, OpCounter, decode_step_ops
+
+torch.set_num_threads(1)
+
+VOCAB, PAD, EOS = 97, 0, 1
+
+
+def tiny_llama(seed: int = 0, cls=LlamaForCausalLM) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).eval()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Greedy log-probs of ``tokens`` from one unpadded, cache-free forward over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (new, vocab)
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(autouse=True)
+def fallbacks_said_afresh(monkeypatch):
+    from rl_tpu.sampler import fastpaths
+
+    monkeypatch.setattr(fastpaths, "_SAID", set())
+
+
+def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None:
+    model = tiny_llama()
+    lengths = [5, 19, 40, 11]  # one batch: prompt bucket 64, generation bucket 16
+    greedy = SamplingParams(n=2, temperature=0, max_new_tokens=16, logprobs=True)
+    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True)
+    assert sampler.compiled.backend == "inductor"
+    sampler.generate(random_prompts(lengths, seed=10), greedy)  # warm-up: compiles both shapes
+    assert sampler.compiled.graphs == {"prefill": 1, "decode": 1}
+    assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
+    prompts = random_prompts(lengths, seed=11)
+    with torch.compiler.set_stance("fail_on_recompile"):  # a recompile raises instead of running eagerly
+        outs = sampler.generate(prompts, greedy)
+        sampler.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=16, seed=3))
+    assert sampler.compiled.graphs == {"prefill": 1, "decode": 1}
+
+    eager = Sampler(model, pad_token_id=PAD, eos_token_ids=[]).generate(prompts, greedy)  # CPU fast paths on
+    for i, (got, want) in enumerate(zip(outs, eager)):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        ref = reference_logprobs(model, prompts[i // 2], got.token_ids)
+        torch.testing.assert_close(torch.tensor(got.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_a_rollout_with_batches_and_shrinking_stays_within_its_shapes_and_sees_new_weights() -> None:
+    model = tiny_llama()
+    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], max_batch_size=4, compile=True,
+                      compile_backend="aot_eager")
+    prompts = random_prompts([5, 19, 40, 11, 70, 3])  # two prompt buckets (64, 128), three batches of 4 rows
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=5, logprobs=True,
+                            stop_token_ids=list(range(3, 13)))  # rows end at random steps: batches shrink
+    first = sampler.generate(prompts, params)
+    assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
+    assert any(shape[0] < 4 and shape[1] == 1 for shape in sampler.shapes_seen)  # a batch shrank
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = sampler.generate(prompts, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in first]
+        other = tiny_llama(seed=1)  # a weight sync: new values copied into the same parameters
+        sampler.load_state_dict(other.state_dict().items())
+        synced = sampler.generate(prompts, params)
+        with pytest.raises(RuntimeError, match="Detected recompile"):  # the stance does fail on a new shape
+            sampler.generate(random_prompts([200]), params)
+    want = Sampler(other, pad_token_id=PAD, eos_token_ids=[EOS], max_batch_size=4).generate(prompts, params)
+    assert [o.token_ids for o in synced] == [o.token_ids for o in want]
+    assert [o.token_ids for o in synced] != [o.token_ids for o in first]
+    for got, ref in zip(synced, want):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+
+
+class GraphBreakLlama(LlamaForCausalLM):
+    """A Llama whose forward has a graph break (as some remote-code models do): no full graph."""
+
+    def forward(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return super().forward(*args, **kwargs)
+
+
+def test_a_model_that_does_not_compile_runs_eagerly_said_in_one_line(capfd) -> None:
+    model = tiny_llama(cls=GraphBreakLlama)
+    prompts = random_prompts([5, 19])
+    params = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
+    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], compile=True, compile_backend="aot_eager")
+    outs = sampler.generate(prompts, params)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "compiled steps off" in line]
+    assert len(lines) == 1 and "GraphBreakLlama" in lines[0] and "run eagerly" in lines[0]
+    assert not sampler.compiled.active and sampler.compiled.total_graphs == 0
+    want = Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS]).generate(prompts, params)
+    for got, ref in zip(outs, want):
+        assert got.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+
+
+def test_bfloat16_compiles_as_the_tpu_profile_samples() -> None:
+    model = tiny_llama().to(torch.bfloat16)  # the TPU profile's rollout dtype
+    prompts = random_prompts([5, 19, 40])
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, logprobs=True)
+    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
+    sampler.generate(prompts, params)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = sampler.generate(prompts, params)
+    assert sampler.compiled.active and sampler.compiled.graphs == {"prefill": 1, "decode": 1}
+    want = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_prefill=False).generate(prompts, params)
+    for got, ref in zip(outs, want):
+        assert got.token_ids == ref.token_ids
+        # bfloat16 rounding: the eager step reads only the written cache slots, the compiled one the whole cache
+        # (other matmul shapes, other rounding); measured here max 0.026 nats
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=0.1, rtol=0)
+
+
+def test_compile_with_a_cpu_fast_path_asked_for_is_refused() -> None:
+    with pytest.raises(SamplerError, match="lean_decode=True"):
+        Sampler(tiny_llama(), pad_token_id=PAD, eos_token_ids=[EOS], compile=True, lean_decode=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_families_compile_with_their_own_numbers(family, tmp_path_factory, capfd) -> None:
+    """Qwen3 (query/key norms) compiles; Gemma3's sliding-window layers count their static cache's length in a Python
+    int (transformers' ``StaticSlidingWindowLayer``), which would compile a decode graph per step: it runs eagerly,
+    said in one line. Either way the log-probs are the model's."""
+    from families import build_tiny_model
+
+    from verl_backend.models import ensure_default_model
+
+    path = build_tiny_model(family, ensure_default_model(), tmp_path_factory.mktemp(family))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (12, 23, 9)]  # windows are 5
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, logprobs=True)
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], compile=True, compile_backend="aot_eager")
+    sampler.generate(prompts, params)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = sampler.generate(prompts, params)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "compiled steps off" in line]
+    if family == "gemma3":
+        assert not sampler.compiled.active and len(lines) == 1 and "cumulative_length_int" in lines[0], lines
+    else:
+        assert sampler.compiled.active and not lines
+    assert sampler.compiled.total_graphs <= len(sampler.shapes_seen) + (family == "gemma3")
+    for i, out in enumerate(outs):
+        ref = reference_logprobs(model, prompts[i // 2], out.token_ids)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_the_op_counter_counts_each_dispatched_op() -> None:
+    x = torch.ones(3)
+    with OpCounter() as counter:
+        y = (x + 1) * 2
+        y.add_(x)
+    assert counter.counts == {"add": 1, "mul": 1, "add_": 1} and counter.total == 3
+
+
+def test_ops_per_decode_step_bucketed_lean_and_compiled() -> None:
+    model = tiny_llama()  # 2 layers: 7 linear layers each, and the LM head
+    prompts = random_prompts([5, 19, 30, 11])
+    bucketed = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_weights=False, packed_prefill=False,
+                       lean_decode=False)
+    lean = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_weights=False)
+    compiled = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
+    compiled.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))  # compile first
+    ops = {name: decode_step_ops(s, prompts, temperature=0)
+           for name, s in (("bucketed", bucketed), ("lean", lean), ("compiled", compiled))}
+    assert ops["bucketed"]["linear"] == 2 * 7 + 1  # one decode step's forward, counted once
+    assert ops["lean"]["linear"] == 2 * 7 + 1
+    assert ops["compiled"][GRAPH] == 1 and "linear" not in ops["compiled"]
+    totals = {name: sum(c.values()) for name, c in ops.items()}
+    assert totals["compiled"] < totals["lean"] < totals["bucketed"]
+
+
+def test_the_job_setting_reaches_the_sampler(job_settings_here, tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from families import build_tiny_model
+
+    from verl_backend.models import ensure_default_model
+    from verl_backend.rollout.sampling import build_sampler
+
+    path = build_tiny_model("llama", ensure_default_model(), tmp_path / "m")
+    rollout = SimpleNamespace(prompt_length=32, response_length=16, max_num_seqs=4, dtype="float32")
+    job_settings_here()
+    assert build_sampler(str(path), rollout, "cpu").compiled is None
+    job_settings_here(compile_sampler=True)
+    sampler = build_sampler(str(path), rollout, "cpu")
+    assert sampler.compiled is not None and sampler.compiled.backend == "inductor"
+    assert sampler.packed is None and not sampler.lean_decode and not sampler.packed_prefill
+
+
+@pytest.fixture()
+def job_settings_here(monkeypatch):
+    """This process as a worker of a ``verl train`` job with the given settings (the record the driver hands it)."""
+    from verl_backend import settings
+
+    def install(**values):
+        monkeypatch.setenv(settings.RECORD_ENV, settings.record(settings.RlTpuSettings(**values)))
+        return settings.current()
+
+    return install
+
