@@ -32,9 +32,9 @@ def build_tiny_model(family: str, tokenizer_dir: Path, out: Path, attn_implement
 
     config_name, model_name, extra = FAMILIES[family]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    keys = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    keys = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     keys.update(extra)
     keys.update(overrides)
     config = getattr(transformers, config_name)(**keys)
