@@ -99,6 +99,20 @@ def test_a_rollout_with_batches_and_shrinking_stays_within_its_shapes_and_sees_n
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
 
 
+def test_parameters_rebound_to_other_storage_are_read_without_recompiling() -> None:
+    """What the rollout's shared-memory weights do (``param.data = view`` of the trainer's file), after graphs exist."""
+    model, other = tiny_llama(), tiny_llama(seed=1)
+    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
+    prompts, params = random_prompts([5, 19]), SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
+    before = sampler.generate(prompts, params)
+    for mine, theirs in zip(model.parameters(), other.parameters()):
+        mine.data = theirs.detach().clone()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        after = sampler.generate(prompts, params)
+    want = Sampler(other, pad_token_id=PAD, eos_token_ids=[]).generate(prompts, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in want] != [o.token_ids for o in before]
+
+
 class GraphBreakLlama(LlamaForCausalLM):
     """A Llama whose forward has a graph break (as some remote-code models do): no full graph."""
 
