@@ -79,6 +79,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tpu_eager_mode", str, "strict", "TorchTPU eager mode on --backend tpu: strict (DEFER_NEVER), debug "
             "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)", choices=("strict", "debug", "fused"),
             env="RL_TPU_EAGER_MODE", flag="--tpu-eager-mode"),
+    Setting("compile_sampler", bool, False, "the rollout's prefill and decode run as torch.compile graphs "
+            "(fullgraph, one per bucket shape; backend tpu on TPU, inductor on CPU/CUDA); the CPU sampler's fast "
+            "paths are then off"),
     Setting("slice", str, "", "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
             "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice", flag="--slice"),
     Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",

@@ -14,11 +14,13 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     """An :class:`rl_tpu.sampler.Sampler` over a fresh inference copy of the HF model at ``model_path``.
 
     Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
-    ``rollout.max_num_seqs``; dtype ``rollout.dtype``.
+    ``rollout.max_num_seqs``; dtype ``rollout.dtype``; compiled steps when the job's ``rl_tpu.compile_sampler``
+    is on (:mod:`rl_tpu.sampler.compiled`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl_tpu.sampler import Sampler
+    from verl_backend.settings import current
 
     device = torch.device(device)
     dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
@@ -38,6 +40,7 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
         gen_buckets=_buckets(int(getattr(rollout_config, "response_length", 512))),
         max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
         device=device,
+        compile=bool(current().compile_sampler),
     )
 
 
