@@ -12,15 +12,18 @@ Mistral's window, Qwen3-MoE's 8 experts of width 384 with 2 active). One GRPO st
 - ``rollout``: the native sampler generating the 16 responses (64 tokens, greedy), with packed prefill and lean
   decode on (where the family allows them; otherwise they fall back, said on stderr) and off.
 
-Each cell is the median of ``--repeats`` timings after one warm-up; the ratio columns are off / on (> 1: the fast
-path pays). Numbers are for this CPU, not a TPU.
+Each cell is the median of ``--repeats`` timings after one warm-up (``--warmup cell``), or after one warm-up
+update and rollout per model (``--warmup model``: about half the time, for a loaded machine); the ratio columns are
+off / on (> 1: the fast path pays). Numbers are for this CPU, not a TPU. The last line gives the load average.
 
     python benchmarks/bench_family_fastpaths.py [--families llama,qwen3,gemma3,mistral,qwen3_moe] [--repeats 3]
+        [--warmup cell|model]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -31,13 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, head_dim=64, max_position_embeddings=2048)
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 2048}
 FAMILY_SIZE = {  # what differs from SmolLM2's shape per family (tests/families.py sets the family's features)
-    "gemma3": dict(sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
-                   query_pre_attn_scalar=64),
-    "mistral": dict(sliding_window=512),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
+    "gemma3": {"sliding_window": 512, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+               "query_pre_attn_scalar": 64},
+    "mistral": {"sliding_window": 512},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384},
 }
 
 
@@ -108,6 +111,8 @@ def main() -> int:
                     help=f"comma-separated, from: {', '.join(FAMILIES)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median; one warm-up before)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--warmup", choices=["cell", "model"], default="cell",
+                    help="one untimed run before each cell, or one update and one rollout per model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     td, prompts, _ = _batch(torch.Generator().manual_seed(0))
@@ -121,9 +126,15 @@ def main() -> int:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
 
             def median(fn, *a):
-                fn(*a)  # warm-up
+                if args.warmup == "cell":
+                    fn(*a)
                 return statistics.median(fn(*a) for _ in range(args.repeats))
 
+            if args.warmup == "model":
+                model.train()
+                _update(model, td, "shared")
+                model.eval()
+                _rollout(model, prompts, True)
             model.train()
             upd = {m: median(_update, model, td, m) for m in ("all", "response", "shared")}
             model.eval()
@@ -132,6 +143,9 @@ def main() -> int:
             print(f"| {family} | {params:.0f} | {upd['all']:.2f} | {upd['response']:.2f} | {upd['shared']:.2f} | "
                   f"{upd['all'] / upd['shared']:.2f} | {off:.2f} | {on:.2f} | {off / on:.2f} |", flush=True)
             del model
+    load = os.getloadavg()
+    print(f"\n{args.threads} torch thread(s), median of {args.repeats}, warm-up per {args.warmup}; "
+          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
     return 0
 
 
