@@ -126,7 +126,9 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
             if get(data=micro_batch, key=key, default=False):
                 return False
         if not hasattr(self, "_accepts_logits_to_keep"):
-            forward = getattr(self.module, "forward", None)
+            # a peft model's forward takes **kwargs and hands them to the model it wraps (LoRA): ask that model
+            inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+            forward = getattr(inner, "forward", None)
             try:
                 self._accepts_logits_to_keep = forward is not None and \
                     "logits_to_keep" in inspect.signature(forward).parameters

@@ -172,11 +172,19 @@ class NativeServerAdapter(BaseRollout):
                 yield name, t.detach().to("cpu")
 
         if self.placement == "worker":  # in-process, on this worker's device
-            full = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in weights)
-            self.sampler.load_state_dict((n, t.detach()) for n, t in full)
+            def counted(it):
+                nonlocal n
+                for name, t in it:
+                    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                    n += t.numel() * t.element_size()
+                    yield name, t.detach()
+
+            self.sampler.load_state_dict(counted(weights))
             if self.is_leader:
                 await self._server_handle().set_global_steps.remote(global_steps)
-            self.last_sync = {"bytes": 0.0, "seconds": time.perf_counter() - start, "buckets": 0.0}
+            self.last_sync = {"bytes": float(n), "seconds": time.perf_counter() - start, "buckets": 0.0,
+                              "transport": "in_process"}
+            self._report_first_sync(detail="loaded on the trainer worker's device")
             return
         if not self.is_leader:
             for _ in cpu_full(weights):
