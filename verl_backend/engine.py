@@ -17,11 +17,19 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+from verl.workers.engine.fsdp.transformer_impl import (
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
 
+from verl_backend import weight_sync
 from verl_backend.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
-from verl_backend.response_logits import (first_response_logit_position, packed_response_log_probs,
-                                          response_log_probs, response_logit_indices)
+from verl_backend.response_logits import (
+    first_response_logit_position,
+    packed_response_log_probs,
+    response_log_probs,
+    response_logit_indices,
+)
 from verl_backend.settings import current
 from verl_backend.shared_prefix import attention_kinds, shared_prefix_inputs
 
@@ -59,7 +67,6 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
 
     def initialize(self):
         super().initialize()
-        global _TRAINER_WEIGHTS
         self.shared_weights = None
         reason = self._shared_weights_blocker()
         if reason is None:
@@ -70,7 +77,7 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
             except (SharedWeightsError, OSError) as exc:
                 reason = str(exc)
             else:
-                _TRAINER_WEIGHTS = self.shared_weights
+                weight_sync.hand_over(self.shared_weights)  # to this worker's rollout adapter
         self._shared_weights_reason = reason
         self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
@@ -198,14 +205,6 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
                                              entropy=entropy)
         return response_log_probs(output.logits, micro_batch["input_ids"], first, output_args["temperature"],
                                   entropy=entropy)
-
-
-_TRAINER_WEIGHTS = None  # the actor's SharedWeights in this process, if its parameters live in shared memory
-
-
-def trainer_shared_weights():
-    """The :class:`rl_tpu.shared_weights.SharedWeights` holding this process's actor parameters, or ``None``."""
-    return _TRAINER_WEIGHTS
 
 
 def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):

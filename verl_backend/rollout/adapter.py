@@ -3,11 +3,12 @@
 VeRL's colocated weight sync (``checkpoint_engine.backend=naive``) calls
 ``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. The leader rank of
 each replica sends the full tensors to its replica's server; the other ranks only drain the generator (which is
-collective under FSDP). No NCCL, no shared device memory. Three transports, the first that applies:
+collective under FSDP). No NCCL, no shared device memory. The route is chosen once per replica by
+:func:`verl_backend.weight_sync.choose_route` (logged with its reason); the transports, the first that applies:
 
 - **shared memory, in place** (server on this host, CPU, one FSDP rank: the default CPU job): the actor's
-  parameters already live in a shared-memory file (:func:`verl_backend.engine.share_fsdp_parameters`) and the
-  server computes on them, mapped read-only (:meth:`NativeRolloutServer.attach_trainer_weights`, done at the first
+  parameters already live in a shared-memory file (:func:`verl_backend.engine.share_fsdp_parameters`, handed over
+  with :func:`verl_backend.weight_sync.hand_over`) and the server computes on them, mapped read-only (:meth:`NativeRolloutServer.attach_trainer_weights`, done at the first
   sync). A sync copies nothing: it holds generation, checks each tensor is its slot, and tags the new step.
 - **shared memory, copied** (server on this host, CPU): the leader maps the server's weight file
   (:class:`rl_tpu.shared_weights.SharedWeightsWriter`) and copies each tensor into place: one memory copy.
@@ -18,7 +19,6 @@ collective under FSDP). No NCCL, no shared device memory. Three transports, the 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Generator
 
@@ -26,6 +26,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
+from verl_backend import weight_sync
 from verl_backend.rollout import server_actor_name
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class NativeServerAdapter(BaseRollout):
         self._writer = None  # SharedWeightsWriter once mapped; False: shared memory is not available
         self._attached = None  # the actor's SharedWeights once the server computes on them; False: it does not
         self.last_sync: dict[str, float] = {}
+        self.route: weight_sync.SyncRoute | None = None  # chosen at the first sync (choose_route), logged once
+        self.src_rank = rank
         self.placement = sampler_placement(self.config)
         self.sampler = None
         if self.placement == "worker":
@@ -108,40 +111,62 @@ class NativeServerAdapter(BaseRollout):
         shared weights, or the file cannot be opened (then the object store is used, and a warning says why)."""
         if self._writer is None:
             self._writer = False
+            self._writer_reason = "rl_tpu.shared_weights=false"
             from verl_backend.settings import current
 
             if current().shared_weights:
                 server = self._server_handle()
                 handle = await server.shared_weights_handle.remote()
-                if handle is not None and handle["node_id"] == ray.get_runtime_context().get_node_id():
+                if handle is None:
+                    self._writer_reason = "the rollout server keeps no shared-memory weights"
+                elif handle["node_id"] != ray.get_runtime_context().get_node_id():
+                    self._writer_reason = "the rollout server is on another host"
+                else:
                     from rl_tpu.shared_weights import SharedWeightsWriter
 
                     try:
                         self._writer = SharedWeightsWriter(handle)
                     except OSError as exc:
-                        logger.warning("weight sync through the Ray object store: cannot map the rollout server's "
-                                       "shared weights (%s)", exc)
+                        self._writer_reason = f"cannot map the rollout server's shared weights ({exc})"
                     else:
                         await server.shared_weights_attached.remote()
         return self._writer or None
 
-    async def _trainer_weights(self):
-        """The actor's parameters in shared memory (:func:`verl_backend.engine.trainer_shared_weights`) once this
-        replica's server computes on them; ``None`` if there are none in this process or the server cannot map
-        them (a warning says why; the sync then copies)."""
+    async def _trainer_weights(self) -> str | None:
+        """Attach this replica's server to the actor's shared-memory parameters (handed over by the engine,
+        :func:`verl_backend.weight_sync.handed_over`). Returns ``None`` when the server computes on them, else why
+        not (the route then copies)."""
         if self._attached is None:
             self._attached = False
-            engine = sys.modules.get("verl_backend.engine")  # the actor's engine, when it runs in this process
-            published = engine.trainer_shared_weights() if engine is not None else None
-            if published is not None:
+            published = weight_sync.handed_over("actor")
+            if published is None:
+                self._attach_reason = "the actor's parameters are not in a shared-memory file (its engine says why)"
+            else:
                 handle = published.handle(node_id=ray.get_runtime_context().get_node_id())
                 reason = await self._server_handle().attach_trainer_weights.remote(handle)
                 if reason is None:
                     self._attached = published
-                else:
-                    logger.warning("weight sync copies into the rollout server: it cannot compute on the trainer's "
-                                   "weights (%s)", reason)
-        return self._attached or None
+                self._attach_reason = reason and f"the rollout server cannot compute on the trainer's weights ({reason})"
+        return None if self._attached else self._attach_reason
+
+    async def _choose_route(self) -> weight_sync.SyncRoute:
+        """The route of this replica's syncs (:func:`verl_backend.weight_sync.choose_route`), decided at the first
+        sync from what this process and the server can map, and logged once with its reason."""
+        if self.route is None:
+            from verl_backend.settings import current
+
+            shared = bool(current().shared_weights) and self.placement == "server"
+            trainer = server = "rl_tpu.shared_weights=false"
+            if shared:
+                trainer = await self._trainer_weights()
+                if trainer is not None:
+                    server = None if await self._shared_writer() is not None else self._writer_reason
+            self.route = weight_sync.choose_route(weight_sync.SyncFacts(
+                placement=self.placement, shared_weights=bool(current().shared_weights), trainer_memory=trainer,
+                server_memory=server, src_rank=self.src_rank, dst_replica=self.replica_rank,
+                bucket_bytes=self.bucket_bytes))
+            print(f"[rl-tpu] weight sync route: {self.route.describe()}", flush=True)
+        return self.route
 
     async def resume(self, tags: list[str]):
         return None
@@ -150,12 +175,11 @@ class NativeServerAdapter(BaseRollout):
         return None
 
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], wire_format: str = "named_tensors", **kwargs: Any):
-        """Send ``(name, tensor)`` pairs to this replica's server: written straight into its shared-memory weights
-        when it runs on this host, else in object-store buckets of ``checkpoint_engine.update_weights_bucket_megabytes``
-        MiB. Returns when the server serves the new weights.
+        """Send ``(name, tensor)`` pairs of the trainer step ``global_steps`` (the weights' version) to this
+        replica's server along its route (:meth:`_choose_route`). Returns when the server serves the new weights.
 
-        Records ``last_sync = {"bytes", "seconds", "buckets", "transport"}`` (``"shared_memory"`` or
-        ``"object_store"``).
+        Records ``last_sync`` (:meth:`verl_backend.weight_sync.SyncReport.as_metrics`: version, transport, bytes,
+        copied bytes, seconds, buckets).
 
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
@@ -171,7 +195,15 @@ class NativeServerAdapter(BaseRollout):
                     t = t.full_tensor()
                 yield name, t.detach().to("cpu")
 
-        if self.placement == "worker":  # in-process, on this worker's device
+        def report(transport: str, nbytes: float, copied: float, buckets: int = 0) -> None:
+            self.last_sync = weight_sync.SyncReport(
+                version=global_steps, transport=transport, bytes=float(nbytes), copied_bytes=float(copied),
+                seconds=time.perf_counter() - start, buckets=buckets).as_metrics()
+
+        if self.placement == "worker":  # in-process, on this worker's device: every rank loads its own sampler
+            if self.is_leader:
+                await self._choose_route()
+
             def counted(it):
                 nonlocal n
                 for name, t in it:
@@ -182,29 +214,27 @@ class NativeServerAdapter(BaseRollout):
             self.sampler.load_state_dict(counted(weights))
             if self.is_leader:
                 await self._server_handle().set_global_steps.remote(global_steps)
-            self.last_sync = {"bytes": float(n), "seconds": time.perf_counter() - start, "buckets": 0.0,
-                              "transport": "in_process"}
-            self._report_first_sync(detail="loaded on the trainer worker's device")
+            report("in_worker", n, n)
+            self._report_first_sync(transport="in process", detail="loaded on the trainer worker's device")
             return
         if not self.is_leader:
             for _ in cpu_full(weights):
                 pass
             return
         server = self._server_handle()
-        published = await self._trainer_weights()
-        if published is not None:  # the server reads the trainer's parameters: check they are in place
+        route = await self._choose_route()
+        if route.transport == "trainer_memory":  # the server reads the trainer's parameters: check they are in place
             await server.begin_weight_update.remote()
             try:
-                in_place, copied = published.publish(cpu_full(weights))
+                in_place, copied = self._attached.publish(cpu_full(weights))
             finally:
                 await server.end_weight_update.remote([], global_steps)
-            self.last_sync = {"bytes": float(in_place + copied), "copied_bytes": float(copied),
-                              "seconds": time.perf_counter() - start, "buckets": 0.0, "transport": "shared_memory"}
-            self._report_first_sync(detail="in place: the rollout computes on the trainer's parameters, "
-                                           f"{copied / 1e6:.0f} MB copied")
+            report(route.transport, in_place + copied, copied)
+            self._report_first_sync(transport="shared memory", detail="in place: the rollout computes on the "
+                                    f"trainer's parameters, {copied / 1e6:.0f} MB copied")
             return
-        writer = await self._shared_writer()
-        if writer is not None:
+        if route.transport == "shared_memory":
+            writer = self._writer
             await server.begin_weight_update.remote()
             try:
                 written, sent = writer.write(cpu_full(weights))
@@ -215,28 +245,28 @@ class NativeServerAdapter(BaseRollout):
                     pass
                 raise
             await server.end_weight_update.remote(written, global_steps)  # raises if a released model is partial
-            self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": 0.0,
-                              "transport": "shared_memory"}
-            self._report_first_sync()
+            report(route.transport, sent, sent)
+            self._report_first_sync(transport="shared memory")
             return
         from verl_backend.rollout.bucket_sync import send_buckets
 
         def send(flat, meta, last, total):  # ray.put copies the staging buffer into the object store
             return server.update_weights_bucket.remote(ray.put(flat), meta, last, global_steps, total=total)
 
-        sent, n = await send_buckets(cpu_full(weights), self.bucket_bytes, send, MAX_BUCKETS_IN_FLIGHT)
-        self.last_sync = {"bytes": float(sent), "seconds": time.perf_counter() - start, "buckets": float(n),
-                          "transport": "object_store"}
+        sent, n = await send_buckets(cpu_full(weights), route.bucket_bytes, send, MAX_BUCKETS_IN_FLIGHT)
+        report(route.transport, sent, sent, n)
         from verl_backend.settings import current
 
-        self._report_first_sync(detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
+        self._report_first_sync(transport="object store",
+                                detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
 
-    def _report_first_sync(self, detail: str = "") -> None:
+    def _report_first_sync(self, transport: str, detail: str = "") -> None:
+        """Say once what the first sync did: ``transport`` in words, ``detail``, bytes and seconds."""
         if not getattr(self, "_reported", False):
             self._reported = True
             s = self.last_sync
             rank = int(getattr(self.model_config, "lora_rank", 0) or 0)  # LoRA: the engine sends the merged model
             what = f" (merged weights: base + LoRA rank {rank} adapter)" if rank else ""
-            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {s['transport'].replace('_', ' ')}"
+            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {transport}"
                   f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
                   flush=True)
