@@ -84,12 +84,18 @@ def test_freeze_long_lived_objects_leaves_only_new_objects_to_collect():
 
     from rl_tpu.device import freeze_long_lived_objects
 
+    enabled = gc.isenabled()
     try:
         frozen = freeze_long_lived_objects()
         assert frozen == gc.get_freeze_count() > 1000  # torch and transformers' objects, at least
+        # no automatic collection in between: a thread left by an earlier test (inductor's compile workers) that
+        # allocates could otherwise collect the cycle first, and this collect would find nothing
+        gc.disable()
         cycle = []
         cycle.append(cycle)  # garbage created after the freeze is still collected
         del cycle
         assert gc.collect() >= 1
     finally:
         gc.unfreeze()
+        if enabled:
+            gc.enable()
