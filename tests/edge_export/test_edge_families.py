@@ -58,6 +58,35 @@ def test_cache_patch_is_still_needed_and_applies():
     assert lines[2] == "256"
 
 
+_RMSNORM_CLASSES = (
+    "import sys\n"
+    "from edge_export import _tf_alias, litert_patches\n"
+    "_tf_alias.install()\n"
+    "if sys.argv[1] == 'patched':\n"
+    "    print(litert_patches.keep_transformers_kernel_hook())\n"
+    "from litert_torch.generative.export_hf import export\n"
+    "from transformers.models.qwen3 import modeling_qwen3\n"
+    "from transformers.models.mistral import modeling_mistral\n"
+    "print(modeling_qwen3.Qwen3RMSNorm.__module__, modeling_mistral.MistralRMSNorm.__module__)\n"
+)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_litert_export_leaves_transformers_modeling_classes_alone(patched):
+    """Importing litert-torch's export swaps transformers' kernel hook for the process, so modeling classes imported
+    after it are litert-torch's (their ``mark_tensor`` op breaks ``torch.compile`` of a training model in the same
+    process); ``keep_transformers_kernel_hook`` puts the hook back before any of them is imported."""
+    out = subprocess.run([sys.executable, "-c", _RMSNORM_CLASSES, "patched" if patched else "plain"],
+                         capture_output=True, text=True, check=True,
+                         env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"}).stdout.split("\n")
+    classes = out[-2].split()
+    if patched:
+        assert out[0] == "True"
+        assert classes == ["transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral"]
+    else:  # still needed: litert-torch 0.10.0 replaces both
+        assert all(c.startswith("litert_torch.") for c in classes), classes
+
+
 def test_patch_leaves_other_versions_alone(monkeypatch):
     from packaging.version import Version
 
@@ -65,3 +94,4 @@ def test_patch_leaves_other_versions_alone(monkeypatch):
 
     monkeypatch.setattr(litert_patches, "_litert_torch_version", lambda: Version("0.11.0"))
     assert litert_patches.patch_cache_get_max_length() is False
+    assert litert_patches.keep_transformers_kernel_hook() is False
