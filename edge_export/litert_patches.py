@@ -85,7 +85,6 @@ def keep_transformers_kernel_hook() -> bool:
     if found is None or found not in HOOK_PATCH_RANGE:
         return False
     import transformers.integrations
-
     from litert_torch.generative.export_hf.core import patches as litert_hf_patches
 
     original = getattr(litert_hf_patches, "original_use_kernel_forward_from_hub", None)
