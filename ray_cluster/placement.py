@@ -10,8 +10,7 @@ adds on top:
   such a slice at all (from ``ray.cluster_resources()``) — a placement group for a slice that
   does not exist would wait forever — and a timeout on ``ready()`` with a message that says why;
 - whole-chip actor requests (1, 2, 4 or 8 chips, at most one host) turned into ``.options()``;
-- the rollout/trainer layout: both on one slice (colocated, VeRL's hybrid engine) or each on
-  its own slice.
+- the rollout/trainer layout of two pools lives in :mod:`ray_cluster.pools`.
 
 Ray must already be initialised (``ray.init(address=...)``).
 """
@@ -24,7 +23,12 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_tpu.topology import SliceTopology, TopologyError, check_chip_request, parse_slice
+from rl_tpu.topology import (
+    SliceTopology,
+    TopologyError,
+    check_chip_request,
+    parse_slice,
+)
 
 from .errors import ClusterError
 
@@ -75,7 +79,7 @@ class SlicePlacement:
     """
 
     spec: SliceTopology
-    handle: "ray.util.tpu.SlicePlacementGroup"
+    handle: ray.util.tpu.SlicePlacementGroup
     cpus_per_bundle: float
     slice_name: str | None = None
     _used: dict[int, int] = field(default_factory=dict)
@@ -89,7 +93,7 @@ class SlicePlacement:
         """One per host."""
         return self.handle.num_bundles
 
-    def ready(self, timeout_s: float = 60.0) -> "SlicePlacement":
+    def ready(self, timeout_s: float = 60.0) -> SlicePlacement:
         """Wait until every bundle is placed.
 
         Raises:
@@ -214,7 +218,7 @@ def reserve_slice_workers(
     cpus_per_worker: float = 1.0,
     name: str = "",
     timeout_s: float = 60.0,
-) -> "SliceWorkers":
+) -> SliceWorkers:
     """Reserve one whole TPU slice as one placement-group bundle per worker, host-major.
 
     This is the shape VeRL's worker groups schedule into (one actor per bundle, bundle index =
@@ -334,73 +338,3 @@ def reserve_slice(
     if wait:
         placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
     return placement
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """Where VeRL's trainer (actor/ref/critic) and rollout workers go.
-
-    Attributes:
-        trainer_slice: accelerator type (``"v6e-16"`` or ``"v6e-16:4x4"``) for the trainer.
-        rollout_slice: accelerator type for the rollout; None = same type as the trainer.
-        colocate: True puts both on one slice (VeRL hybrid engine); False reserves two slices.
-        chips_per_worker: whole chips per worker actor (1, 2, 4 or 8).
-        cpus_per_host: CPUs reserved per host bundle.
-    """
-
-    trainer_slice: str
-    rollout_slice: str | None = None
-    colocate: bool = True
-    chips_per_worker: int = 1
-    cpus_per_host: float = 1.0
-
-    def specs(self) -> dict[str, SliceTopology]:
-        """Parsed slices by pool name (``trainer``, ``rollout``)."""
-        t_type, _, t_topo = self.trainer_slice.partition(":")
-        trainer = parse_slice(t_type, t_topo or None)
-        if self.colocate:
-            if self.rollout_slice and parse_slice(*_split(self.rollout_slice)) != trainer:
-                raise ClusterError(
-                    f"colocate=True puts rollout and trainer on one slice, but rollout_slice "
-                    f"{self.rollout_slice!r} differs from trainer_slice {self.trainer_slice!r}; "
-                    f"drop rollout_slice or set colocate=False"
-                )
-            return {"trainer": trainer, "rollout": trainer}
-        rollout = parse_slice(*_split(self.rollout_slice)) if self.rollout_slice else trainer
-        return {"trainer": trainer, "rollout": rollout}
-
-
-def _split(text: str) -> tuple[str, str | None]:
-    a, _, t = text.partition(":")
-    return a, (t or None)
-
-
-def place_pools(layout: PoolLayout, timeout_s: float = 60.0) -> dict[str, SlicePlacement]:
-    """Reserve the slices of ``layout``: ``{"trainer": ..., "rollout": ...}`` (the same object
-    when colocated).
-
-    Raises:
-        TopologyError: bad slice or chip count. ClusterError: the slices are not in the cluster
-        (all of them are checked before anything is reserved) or stay busy.
-    """
-    specs = layout.specs()
-    for spec in specs.values():
-        check_chip_request(layout.chips_per_worker, spec)
-    if layout.colocate:
-        p = reserve_slice(specs["trainer"].accelerator_type, specs["trainer"].topology,
-                          cpus_per_host=layout.cpus_per_host, name="rl-tpu-colocated", timeout_s=timeout_s)
-        return {"trainer": p, "rollout": p}
-    same = specs["trainer"].pod_type == specs["rollout"].pod_type
-    _check_cluster_has(specs["trainer"], 2 if same else 1)
-    _check_cluster_has(specs["rollout"], 2 if same else 1)
-    out: dict[str, SlicePlacement] = {}
-    try:
-        for pool in ("trainer", "rollout"):
-            s = specs[pool]
-            out[pool] = reserve_slice(s.accelerator_type, s.topology, cpus_per_host=layout.cpus_per_host,
-                                      name=f"rl-tpu-{pool}", timeout_s=timeout_s, _count=2 if same else 1)
-    except BaseException:
-        for p in out.values():
-            p.shutdown()
-        raise
-    return out

@@ -7,7 +7,8 @@ import pytest
 
 from ray_cluster.errors import ClusterError
 from ray_cluster.fake_slice import list_alive_nodes
-from ray_cluster.placement import PoolLayout, cluster_slices, place_pools, reserve_slice
+from ray_cluster.placement import cluster_slices, reserve_slice
+from ray_cluster.pools import PoolLayout, place_pools
 from rl_tpu.slice_hosts import host_resources
 from rl_tpu.topology import TopologyError, parse_slice
 
