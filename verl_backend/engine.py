@@ -213,8 +213,8 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     An unwrapped module (one CPU rank, :class:`_SingleRankPlainModule`) gets the same: each parameter's ``.data``
     becomes its view of the file.
 
-    Every ``FSDPParam``'s sharded storage (``_sharded_param_data`` and the ``DTensor``'s local tensor, what the
-    optimizer updates and the all-gather reads) becomes a view of the file, so a reader that maps it (the rollout
+    Every ``FSDPParam``'s sharded storage (what the optimizer updates and the all-gather reads; FSDP2's private
+    names, read only through :mod:`verl_backend.patches.fsdp2_internals`) becomes a view of the file, so a reader that maps it (the rollout
     server, :class:`rl_tpu.shared_weights.SharedWeightsReader`) sees each optimizer step with no copy. The
     ``Parameter`` objects stay the same (the optimizer's references remain valid); FSDP2's lazy init keeps the
     storage since it is already padded (``FSDPParam.reset_sharded_param``, torch 2.13). Slot names are the
@@ -223,20 +223,15 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
     Raises:
         rl_tpu.shared_weights.SharedWeightsError: a parameter that is sharded (more than one rank), padded, or not
-            on the CPU; or any state-dict tensor FSDP does not manage.
+            on the CPU; any state-dict tensor FSDP does not manage; a torch whose FSDP2 internals were not checked.
     """
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from verl.utils.model import convert_weight_keys
 
     from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
+    from verl_backend.patches import fsdp2_internals as fsdp2
 
-    by_param = {}
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    by_param[id(fp.sharded_param)] = fp
+    by_param = fsdp2.fsdp_params(module)
     named = convert_weight_keys(module.state_dict(keep_vars=True),
                                 getattr(module, "_fsdp_wrapped_module", module))
     if not by_param:  # an unwrapped module (_SingleRankPlainModule): each tensor's .data moves into the file
@@ -247,18 +242,16 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
         if fp is None or not isinstance(param, DTensor):
             raise SharedWeightsError(f"{key!r} is not an FSDP2 parameter: shared-memory weights need every tensor of "
                                      "the actor's state_dict managed by fully_shard")
-        if tuple(fp.padded_sharded_param_size) != tuple(fp._orig_size):
-            raise SharedWeightsError(f"{key!r} is sharded or padded ({tuple(fp._orig_size)} -> "
-                                     f"{tuple(fp.padded_sharded_param_size)}): shared-memory weights need one rank")
+        if not fsdp2.is_whole(fp):
+            whole, local = fsdp2.shapes(fp)
+            raise SharedWeightsError(f"{key!r} is sharded or padded ({whole} -> {local}): shared-memory weights "
+                                     "need one rank")
         groups.setdefault(id(fp), ([], fp))[0].append(key)
 
     def rebind_to(fp):
-        def rebind(_old: torch.Tensor, view: torch.Tensor) -> None:  # view: (orig shape) in the file
-            fp._sharded_param_data = view.view(-1)
-            fp.sharded_param._local_tensor = view
-        return rebind
+        return lambda _old, view: fsdp2.rebind(fp, view)  # view: (orig shape) in the file
 
-    entries = [(names, fp._sharded_param_data.view(fp._orig_size), rebind_to(fp)) for names, fp in groups.values()]
+    entries = [(names, fsdp2.local_storage(fp), rebind_to(fp)) for names, fp in groups.values()]
     return SharedWeights.from_tensors(entries, name=name)
 
 

@@ -2,7 +2,9 @@
 
 - :mod:`verl_backend.patches.verl`: VeRL 0.9.1 (platform, critic, metrics file, process group, preemption hook,
   rollout registration);
-- :mod:`verl_backend.patches.transfer_queue`: TransferQueue 0.1.11's thread cap.
+- :mod:`verl_backend.patches.transfer_queue`: TransferQueue 0.1.11's thread cap;
+- :mod:`verl_backend.patches.fsdp2_internals`: not a patch but the private FSDP2 names (torch 2.13) the shared-memory
+  weights read and rebind, with their version range; outside it that weight sync falls back to the object store.
 
 The plugin calls :func:`apply` in every process that imports VeRL: it refuses a patched library outside its tested
 range in one line (:class:`~.record.UnsupportedVersionError`, a :class:`~verl_backend.errors.BadInputError`), then
