@@ -14,7 +14,7 @@ TRL runs twice, once each way, and the table gives the ratio to both.
 
 Both run with glibc's default allocator settings. ``RL_TPU_COMPACT_MALLOC=1`` (set it for this script to have our run
 use it) starts every process of ``verl train --backend cpu`` with settings that keep the trainer's backward from
-fragmenting the heap, at the price of speed (``rl_tpu.device.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
+fragmenting the heap, at the price of speed (``rl_tpu.host_memory.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
 runs TRL with the same settings.
 
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
@@ -282,7 +282,7 @@ def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: fl
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                 "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     if tuned_malloc:  # the glibc settings RL_TPU_COMPACT_MALLOC=1 gives the processes of `verl train --backend cpu`
-        from rl_tpu.device import HOST_MALLOC_ENV
+        from rl_tpu.host_memory import HOST_MALLOC_ENV
 
         env.update(HOST_MALLOC_ENV)
     cmd = [sys.executable, __file__, "--trl-worker", "--train-file", train_file, "--steps", str(steps),
@@ -445,7 +445,7 @@ def main() -> int:
                     "(two TRL runs; default)")
     ap.add_argument("--trl-malloc", choices=["default", "tuned", "both"], default="default",
                     help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
-                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, rl_tpu.device.HOST_MALLOC_ENV), or both (twice the "
+                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, rl_tpu.host_memory.HOST_MALLOC_ENV), or both (twice the "
                     "TRL runs)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)

@@ -61,7 +61,7 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
     as does ``rl_tpu.response_only_logits=false``.
 
     On CPU, a training engine (not the reference policy) also hands the heap pages its activations free back to the
-    OS after each transformer block's backward (:class:`rl_tpu.device.BackwardHeapTrim`, ``backward_trim``), which
+    OS after each transformer block's backward (:class:`rl_tpu.host_memory.BackwardHeapTrim`, ``backward_trim``), which
     lowers the update's peak host memory; ``rl_tpu.trim_backward=false`` turns it off.
     """
 
@@ -81,7 +81,7 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
         self._shared_weights_reason = reason
         self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
-            from rl_tpu.device import BackwardHeapTrim, freeze_long_lived_objects
+            from rl_tpu.host_memory import BackwardHeapTrim, freeze_long_lived_objects
 
             if not self.engine_config.forward_only and current().trim_backward:
                 self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from rl_tpu.device import trim_host_heap
+from rl_tpu.host_memory import trim_host_heap
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 

@@ -17,19 +17,18 @@ import torch
 
 from rl_tpu.device import (
     BACKENDS,
-    BackwardHeapTrim,
     DeviceError,
     TPURuntimeConfig,
     apply_tpu_runtime,
     detect_backend,
     get_backend,
-    host_malloc_env,
     maybe_compile,
     require_tpu,
     set_num_threads,
     torch_tpu_installed,
     tpu_chip_available,
 )
+from rl_tpu.host_memory import BackwardHeapTrim, host_malloc_env
 
 needs_torch_tpu = pytest.mark.skipif(
     not torch_tpu_installed(), reason="torch_tpu (TorchTPU) is not installed: pip install rl-tpu[tpu]"
@@ -194,7 +193,7 @@ def test_host_malloc_env_keeps_what_the_user_set() -> None:
 
 _MMAP_PROBE = textwrap.dedent("""
     import ctypes, sys
-    from rl_tpu.device import tune_host_malloc
+    from rl_tpu.host_memory import tune_host_malloc
 
     class MallInfo2(ctypes.Structure):  # glibc >= 2.33
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

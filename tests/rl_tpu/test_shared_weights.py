@@ -82,7 +82,7 @@ def test_publish_copies_only_what_is_not_already_in_place():
 def test_freeze_long_lived_objects_leaves_only_new_objects_to_collect():
     import gc
 
-    from rl_tpu.device import freeze_long_lived_objects
+    from rl_tpu.host_memory import freeze_long_lived_objects
 
     enabled = gc.isenabled()
     try:

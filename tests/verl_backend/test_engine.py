@@ -210,7 +210,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from rl_tpu.device import BackwardHeapTrim
+    from rl_tpu.host_memory import BackwardHeapTrim
     from rl_tpu.shared_weights import SharedWeightsReader
     from verl_backend.engine import share_fsdp_parameters
 
@@ -262,7 +262,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
 
 
 def test_fsdp_parameters_move_to_shared_memory_and_train_identically(tiny_model_dir):
-    """Also: an FSDP2 model with rl_tpu.device.BackwardHeapTrim trims once per block and trains identically."""
+    """Also: an FSDP2 model with rl_tpu.host_memory.BackwardHeapTrim trims once per block and trains identically."""
     import multiprocessing as mp
     import socket
 

@@ -173,7 +173,7 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
     for a local CPU job, enough CPU slots and the fork server's interpreter. Also sets them in this process."""
     from omegaconf import open_dict
 
-    from rl_tpu.device import HOST_MALLOC_ENV
+    from rl_tpu.host_memory import HOST_MALLOC_ENV
     from verl_backend import settings as job_settings
 
     env = {

@@ -117,7 +117,7 @@ def _run_train(args, fork_server: dict) -> int:
 
     import gc
 
-    from rl_tpu.device import trim_host_heap
+    from rl_tpu.host_memory import trim_host_heap
     from verl_backend.report import write_report
 
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
@@ -159,7 +159,7 @@ def _apply_profile(backend, settings):
         raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
                             f"--backend tpu only, not {backend.name}")
     if settings.compact_malloc and backend.host_memory:
-        from rl_tpu.device import host_malloc_env, tune_host_malloc
+        from rl_tpu.host_memory import host_malloc_env, tune_host_malloc
 
         os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
         tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.zygote)

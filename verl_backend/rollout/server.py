@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rl_tpu.device import trim_host_heap
+from rl_tpu.host_memory import trim_host_heap
 from verl_backend.rollout.sampling import build_sampler, run_sampler, sampling_params_from_request
 from verl_backend.settings import current
 
