@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                    "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
                    "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
                    "Shortcut for rl_tpu.slice")
+    t.add_argument("--tpu-dry-run", action="store_true", default=None,
+                   help="with --backend cpu: the TPU profile's choices on CPU devices, one gloo rank per chip of a "
+                   "fake slice (--slice, default v6e-4: 4 ranks; needs `rl-tpu cluster up --fake-slice` and "
+                   "$RAY_ADDRESS); shortcut for rl_tpu.tpu_dry_run=true")
     t.add_argument("--tpu-eager-mode", choices=["strict", "debug", "fused"],
                    help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
                    "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode")

@@ -84,6 +84,12 @@ SETTINGS: tuple[Setting, ...] = (
             "paths are then off"),
     Setting("slice", str, "", "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
             "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice", flag="--slice"),
+    Setting("tpu_dry_run", bool, False, "--backend cpu only: run the job with the TPU profile's choices (padded "
+            "micro batches, bf16 rollout, VeRL's bf16 FSDP mixed precision, the bucketed sampler inside the trainer "
+            "worker with the CPU fast paths off, in-worker weight sync, no bypass, no prefix grouper, no fork "
+            "server) on CPU devices and gloo, one rank per chip of a fake slice: --slice, default v6e-4 (4 ranks), "
+            "reserved on a Ray cluster from `rl-tpu cluster up --fake-slice v6e-4` ($RAY_ADDRESS)",
+            flag="--tpu-dry-run", reader="driver"),
     Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",
             minimum=1, env="RL_TPU_SLICE_TIMEOUT_S"),
     # --- how the driver runs the job (read by verl train only)

@@ -82,7 +82,8 @@ def check_native_rollout(config) -> None:
     """Refuse, before any process starts, native-rollout settings that would only fail inside Ray.
 
     - ``actor_rollout_ref.rollout.checkpoint_engine`` must be a mapping (the weight sync reads its bucket size).
-    - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`).
+    - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`),
+      and its fast-path keys true or false (:func:`verl_backend.rollout.sampling.sampler_fast_paths`).
     - A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
       call's sequence passes ``original_max_position_embeddings``
       (:func:`rl_tpu.sampler.engine.longrope_switch_length`). The rollout fills its KV cache below the switch, the
@@ -106,9 +107,11 @@ def check_native_rollout(config) -> None:
 
     from rl_tpu.sampler.engine import longrope_switch_length
     from verl_backend.rollout.adapter import sampler_placement
+    from verl_backend.rollout.sampling import sampler_fast_paths
 
     try:
         sampler_placement(rollout)
+        sampler_fast_paths(rollout)
     except ValueError as exc:
         raise BadInputError(str(exc)) from None
     model = config.actor_rollout_ref.model

@@ -21,6 +21,9 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # rollout's log-probs then match the trainer's.
 _FP32_MP = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
+# The TPU sampler: inside the trainer worker, bucketed and padded (no CPU fast path; see rl_tpu/sampler/engine.py).
+_TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
+
 COMMON: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "native",
     "actor_rollout_ref.rollout.mode": "async",
@@ -92,9 +95,15 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         "trainer.n_gpus_per_node": "4",
         "actor_rollout_ref.rollout.dtype": "bfloat16",
         "actor_rollout_ref.actor.use_torch_compile": "false",
-        # A worker owns its chip: sample inside it, forwarded by the rollout server (see rollout/inworker.py).
-        "+actor_rollout_ref.rollout.engine_kwargs.native": "{sampler_placement:worker}",
+        # A worker owns its chip: sample inside it, forwarded by the rollout server (see rollout/inworker.py). The
+        # sampler keeps bucketed static shapes: the CPU fast paths (packed prefill, lean decode, oneDNN-packed
+        # weights) are off, stated here rather than left to the sampler's per-device default.
+        "+actor_rollout_ref.rollout.engine_kwargs.native": _TPU_SAMPLER,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": "native",
+        # VeRL's own defaults, stated: the trainer recomputes the old log-probs (the bf16 rollout's are not the
+        # actor's), and each sequence keeps its own copy of its prompt (no Prefix Grouper).
+        "algorithm.rollout_correction.bypass_mode": "false",
+        "actor_rollout_ref.actor.use_prefix_grouper": "false",
     },
     "cuda": {
         "trainer.device": "cuda",
@@ -144,6 +153,8 @@ class BackendProfile:
         host_memory: the CPU host-memory machinery applies (the fork server, ``rl_tpu.compact_malloc``).
         tpu_runtime: TorchTPU runs here (``rl_tpu.tpu_eager_mode`` applies; its import hook is kept on).
         check: raises :class:`BadInputError` (one line) when the backend's device is missing.
+        default_slice: the (fake) slice the job runs on when ``--slice`` is not given (``""``: none); the TPU
+            dry run's ``v6e-4``.
     """
 
     name: str
@@ -155,6 +166,7 @@ class BackendProfile:
     host_memory: bool = False
     tpu_runtime: bool = False
     check: Callable[[], None] = field(default=_no_check, repr=False)
+    default_slice: str = ""
 
 
 PROFILES: dict[str, BackendProfile] = {
@@ -165,6 +177,34 @@ PROFILES: dict[str, BackendProfile] = {
     "cuda": BackendProfile("cuda", platform="nvidia", overrides=_OVERRIDES["cuda"], check=_require_cuda),
 }
 BACKENDS = tuple(PROFILES)
+
+# The TPU dry run (``rl_tpu.tpu_dry_run``): the tpu row with only its device keys swapped for the CPU's.
+DRY_RUN_DEVICE_KEYS: dict[str, str] = {"trainer.device": "cpu"}
+DRY_RUN_SLICE = "v6e-4"  # 4 gloo ranks standing in for 4 chips when --slice is not given
+
+
+def tpu_dry_run(base: BackendProfile) -> BackendProfile:
+    """The TPU profile run on CPU devices (``--backend cpu --tpu-dry-run``), derived from the tpu row.
+
+    Every VeRL key of the tpu row is kept (padded micro batches, bf16 rollout, VeRL's default bf16 FSDP mixed
+    precision, the sampler inside the trainer worker without the CPU fast paths, the ``native`` checkpoint engine,
+    no bypass, no Prefix Grouper) except the device keys (:data:`DRY_RUN_DEVICE_KEYS`): VeRL's ``cpu`` platform,
+    gloo. As on TPU there is no host-memory machinery (no fork server, no ``rl_tpu.compact_malloc``) and the
+    workers are placed one per chip of a slice, here a fake one (``--slice``, default :data:`DRY_RUN_SLICE`)
+    reserved on a Ray cluster (``rl-tpu cluster up --fake-slice``). What is not TPU: the device, the default job
+    (``base``'s, which a TPU job lacks) and its thread count, and no chip to check.
+
+    Raises:
+        BadInputError: ``base`` is not the cpu profile (the dry run replaces a chip by CPU devices).
+    """
+    if base.name != "cpu":
+        raise BadInputError(f"rl_tpu.tpu_dry_run (--tpu-dry-run) runs the TPU profile on CPU devices: use it with "
+                            f"--backend cpu, not --backend {base.name}")
+    tpu = PROFILES["tpu"]
+    return BackendProfile(
+        base.name, platform=base.platform, overrides={**tpu.overrides, **DRY_RUN_DEVICE_KEYS},
+        default_config=base.default_config, default_threads=base.default_threads, slices="dry_run",
+        host_memory=tpu.host_memory, tpu_runtime=False, check=base.check, default_slice=DRY_RUN_SLICE)
 
 
 def profile(name: str) -> BackendProfile:

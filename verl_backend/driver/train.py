@@ -59,7 +59,8 @@ def _run_train(args, fork_server: dict) -> int:
     settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
         "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
         "--slice": getattr(args, "slice", None), "--export": getattr(args, "export", None),
-        "--quantize": getattr(args, "quantize", None)})
+        "--quantize": getattr(args, "quantize", None), "--tpu-dry-run": getattr(args, "tpu_dry_run", None)})
+    backend, settings = _tpu_dry_run(backend, settings, args)
     settings = _apply_profile(backend, settings)
 
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
@@ -67,6 +68,8 @@ def _run_train(args, fork_server: dict) -> int:
     defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
     slice_keys: dict[str, str] = {}
     slice_from = f"--slice {args.slice}" if getattr(args, "slice", None) else \
+        f"the TPU dry run's fake slice {settings.slice}" if settings.tpu_dry_run and \
+        settings.slice == backend.default_slice else \
         f"rl_tpu.slice={settings.slice}" if settings.slice else "$TPU_ACCELERATOR_TYPE"
     if backend.slices == "auto" or (backend.slices == "dry_run" and settings.slice):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
@@ -150,6 +153,44 @@ def _export(config, out: Path, settings) -> int:
         print(line if entry["status"] == "written" else f"verl: error: {line}",
               file=sys.stdout if entry["status"] == "written" else sys.stderr, flush=True)
     return 0 if entry["status"] == "written" else EXPORT_FAILED
+
+
+def _tpu_dry_run(backend, settings, args):
+    """``rl_tpu.tpu_dry_run``: the TPU profile on CPU devices (:func:`verl_backend.driver.profiles.tpu_dry_run`) on
+    ``--slice`` or its default fake slice. Returns ``(backend, settings)``, unchanged when the setting is off.
+
+    Raises:
+        BadInputError: another backend than cpu, ``rl_tpu.compact_malloc`` (CPU host-memory machinery the TPU
+            profile has not), a slice of one chip (the TPU profile's FSDP2 over several ranks), or a run with no
+            Ray cluster to reserve the fake slice on (``$RAY_ADDRESS``).
+    """
+    if not settings.tpu_dry_run:
+        return backend, settings
+    from verl_backend.driver.profiles import tpu_dry_run
+
+    backend = tpu_dry_run(backend)
+    if settings.compact_malloc:
+        raise BadInputError("rl_tpu.compact_malloc=true is the CPU profile's host-memory setting; the TPU dry run "
+                            "(rl_tpu.tpu_dry_run) keeps the TPU profile's, which has none: drop one of them")
+    settings = replace(settings, slice=settings.slice or backend.default_slice)
+    from rl_tpu.topology import TopologyError, parse_slice
+
+    acc, _, topo = settings.slice.partition(":")
+    try:
+        chips = parse_slice(acc, topo or None).chips
+    except TopologyError:
+        chips = 2  # named by the slice check below, with the key the user gave
+    if chips < 2:
+        raise BadInputError(f"rl_tpu.tpu_dry_run on the slice {settings.slice} ({chips} chip): the dry run stands "
+                            "several gloo ranks in for chips; give --slice v6e-4 (the default) or another of 2 chips "
+                            "or more")
+    if not args.print_config and not os.environ.get("RAY_ADDRESS"):
+        raise BadInputError(f"rl_tpu.tpu_dry_run (--tpu-dry-run) reserves the fake slice {settings.slice} on a Ray "
+                            f"cluster: start one with `rl-tpu cluster up --fake-slice {settings.slice.split(':')[0]}`, "
+                            "export the RAY_ADDRESS it prints (and RAY_AUTH_MODE=disabled), then run this again")
+    print(f"[rl-tpu] TPU dry run: the tpu profile's choices on CPU devices, {chips} gloo ranks on the fake slice "
+          f"{settings.slice}", flush=True)
+    return backend, settings
 
 
 def _apply_profile(backend, settings):

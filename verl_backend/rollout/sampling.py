@@ -15,7 +15,8 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
 
     Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
     ``rollout.max_num_seqs``; dtype ``rollout.dtype``; compiled steps when the job's ``rl_tpu.compile_sampler``
-    is on (:mod:`rl_tpu.sampler.compiled`).
+    is on (:mod:`rl_tpu.sampler.compiled`); the CPU fast paths as ``rollout.engine_kwargs.native`` fixes them
+    (:func:`sampler_fast_paths`), else the sampler's per-device default.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,7 +33,7 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
-    return Sampler(
+    sampler = Sampler(
         model,
         pad_token_id=pad,
         eos_token_ids=eos_ids,
@@ -41,7 +42,37 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
         max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
         device=device,
         compile=bool(current().compile_sampler),
+        **sampler_fast_paths(rollout_config),
     )
+    on = {True: "on", False: "off"}
+    print(f"[rl-tpu] native sampler ({dtype}, {device.type}): packed prefill {on[sampler.packed_prefill]}, lean "
+          f"decode {on[sampler.lean_decode]}, packed weights {on[sampler.packed is not None]}, compiled "
+          f"{on[sampler.compiled is not None]}", flush=True)
+    return sampler
+
+
+FAST_PATHS = ("packed_prefill", "lean_decode", "packed_weights")
+
+
+def sampler_fast_paths(rollout_config: Any) -> dict[str, bool]:
+    """The sampler's CPU fast paths the job's config fixes: ``packed_prefill``, ``lean_decode`` and
+    ``packed_weights`` of ``actor_rollout_ref.rollout.engine_kwargs.native`` (the TPU profile sets all three
+    ``false``: the bucketed, padded sampler). A key not given is left out (the sampler's per-device default).
+
+    Raises:
+        ValueError: a value that is not true or false, naming the key.
+    """
+    native = (getattr(rollout_config, "engine_kwargs", None) or {}).get("native", None) or {}
+    out = {}
+    for key in FAST_PATHS:
+        value = native.get(key, None) if hasattr(native, "get") else None
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.native.{key}={value!r}: give true or false "
+                             "(or leave it out: on for the CPU, off elsewhere)")
+        out[key] = value
+    return out
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
