@@ -79,6 +79,17 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
             else:
                 weight_sync.hand_over(self.shared_weights)  # to this worker's rollout adapter
         self._shared_weights_reason = reason
+        self.compiled_blocks = None
+        if current().compile_trainer:  # the driver refused packed micro batches (rl_tpu.compiled_blocks.refusal)
+            from rl_tpu.compiled_blocks import CompiledBlocks
+            from rl_tpu.sampler.compiled import compile_backend_for
+
+            device = next(self.module.parameters()).device
+            self.compiled_blocks = CompiledBlocks(self.module, compile_backend_for(device),
+                                                  say=lambda line: print(line, flush=True))
+            print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
+                  f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
+                  "(rl_tpu.compile_trainer)", flush=True)
         self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
             from rl_tpu.host_memory import BackwardHeapTrim, freeze_long_lived_objects

@@ -120,6 +120,16 @@ def test_overlong_prompts_are_refused_when_filtering_is_off(tmp_path, tiny_model
     assert "longer than data.max_prompt_length=16" in line
 
 
+def test_compiled_trainer_on_packed_micro_batches_is_refused(tmp_path, tiny_model_dir):
+    """The CPU default packs micro batches (a new length every step: a compile per step), so
+    rl_tpu.compile_trainer is refused there with the key that fixes it."""
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "rl_tpu.compile_trainer=true"))
+    assert "rl_tpu.compile_trainer needs padded micro batches" in line
+    assert "actor_rollout_ref.model.use_remove_padding=false" in line
+
+
 def test_lengths_past_a_longrope_switch_are_refused(tmp_path, default_model_dir):
     """Phi-3-style longrope switches RoPE factors at original_max_position_embeddings: the rollout's KV cache and
     the trainer's forward would disagree for sequences that cross it, so such lengths are refused up front."""

@@ -112,6 +112,12 @@ def _run_train(args, fork_server: dict) -> int:
     check_prompt_lengths(config)
     check_user_reward(config)
     check_native_rollout(config)
+    if settings.compile_trainer:  # bounded graphs need one shape of micro batch
+        from rl_tpu.compiled_blocks import refusal
+
+        reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)))
+        if reason:
+            raise BadInputError(reason)
     check_export(settings, config)
     fit_epochs_to_steps(config)
     prepare_run_folder(config, out)

@@ -1,0 +1,136 @@
+"""Compiled transformer blocks for the trainer: each decoder block's forward as a ``torch.compile`` graph.
+
+On TPU every eager op is a dispatch (TorchTPU's strict eager mode); a compiled block is one launch. The trainer's
+model is compiled per block rather than whole: FSDP2 gathers and frees each block's parameters in forward hooks
+around the block, which stay outside the graph here, since only the block's ``forward`` method is compiled (as
+torchtitan compiles per ``TransformerBlock``). Blocks of one class share their graphs: their parameters are graph
+inputs (dynamo's ``inline_inbuilt_nn_modules``, on by default since torch 2.5), so a 28-block model compiles one
+forward (and one backward) graph per input shape, not 28.
+
+Shapes must be static for the graphs to be bounded: the TPU profile's padded micro batches (``(micro batch,
+max prompt + max response)`` tokens, the same every step) give one shape for the update and one for the log-prob
+forward (no grad). Packed micro batches (remove-padding) change length every step and would compile every step:
+:func:`refusal` says so before a run starts.
+
+Whatever goes wrong falls back to the eager blocks, said in one line: a block that does not compile as one graph
+(``fullgraph=True``: a graph break is an error), or more distinct input signatures than ``max_graphs`` (a shape that
+changes from call to call). The numbers are then the eager model's, never a half-compiled step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+#: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager
+MAX_GRAPHS = 8
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: modules whose class (or a base class, as FSDP2 renames it) is named in the
+    model's ``_no_split_modules`` (the unit Hugging Face and FSDP wrap). ``[]`` when the model names none."""
+    inner = getattr(model, "_fsdp_wrapped_module", model)
+    names = set(getattr(inner, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
+
+
+def _signature(args, kwargs) -> tuple:
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return (torch.is_grad_enabled(),) + tuple(
+        (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in leaves)
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: message`` of ``exc`` in one line; for dynamo's ``backend='...' raised:`` wrapper, the cause's line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("raised:"):
+        lines = lines[1:]
+    return f"{type(exc).__name__}: {lines[0][:240] if lines else ''}"
+
+
+class CompiledBlocks:
+    """Compile every decoder block's ``forward`` of ``model`` in place (``torch.compile(fullgraph=True,
+    dynamic=False)``), counting distinct input signatures as graphs.
+
+    Args:
+        model: a Hugging Face causal LM, plain or FSDP2-wrapped.
+        backend: the ``torch.compile`` backend (``"tpu"`` on TPU, ``"inductor"`` on CPU and CUDA; ``"aot_eager"``
+            traces without code generation).
+        max_graphs: signatures allowed before falling back to eager (:data:`MAX_GRAPHS`).
+        say: where the one-line notices go (default: stderr).
+
+    Attributes:
+        blocks: number of blocks compiled (0: the model names no block class; nothing is done).
+        signatures: the distinct ``(grad mode, shapes, dtypes)`` the compiled blocks have run on.
+        eager_reason: why the blocks went back to eager (``None`` while compiled).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str, *, max_graphs: int = MAX_GRAPHS,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.backend = backend
+        self.max_graphs = max_graphs
+        self.signatures: set[tuple] = set()
+        self.eager_reason: str | None = None
+        self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._name = type(getattr(model, "_fsdp_wrapped_module", model)).__name__
+        self._blocks = decoder_blocks(model)
+        self._eager = {}
+        for block in self._blocks:
+            eager = block.forward
+            self._eager[id(block)] = eager
+            compiled = torch.compile(eager, backend=backend, fullgraph=True, dynamic=False)
+            block.forward = self._wrap(eager, compiled)
+        self.blocks = len(self._blocks)
+
+    def _wrap(self, eager: Callable, compiled: Callable) -> Callable:
+        def forward(*args, **kwargs):
+            if self.eager_reason is not None:
+                return eager(*args, **kwargs)
+            sig = _signature(args, kwargs)
+            if sig not in self.signatures:
+                if len(self.signatures) >= self.max_graphs:
+                    self.fall_back(f"more than {self.max_graphs} distinct block input shapes (the micro batches' "
+                                   "shape changes from call to call: pad them to one length)")
+                    return eager(*args, **kwargs)
+                self.signatures.add(sig)
+                hidden = next((x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                               if isinstance(x, torch.Tensor)), None)
+                self._say(f"[rl-tpu] compiled trainer blocks: graph {len(self.signatures)} of at most "
+                          f"{self.max_graphs} ({'update' if sig[0] else 'no-grad forward'}, block input "
+                          f"{tuple(hidden.shape) if hidden is not None else ()}, backend {self.backend})")
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (a graph break under fullgraph, an op the backend lacks: any)
+                self.fall_back(_first_line(exc))
+                return eager(*args, **kwargs)
+        return forward
+
+    def fall_back(self, reason: str) -> None:
+        """Put every block's eager ``forward`` back, saying why in one line."""
+        if self.eager_reason is None:
+            self.eager_reason = reason
+            self._say(f"[rl-tpu] compiled trainer blocks: {self._name} runs eagerly from now on ({reason})")
+        for block in self._blocks:
+            block.forward = self._eager[id(block)]
+
+    @property
+    def graphs(self) -> int:
+        """Distinct input signatures compiled so far: an upper bound of the forward graphs (each with its backward
+        when it ran with grad)."""
+        return len(self.signatures)
+
+
+def refusal(remove_padding: bool, key: str = "actor_rollout_ref.model.use_remove_padding") -> str | None:
+    """Why the trainer's blocks cannot be compiled with bounded graphs, or ``None``.
+
+    Args:
+        remove_padding: the micro batches are packed (their length changes every step).
+        key: the config key that sets it, named in the message.
+    """
+    if remove_padding:
+        return (f"rl_tpu.compile_trainer needs padded micro batches of one shape, but {key}=true packs them into rows "
+                f"whose length changes every step (a compile per step): set {key}=false (the TPU profile's default)")
+    return None

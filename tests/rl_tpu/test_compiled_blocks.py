@@ -1,0 +1,100 @@
+"""The trainer's compiled transformer blocks (``rl_tpu.compile_trainer``): on padded micro batches the loss and
+gradients equal the eager model's, graphs stay bounded (no recompile after warm-up, under dynamo's
+``fail_on_recompile``), and whatever cannot compile falls back to eager in one line."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from families import FAMILIES
+
+from rl_tpu.compiled_blocks import CompiledBlocks, decoder_blocks, refusal
+
+VOCAB = 512
+
+
+def tiny(family: str) -> torch.nn.Module:
+    config_name, model_name, extra = FAMILIES[family]
+    keys = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "pad_token_id": 0, **extra}
+    config = getattr(transformers, config_name)(**keys)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).float().train()
+
+
+def padded_batch(seed: int, batch: int = 3, length: int = 24):
+    """VeRL's padded layout: left-padded prompts, right-padded responses, one shape for every micro batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(batch):
+        left = int(torch.randint(0, 6, (1,), generator=g))
+        right = int(torch.randint(0, 6, (1,), generator=g))
+        mask[row, :left] = 0
+        mask[row, length - right:] = 0
+    ids = ids * mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def loss_of(model, batch) -> torch.Tensor:
+    ids, mask, pos = batch
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    keep = mask[:, 1:] * mask[:, :-1]
+    return -(logp * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize(("family", "backend"), [("llama", "inductor"), ("qwen3", "aot_eager"),
+                                                 ("gemma3", "aot_eager"), ("qwen3_moe", "aot_eager")])
+def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend):
+    eager = tiny(family)
+    compiled = copy.deepcopy(eager)
+    lines = []
+    blocks = CompiledBlocks(compiled, backend, say=lines.append)
+    assert blocks.blocks == len(decoder_blocks(eager)) == eager.config.num_hidden_layers
+    for step in range(3):  # the same shape each step, other tokens and padding
+        batch = padded_batch(step)
+        want, got = loss_of(eager, batch), loss_of(compiled, batch)
+        assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=0)
+        want.backward()
+        got.backward()
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            if a.grad is None:  # an expert no token was routed to
+                assert b.grad is None or not b.grad.any(), name
+                continue
+            assert b.grad.norm().item() == pytest.approx(a.grad.norm().item(), rel=1e-4, abs=1e-9), name
+            a.grad = b.grad = None
+        with torch.no_grad():  # the log-prob forward (old policy, reference): its own graph
+            assert loss_of(compiled, batch).item() == pytest.approx(loss_of(eager, batch).item(), rel=1e-5, abs=0)
+        if step == 0 and blocks.eager_reason is None:
+            torch.compiler.set_stance("fail_on_recompile")  # dynamo would otherwise recompile quietly
+    torch.compiler.set_stance("default")
+    if blocks.eager_reason is None:
+        assert blocks.graphs == 2, blocks.signatures  # update and no-grad forward, one shape
+        assert [line.split(" (")[0] for line in lines] == [f"[rl-tpu] compiled trainer blocks: graph {n} of at most 8"
+                                                           for n in (1, 2)]
+    else:  # what cannot compile says so once and trains eagerly: the same numbers as above
+        assert len([line for line in lines if "runs eagerly" in line]) == 1
+
+
+def test_a_shape_that_keeps_changing_falls_back_to_eager_in_one_line():
+    eager = tiny("llama")
+    compiled = copy.deepcopy(eager)
+    lines = []
+    blocks = CompiledBlocks(compiled, "aot_eager", max_graphs=2, say=lines.append)
+    for length in (16, 20, 24, 28):  # packed rows: a new length each step
+        batch = padded_batch(length, length=length)
+        assert loss_of(compiled, batch).item() == pytest.approx(loss_of(eager, batch).item(), rel=1e-5, abs=0)
+    assert blocks.eager_reason is not None and blocks.graphs == 2
+    assert [line for line in lines if "runs eagerly" in line] == [lines[-1]]
+    assert "more than 2 distinct block input shapes" in lines[-1] and len(lines) == 3  # graphs 1 and 2, then eager
+    assert all(b.forward.__func__ is type(b).forward for b in decoder_blocks(compiled))  # eager forwards back
+
+
+def test_packed_micro_batches_are_refused_before_a_run():
+    assert "use_remove_padding=false" in refusal(True)
+    assert refusal(False) is None
