@@ -7,10 +7,11 @@ torchtitan compiles per ``TransformerBlock``). Blocks of one class share their g
 inputs (dynamo's ``inline_inbuilt_nn_modules``, on by default since torch 2.5), so a 28-block model compiles one
 forward (and one backward) graph per input shape, not 28.
 
-Shapes must be static for the graphs to be bounded: the TPU profile's padded micro batches (``(micro batch,
-max prompt + max response)`` tokens, the same every step) give one shape for the update and one for the log-prob
-forward (no grad). Packed micro batches (remove-padding) change length every step and would compile every step:
-:func:`refusal` says so before a run starts.
+Shapes must be static for the graphs to be bounded. VeRL's padded micro batches (the TPU profile's
+``use_remove_padding=false``) are padded to their own longest sequence, a new length almost every micro batch;
+:func:`pad_to_bucket` pads them on to a power of two, so a run compiles a graph per bucket and micro-batch size
+for the update, and as many for the log-prob forward (no grad). Packed micro batches (remove-padding) are one row
+whose length changes every step: :func:`refusal` says so before a run starts.
 
 Whatever goes wrong falls back to the eager blocks, said in one line: a block that does not compile as one graph
 (``fullgraph=True``: a graph break is an error), or more distinct input signatures than ``max_graphs`` (a shape that
@@ -24,8 +25,11 @@ from collections.abc import Callable
 
 import torch
 
-#: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager
-MAX_GRAPHS = 8
+#: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager: bucketed
+#: lengths (:func:`bucket_length`) x micro-batch sizes x {update, no-grad forward}
+MAX_GRAPHS = 16
+#: the shortest bucket of :func:`pad_to_bucket` (tokens)
+MIN_BUCKET = 64
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -121,6 +125,41 @@ class CompiledBlocks:
         """Distinct input signatures compiled so far: an upper bound of the forward graphs (each with its backward
         when it ran with grad)."""
         return len(self.signatures)
+
+
+def bucket_length(length: int, smallest: int = MIN_BUCKET) -> int:
+    """The static length a padded micro batch of ``length`` tokens is padded to: the next power of two, at least
+    ``smallest`` (so a run's lengths up to ``L`` make at most ``log2(L / smallest) + 1`` shapes)."""
+    return max(smallest, 1 << max(0, int(length) - 1).bit_length())
+
+
+def pad_to_bucket(model_inputs: dict, pad_token_id: int, smallest: int = MIN_BUCKET) -> dict:
+    """Right-pad a padded micro batch to :func:`bucket_length` of its length, in place, and return it.
+
+    VeRL 0.9.1's padded layout (``use_remove_padding=false``) pads each micro batch to its own longest sequence,
+    a new shape nearly every micro batch; padded to a bucket, a run has a handful. The extra positions are padding
+    (attention mask 0, after every real token), so causal attention keeps the real positions' outputs, and VeRL
+    reads each sequence's first ``length`` positions back (``torch.nested.narrow``).
+
+    Args:
+        model_inputs: ``input_ids`` ``(batch, seq)`` int64, ``attention_mask`` ``(batch, seq)``, ``position_ids``
+            ``(batch, seq)`` int64 (a 3-D multimodal ``position_ids`` is left as it is, and so is the batch).
+        pad_token_id: the token the extra positions hold.
+    """
+    ids, pos = model_inputs.get("input_ids"), model_inputs.get("position_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or (pos is not None and pos.dim() != 2):
+        return model_inputs
+    extra = bucket_length(ids.shape[1], smallest) - ids.shape[1]
+    if extra <= 0:
+        return model_inputs
+    pad = torch.nn.functional.pad
+    model_inputs["input_ids"] = pad(ids, (0, extra), value=pad_token_id)
+    if pos is not None:
+        model_inputs["position_ids"] = pad(pos, (0, extra), value=0)
+    mask = model_inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        model_inputs["attention_mask"] = pad(mask, (0, extra), value=0)
+    return model_inputs
 
 
 def refusal(remove_padding: bool, key: str = "actor_rollout_ref.model.use_remove_padding") -> str | None:

@@ -171,6 +171,12 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        if getattr(self, "compiled_blocks", None) is not None and \
+                not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            from rl_tpu.compiled_blocks import pad_to_bucket
+
+            pad_to_bucket(  # static shapes: a graph per bucket, not per length
+                model_inputs, tu.get_non_tensor_data(data=micro_batch, key="pad_token_id", default=0))
         if not (self._response_only_applies(micro_batch) and "input_ids" in model_inputs):
             return model_inputs, output_args
         if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):

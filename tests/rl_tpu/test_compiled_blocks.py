@@ -9,7 +9,13 @@ import torch
 import transformers
 from families import FAMILIES
 
-from rl_tpu.compiled_blocks import CompiledBlocks, decoder_blocks, refusal
+from rl_tpu.compiled_blocks import (
+    CompiledBlocks,
+    bucket_length,
+    decoder_blocks,
+    pad_to_bucket,
+    refusal,
+)
 
 VOCAB = 512
 
@@ -75,7 +81,7 @@ def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend):
     torch.compiler.set_stance("default")
     if blocks.eager_reason is None:
         assert blocks.graphs == 2, blocks.signatures  # update and no-grad forward, one shape
-        assert [line.split(" (")[0] for line in lines] == [f"[rl-tpu] compiled trainer blocks: graph {n} of at most 8"
+        assert [line.split(" (")[0] for line in lines] == [f"[rl-tpu] compiled trainer blocks: graph {n} of at most 16"
                                                            for n in (1, 2)]
     else:  # what cannot compile says so once and trains eagerly: the same numbers as above
         assert len([line for line in lines if "runs eagerly" in line]) == 1
@@ -93,6 +99,25 @@ def test_a_shape_that_keeps_changing_falls_back_to_eager_in_one_line():
     assert [line for line in lines if "runs eagerly" in line] == [lines[-1]]
     assert "more than 2 distinct block input shapes" in lines[-1] and len(lines) == 3  # graphs 1 and 2, then eager
     assert all(b.forward.__func__ is type(b).forward for b in decoder_blocks(compiled))  # eager forwards back
+
+
+def test_micro_batches_of_changing_length_padded_to_a_bucket_share_one_graph():
+    """VeRL pads each micro batch to its own longest sequence; padded on to a power of two, lengths 17..40 make two
+    shapes (64 is the smallest bucket), and the real positions' log-probs are those of the unpadded batch."""
+    assert [bucket_length(n) for n in (1, 17, 64, 65, 128, 129)] == [64, 64, 64, 128, 128, 256]
+    eager = tiny("qwen3")
+    compiled = copy.deepcopy(eager)
+    lines = []
+    blocks = CompiledBlocks(compiled, "aot_eager", say=lines.append)
+    for length in (17, 23, 40, 31):
+        batch = padded_batch(length, length=length)
+        inputs = pad_to_bucket({"input_ids": batch[0], "attention_mask": batch[1], "position_ids": batch[2]}, 0)
+        assert inputs["input_ids"].shape == (3, 64) and not inputs["attention_mask"][:, length:].any()
+        want = eager(input_ids=batch[0], attention_mask=batch[1], position_ids=batch[2]).logits
+        got = compiled(**inputs).logits[:, :length]
+        real = batch[1].bool()
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert blocks.graphs == 1 and blocks.eager_reason is None  # one bucket, grad on: one graph for four lengths
 
 
 def test_packed_micro_batches_are_refused_before_a_run():
