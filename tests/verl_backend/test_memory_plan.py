@@ -14,9 +14,13 @@ import sys
 import pytest
 import yaml
 
-from verl_backend.driver.memory_plan import GIB, USABLE_FRACTION, plan_memory
+from verl_backend.driver.memory_plan import (
+    GIB,
+    USABLE_FRACTION,
+    check_memory_fits,
+    plan_memory,
+)
 from verl_backend.driver.plan import compose_config
-from verl_backend.driver.preflight import check_memory_fits
 from verl_backend.driver.profiles import PROFILES
 from verl_backend.errors import BadInputError
 

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from verl_backend.driver.model_shape import ModelShape, model_shape, shape_of_path
+from verl_backend.errors import BadInputError
 
 GIB = float(1 << 30)
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest for the TPU runtime, XLA's scratch buffers and fragmentation
@@ -324,3 +325,50 @@ def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[st
             f"chip, over the {plan.usable_bytes / GIB:.1f} GiB usable ({USABLE_FRACTION:.0%} of {plan.hbm_bytes / GIB:g}"
             f" GiB HBM); biggest term: {big.name} {big.bytes / GIB:.1f} GiB. Fix: {', '.join(fixes[:-1])} or "
             f"{fixes[-1]} (`verl train --print-config` shows the table)")
+
+
+# --- what verl train does with the plan: --print-config shows it, a TPU job past its chips' HBM is refused
+def _memory_plan(config, slice_name: str | None, backend):
+    """The job's :class:`~verl_backend.driver.memory_plan.MemoryPlan`, or ``None`` (with the reason) when the model's
+    config.json cannot be read (the model folder check names that)."""
+    try:
+        return plan_memory(config, slice_name or None, backend), ""
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def show_memory_plan(config, slice_name: str | None, backend) -> None:
+    """``--print-config``: print the per-chip memory plan under the config when the job has a slice or runs on TPU,
+    as YAML comment lines (``# ``), so that the output still loads as the config."""
+    if not (slice_name or backend.tpu_runtime):
+        return
+    plan, why = _memory_plan(config, slice_name, backend)
+    text = plan.format() if plan is not None else f"memory plan: not made ({why})"
+    print("\n".join(f"# {line}" for line in text.splitlines()))
+
+
+def check_memory_fits(config, slice_name: str | None, backend) -> None:
+    """Refuse a TPU job whose estimated per-chip peak passes the usable part of the chip's HBM
+    (:data:`USABLE_FRACTION`), before anything starts.
+
+    Raises:
+        BadInputError: one line naming the model, the slice, the estimate against the HBM, the biggest term, the
+            smallest larger slice of the same generation that fits (if any) and the other fixes.
+    """
+    if not (backend.tpu_runtime and slice_name):
+        return
+    from rl_tpu.topology import accelerator_types, parse_slice
+
+    plan, _ = _memory_plan(config, slice_name, backend)
+    if plan is None or plan.fits is not False:
+        return
+    spec = resolve_slice(slice_name)
+    bigger = None
+    for name in accelerator_types(spec.generation):
+        other = parse_slice(name)
+        if other.chips > spec.chips:
+            est = plan_memory(config, other, backend, hf_config=plan.model, workers=other.chips)
+            if est.fits:
+                bigger = (name, est.peak)
+                break
+    raise BadInputError(refusal(plan, str(config.actor_rollout_ref.model.path), spec.accelerator_type, bigger))

@@ -14,9 +14,9 @@ from verl_backend.driver.export_step import check_export
 from verl_backend.driver.plan import (compose_config, fit_default_micro_batches, flatten_yaml_overrides,
                                       guard_user_reward, merge_overrides, model_path_overrides, normalized_path,
                                       slice_defaults, split_rl_tpu)
-from verl_backend.driver.preflight import (check_batch_sizes, check_memory_fits, check_native_rollout,
-                                           check_prompt_lengths, check_user_reward, check_whole_numbers,
-                                           fit_epochs_to_steps, show_memory_plan)
+from verl_backend.driver.memory_plan import check_memory_fits, show_memory_plan
+from verl_backend.driver.preflight import (check_batch_sizes, check_native_rollout, check_prompt_lengths,
+                                           check_user_reward, check_whole_numbers, fit_epochs_to_steps)
 from verl_backend.driver.profiles import profile
 from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
 from verl_backend.driver.runner import fork_server_here, job_runtime_env, run_with_restarts
