@@ -229,6 +229,7 @@ def dry_run(fake_v6e_4, peaked_model_dir, tmp_path_factory):
            "algorithm.rollout_correction.rollout_rs='token_k1,token_k2'",
            "algorithm.rollout_correction.rollout_rs_threshold='1e-9_1e9,1e9'", *write_reward(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    (out / "driver.log").write_text(proc.stdout + proc.stderr)  # kept for a look after a failure
     return out, proc, proc.stdout + proc.stderr
 
 
@@ -243,12 +244,15 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert config["trainer"]["nnodes"] * config["trainer"]["n_gpus_per_node"] == 4
     assert aro["model"]["use_remove_padding"] is False
     assert aro["rollout"]["dtype"] == "bfloat16"
-    assert aro["actor"]["fsdp_config"]["mixed_precision"]["param_dtype"] == "bf16"
+    # no mixed_precision key: VeRL 0.9.1's FSDP engine then computes in bf16, reduces and buffers in fp32
+    # (verl/workers/engine/fsdp/transformer_impl.py), over fp32 master weights
+    assert aro["actor"]["fsdp_config"].get("mixed_precision") is None
+    assert aro["actor"]["fsdp_config"]["model_dtype"] == "fp32"
     assert aro["rollout"]["engine_kwargs"]["native"] == {"sampler_placement": "worker", **FAST_PATHS_OFF}
     assert aro["rollout"]["checkpoint_engine"]["backend"] == "native"
     assert config["algorithm"]["rollout_correction"]["bypass_mode"] is False
     assert aro["actor"]["use_prefix_grouper"] is False
-    assert "py_executable" not in config["ray_kwargs"]["ray_init"]["runtime_env"]  # no fork server
+    assert not config["ray_kwargs"]["ray_init"]["runtime_env"].get("py_executable")  # no fork server
     assert re.search(r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
                      r"4 workers, host of each: \[0, 0, 0, 0\]", log), log[-3000:]
     # four ranks, each with its own bf16 sampler, fast paths off, synced in process
@@ -257,7 +261,7 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert len(samplers) == 4, samplers
     routes = set(re.findall(r"weight sync route: trainer rank (\d) -> rollout replica \d: in the trainer worker", log))
     assert routes == {"0", "1", "2", "3"}, routes
-    assert len(re.findall(r"\[rl-tpu\] actor: FSDP2 wraps the model \(several ranks", log)) == 4
+    assert re.search(r"\[rl-tpu\] actor: FSDP2 wraps the model \(several ranks", log)  # said by rank 0
     assert "so the model runs unwrapped" not in log
 
 
