@@ -13,9 +13,11 @@ Shapes must be static for the graphs to be bounded. VeRL's padded micro batches 
 for the update, and as many for the log-prob forward (no grad). Packed micro batches (remove-padding) are one row
 whose length changes every step: :func:`refusal` says so before a run starts.
 
-Whatever goes wrong falls back to the eager blocks, said in one line: a block that does not compile as one graph
-(``fullgraph=True``: a graph break is an error), or more distinct input signatures than ``max_graphs`` (a shape that
-changes from call to call). The numbers are then the eager model's, never a half-compiled step.
+What cannot compile falls back to the eager blocks, said in one line: a block that does not compile as one graph
+(``fullgraph=True``: a graph break is an error; dynamo's and the backend's errors), or more distinct input signatures
+than ``max_graphs`` (a shape that changes from call to call). The numbers are then the eager model's, never a
+half-compiled step. Other exceptions pass through untouched: gradient checkpointing (VeRL's default off the CPU)
+stops a block's recomputation by raising through it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import torch
 #: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager: bucketed
 #: lengths (:func:`bucket_length`) x micro-batch sizes x {update, no-grad forward}
 MAX_GRAPHS = 16
+#: dynamo's recompile limits while a block runs (its default, 8 per code object, counts every model in the process
+#: that shares the block class: actor and reference policy); :data:`MAX_GRAPHS` bounds each model
+RECOMPILE_LIMIT = 256
 #: the shortest bucket of :func:`pad_to_bucket` (tokens)
 MIN_BUCKET = 64
 
@@ -106,9 +111,13 @@ class CompiledBlocks:
                           f"{self.max_graphs} ({'update' if sig[0] else 'no-grad forward'}, block input "
                           f"{tuple(hidden.shape) if hidden is not None else ()}, backend {self.backend})")
             try:
-                return compiled(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001  (a graph break under fullgraph, an op the backend lacks: any)
-                self.fall_back(_first_line(exc))
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
+                    return compiled(*args, **kwargs)
+            except torch._dynamo.exc.RecompileError:
+                raise  # the caller asked to be told (set_stance("fail_on_recompile"))
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+                self.fall_back(_first_line(exc))  # a graph break (fullgraph), a backend failure: nothing ran
                 return eager(*args, **kwargs)
         return forward
 

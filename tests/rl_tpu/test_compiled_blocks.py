@@ -54,10 +54,15 @@ def loss_of(model, batch) -> torch.Tensor:
     return -(logp * keep).sum() / keep.sum()
 
 
-@pytest.mark.parametrize(("family", "backend"), [("llama", "inductor"), ("qwen3", "aot_eager"),
-                                                 ("gemma3", "aot_eager"), ("qwen3_moe", "aot_eager")])
-def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend):
+@pytest.mark.parametrize(("family", "backend", "checkpointing"),
+                         [("llama", "inductor", False), ("llama", "aot_eager", True), ("qwen3", "aot_eager", False),
+                          ("gemma3", "aot_eager", False), ("qwen3_moe", "aot_eager", False)])
+def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend, checkpointing):
+    """Also under gradient checkpointing (VeRL's default off the CPU, non-reentrant as VeRL asks): the block is
+    recomputed in the backward through its compiled forward."""
     eager = tiny(family)
+    if checkpointing:
+        eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = copy.deepcopy(eager)
     lines = []
     blocks = CompiledBlocks(compiled, backend, say=lines.append)
@@ -77,12 +82,17 @@ def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend):
         with torch.no_grad():  # the log-prob forward (old policy, reference): its own graph
             assert loss_of(compiled, batch).item() == pytest.approx(loss_of(eager, batch).item(), rel=1e-5, abs=0)
         if step == 0 and blocks.eager_reason is None:
+            warm = blocks.graphs
             torch.compiler.set_stance("fail_on_recompile")  # dynamo would otherwise recompile quietly
     torch.compiler.set_stance("default")
+    # transformers' grouped-mm experts forward is data-dependent (tokens per expert): it does not trace
+    assert (blocks.eager_reason is None) == (family != "qwen3_moe"), blocks.eager_reason
     if blocks.eager_reason is None:
-        assert blocks.graphs == 2, blocks.signatures  # update and no-grad forward, one shape
+        # update and no-grad forward of one shape (with checkpointing the no-grad forward also sees a block input
+        # that requires grad, and a KV cache object): no new graph after the first step
+        assert blocks.graphs == warm <= (3 if checkpointing else 2), blocks.signatures
         assert [line.split(" (")[0] for line in lines] == [f"[rl-tpu] compiled trainer blocks: graph {n} of at most 16"
-                                                           for n in (1, 2)]
+                                                           for n in range(1, warm + 1)]
     else:  # what cannot compile says so once and trains eagerly: the same numbers as above
         assert len([line for line in lines if "runs eagerly" in line]) == 1
 
