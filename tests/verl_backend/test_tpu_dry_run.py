@@ -225,6 +225,7 @@ def dry_run(fake_v6e_4, peaked_model_dir, tmp_path_factory):
            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
            "actor_rollout_ref.actor.optim.lr=1e-3",
+           "rl_tpu.compile_trainer=true",  # the TPU profile's compiled training step, on its padded micro batches
            # VeRL's token-level log-ratio diagnostics (module docstring); these thresholds reject nothing
            "algorithm.rollout_correction.rollout_rs='token_k1,token_k2'",
            "algorithm.rollout_correction.rollout_rs_threshold='1e-9_1e9,1e9'", *write_reward(out)]
@@ -263,6 +264,11 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert routes == {"0", "1", "2", "3"}, routes
     assert re.search(r"\[rl-tpu\] actor: FSDP2 wraps the model \(several ranks", log)  # said by rank 0
     assert "so the model runs unwrapped" not in log
+    # compiled blocks (rl_tpu.compile_trainer) in every actor and reference policy, graphs bounded, never eager again
+    assert len(re.findall(r"\[rl-tpu\] compiled trainer blocks: 2 blocks of the actor compile per input shape", log)) == 4
+    assert "runs eagerly from now on" not in log
+    graphs = [int(n) for n in re.findall(r"compiled trainer blocks: graph (\d+) of at most 16", log)]
+    assert graphs and max(graphs) <= 4, graphs  # per process: buckets x {update, no-grad forward}, over 2 steps
 
 
 @pytest.mark.slow
