@@ -21,7 +21,8 @@
   module first and puts transformers' own decorator back, so modeling classes stay transformers' own; litert-torch's
   scoped per-family patches (``model_ext/*/patch.py``, entered only during its export) still apply. Without the
   global one, the exported graph computes RMSNorm from plain ops instead of an ``odml.rms_norm`` composite: the same
-  numbers, checked through the runtime by the export tests.
+  numbers with litert-torch's experimental mixed precision off (``edge_export`` never turns it on; it would keep only
+  those composites in fp32), checked through the runtime by the export tests.
 
 A patch applies only to the litert-torch versions in its range, and only while the attribute is missing: a release
 that fixes it upstream (or moves the class) is left alone, and the tests say so.

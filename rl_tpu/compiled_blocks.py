@@ -13,11 +13,13 @@ Shapes must be static for the graphs to be bounded. VeRL's padded micro batches 
 for the update, and as many for the log-prob forward (no grad). Packed micro batches (remove-padding) are one row
 whose length changes every step: :func:`refusal` says so before a run starts.
 
-What cannot compile falls back to the eager blocks, said in one line: a block that does not compile as one graph
-(``fullgraph=True``: a graph break is an error; dynamo's and the backend's errors), or more distinct input signatures
-than ``max_graphs`` (a shape that changes from call to call). The numbers are then the eager model's, never a
-half-compiled step. Other exceptions pass through untouched: gradient checkpointing (VeRL's default off the CPU)
-stops a block's recomputation by raising through it.
+What cannot compile runs eagerly, said in one line: block inputs whose graph does not compile (``fullgraph=True``:
+a graph break is an error; dynamo's and the backend's errors), and new input signatures past ``max_graphs`` (a shape
+that changes from call to call). Signatures already compiled keep their graphs, so a forward and its recomputation
+under gradient checkpointing (VeRL's default off the CPU) always take the same path; either path computes the
+model's numbers. Other exceptions pass through untouched: gradient checkpointing stops a block's recomputation by
+raising through it. AOT autograd compiles a backward when it first runs, inside ``loss.backward()``: a backend
+failure there is an error of the step, not a fallback.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class CompiledBlocks:
     Attributes:
         blocks: number of blocks compiled (0: the model names no block class; nothing is done).
         signatures: the distinct ``(grad mode, shapes, dtypes)`` the compiled blocks have run on.
-        eager_reason: why the blocks went back to eager (``None`` while compiled).
+        eager_reason: why some block inputs run eagerly (``None`` while every one ran compiled).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str, *, max_graphs: int = MAX_GRAPHS,
@@ -82,26 +84,25 @@ class CompiledBlocks:
         self.backend = backend
         self.max_graphs = max_graphs
         self.signatures: set[tuple] = set()
+        self._eager_signatures: set[tuple] = set()
         self.eager_reason: str | None = None
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._name = type(getattr(model, "_fsdp_wrapped_module", model)).__name__
         self._blocks = decoder_blocks(model)
-        self._eager = {}
         for block in self._blocks:
             eager = block.forward
-            self._eager[id(block)] = eager
             compiled = torch.compile(eager, backend=backend, fullgraph=True, dynamic=False)
             block.forward = self._wrap(eager, compiled)
         self.blocks = len(self._blocks)
 
     def _wrap(self, eager: Callable, compiled: Callable) -> Callable:
         def forward(*args, **kwargs):
-            if self.eager_reason is not None:
-                return eager(*args, **kwargs)
             sig = _signature(args, kwargs)
+            if sig in self._eager_signatures:
+                return eager(*args, **kwargs)
             if sig not in self.signatures:
                 if len(self.signatures) >= self.max_graphs:
-                    self.fall_back(f"more than {self.max_graphs} distinct block input shapes (the micro batches' "
+                    self.fall_back(sig, f"more than {self.max_graphs} distinct block input shapes (the micro batches' "
                                    "shape changes from call to call: pad them to one length)")
                     return eager(*args, **kwargs)
                 self.signatures.add(sig)
@@ -115,24 +116,28 @@ class CompiledBlocks:
                                                 accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
                     return compiled(*args, **kwargs)
             except torch._dynamo.exc.RecompileError:
-                raise  # the caller asked to be told (set_stance("fail_on_recompile"))
+                raise  # config.error_on_recompile (set_stance("fail_on_recompile") raises a RuntimeError: not caught)
             except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
-                self.fall_back(_first_line(exc))  # a graph break (fullgraph), a backend failure: nothing ran
+                self.signatures.discard(sig)
+                self.fall_back(sig, _first_line(exc))  # a graph break (fullgraph), a backend failure: nothing ran
                 return eager(*args, **kwargs)
         return forward
 
-    def fall_back(self, reason: str) -> None:
-        """Put every block's eager ``forward`` back, saying why in one line."""
+    def fall_back(self, sig: tuple, reason: str) -> None:
+        """Run block inputs of signature ``sig`` eagerly from now on, saying why in one line (the first time).
+
+        Signatures already compiled keep their graphs: a step whose blocks ran compiled recomputes them compiled
+        under gradient checkpointing, so forward and recomputation always take the same path."""
+        self._eager_signatures.add(sig)
         if self.eager_reason is None:
             self.eager_reason = reason
-            self._say(f"[rl-tpu] compiled trainer blocks: {self._name} runs eagerly from now on ({reason})")
-        for block in self._blocks:
-            block.forward = self._eager[id(block)]
+            self._say(f"[rl-tpu] compiled trainer blocks: {self._name} runs eagerly for block inputs it cannot "
+                      f"compile ({reason})")
 
     @property
     def graphs(self) -> int:
-        """Distinct input signatures compiled so far: an upper bound of the forward graphs (each with its backward
-        when it ran with grad)."""
+        """Distinct block input signatures compiled so far (dynamo may still compile more than one graph for one
+        signature, e.g. on a guard over a non-tensor input; the sampler-style fail_on_recompile tests check that)."""
         return len(self.signatures)
 
 
@@ -171,13 +176,18 @@ def pad_to_bucket(model_inputs: dict, pad_token_id: int, smallest: int = MIN_BUC
     return model_inputs
 
 
-def refusal(remove_padding: bool, key: str = "actor_rollout_ref.model.use_remove_padding") -> str | None:
+def refusal(remove_padding: bool, backend: str = "cpu",
+            key: str = "actor_rollout_ref.model.use_remove_padding") -> str | None:
     """Why the trainer's blocks cannot be compiled with bounded graphs, or ``None``.
 
     Args:
         remove_padding: the micro batches are packed (their length changes every step).
-        key: the config key that sets it, named in the message.
+        backend: ``verl train --backend``; rl-tpu's engine (which compiles) runs on ``cpu`` and ``tpu`` only.
+        key: the config key that sets packing, named in the message.
     """
+    if backend not in ("cpu", "tpu"):
+        return (f"rl_tpu.compile_trainer applies to --backend cpu and tpu (rl-tpu's engine); on --backend {backend} "
+                "VeRL's own engine runs: use its actor_rollout_ref.actor.use_torch_compile instead")
     if remove_padding:
         return (f"rl_tpu.compile_trainer needs padded micro batches of one shape, but {key}=true packs them into rows "
                 f"whose length changes every step (a compile per step): set {key}=false (the TPU profile's default)")

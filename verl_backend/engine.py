@@ -81,11 +81,13 @@ class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FS
         self._shared_weights_reason = reason
         self.compiled_blocks = None
         if current().compile_trainer:  # the driver refused packed micro batches (rl_tpu.compiled_blocks.refusal)
+            from verl.utils.device import get_device_name
+
             from rl_tpu.compiled_blocks import CompiledBlocks
             from rl_tpu.sampler.compiled import compile_backend_for
 
-            device = next(self.module.parameters()).device
-            self.compiled_blocks = CompiledBlocks(self.module, compile_backend_for(device),
+            # the backend of the worker's platform (its parameters may be offloaded to the host)
+            self.compiled_blocks = CompiledBlocks(self.module, compile_backend_for(get_device_name()),
                                                   say=lambda line: print(line, flush=True))
             print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
                   f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "

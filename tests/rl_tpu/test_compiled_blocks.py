@@ -102,18 +102,18 @@ def test_a_shape_that_keeps_changing_falls_back_to_eager_in_one_line():
     compiled = copy.deepcopy(eager)
     lines = []
     blocks = CompiledBlocks(compiled, "aot_eager", max_graphs=2, say=lines.append)
-    for length in (16, 20, 24, 28):  # packed rows: a new length each step
+    for length in (16, 20, 24, 28, 16):  # packed rows: a new length each step (then the first one again)
         batch = padded_batch(length, length=length)
         assert loss_of(compiled, batch).item() == pytest.approx(loss_of(eager, batch).item(), rel=1e-5, abs=0)
     assert blocks.eager_reason is not None and blocks.graphs == 2
-    assert [line for line in lines if "runs eagerly" in line] == [lines[-1]]
-    assert "more than 2 distinct block input shapes" in lines[-1] and len(lines) == 3  # graphs 1 and 2, then eager
-    assert all(b.forward.__func__ is type(b).forward for b in decoder_blocks(compiled))  # eager forwards back
+    assert len(lines) == 3 and "runs eagerly" in lines[-1]  # graphs 1 and 2, then one line for the rest
+    assert "more than 2 distinct block input shapes" in lines[-1]
+    assert len(blocks._eager_signatures) == 2  # lengths 24 and 28 ran eagerly; 16 kept its graph
 
 
 def test_micro_batches_of_changing_length_padded_to_a_bucket_share_one_graph():
-    """VeRL pads each micro batch to its own longest sequence; padded on to a power of two, lengths 17..40 make two
-    shapes (64 is the smallest bucket), and the real positions' log-probs are those of the unpadded batch."""
+    """VeRL pads each micro batch to its own longest sequence; padded on to a power of two, lengths 17..40 all go to
+    the 64 bucket (the smallest), one graph, and the real positions' logits are those of the unpadded batch."""
     assert [bucket_length(n) for n in (1, 17, 64, 65, 128, 129)] == [64, 64, 64, 128, 128, 256]
     eager = tiny("qwen3")
     compiled = copy.deepcopy(eager)
@@ -132,4 +132,5 @@ def test_micro_batches_of_changing_length_padded_to_a_bucket_share_one_graph():
 
 def test_packed_micro_batches_are_refused_before_a_run():
     assert "use_remove_padding=false" in refusal(True)
-    assert refusal(False) is None
+    assert refusal(False) is None and refusal(False, "tpu") is None
+    assert "applies to --backend cpu and tpu" in refusal(False, "cuda")

@@ -135,3 +135,14 @@ def test_print_config_shows_the_plan_as_comments(tmp_path, tiny_model_dir):
         assert row in table, row
     cfg = yaml.safe_load(out[out.index("actor_rollout_ref:"):])  # the plan's lines are comments: still the config
     assert cfg["trainer"]["n_gpus_per_node"] == 4
+
+
+def test_the_compiled_trainer_plans_its_bucketed_micro_batches(qwen3_8b_dir):
+    """rl_tpu.compile_trainer pads each padded micro batch on to a power of two (1024 + 512 tokens -> 2048): the plan
+    counts the update's activations and logits at that length, so the HBM refusal stays an upper bound."""
+    keys = {"data.max_response_length": 512}
+    eager = plan_memory(_job(qwen3_8b_dir, 8, **keys), "v6e-8", TPU)
+    compiled = plan_memory(_job(qwen3_8b_dir, 8, **keys, **{"+rl_tpu.compile_trainer": "true"}), "v6e-8", TPU)
+    assert compiled.term("LM head logits") == pytest.approx(eager.term("LM head logits") * 2048 / 1536, rel=1e-9)
+    assert compiled.term("activations") > 1.3 * eager.term("activations")  # softmax term grows with the square
+    assert compiled.term("parameters") == eager.term("parameters")

@@ -240,6 +240,11 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     seq = prompt_len + resp_len
     actor = f"{aro}.actor"
     packed = bool(_get(config, f"{aro}.model.use_remove_padding", False))
+    bucketed = not packed and bool(_get(config, "rl_tpu.compile_trainer", False))
+    if bucketed:  # the compiled trainer pads each micro batch on to a power of two (rl_tpu.compiled_blocks)
+        from rl_tpu.compiled_blocks import bucket_length
+
+        seq = bucket_length(seq)
     sp = max(int(_get(config, f"{actor}.ulysses_sequence_parallel_size", 1)), int(_get(config, f"{fc}.ulysses_sequence_parallel_size", 1)))
     dp = max(1, w // sp)
     if bool(_get(config, f"{actor}.use_dynamic_bsz", False)):
@@ -255,6 +260,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
         response_only = packed and bool(_get(config, "rl_tpu.response_only_logits", True))
         logit_tokens = micro * resp_len if response_only else micro * seq
+        tokens = micro * seq if bucketed else tokens
     tokens = math.ceil(tokens / sp)
     fused = not backend_profile.tpu_runtime
     block = shape.block_elements(seq, fused)

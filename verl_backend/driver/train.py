@@ -115,7 +115,7 @@ def _run_train(args, fork_server: dict) -> int:
     if settings.compile_trainer:  # bounded graphs need one shape of micro batch
         from rl_tpu.compiled_blocks import refusal
 
-        reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)))
+        reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)), backend.name)
         if reason:
             raise BadInputError(reason)
     check_export(settings, config)
