@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "verify":
-            from edge_export.runtime_chat import verify_litertlm
+            from edge_export.check_bundle import verify_litertlm
 
             result = verify_litertlm(args.file, args.source, quantize=args.quantize, steps=args.verify_steps,
                                      min_agreement=args.min_agreement, num_threads=args.threads,
