@@ -16,6 +16,9 @@ logs the route and its reason once per replica. The transports, cheapest first:
                      into it once.
 ``object_store``     anything else (another host, ``rl_tpu.shared_weights=false``, a file that cannot be mapped):
                      buckets of ``bucket_bytes`` through Ray's object store, streamed (a bounded number in flight).
+``pool_broadcast``   the rollout replicas run in a pool of their own (a rollout slice, ``separate_async``): VeRL's
+                     checkpoint engine ``gloo`` (:mod:`verl_backend.rollout.pool_sync`) broadcasts buckets from
+                     trainer rank 0 to every rollout worker over a gloo group of their own.
 ==================  ===========================================================================================
 
 The trainer hands its weights over explicitly: the engine calls :func:`hand_over` with its
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-TRANSPORTS = ("in_worker", "trainer_memory", "shared_memory", "object_store")
+TRANSPORTS = ("in_worker", "trainer_memory", "shared_memory", "object_store", "pool_broadcast")
 
 _HANDED_OVER: dict[str, object] = {}  # role -> SharedWeights the trainer's engine handed over in this process
 
