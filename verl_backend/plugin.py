@@ -35,8 +35,8 @@ def _register_replica(module) -> None:
 
 
 def _register_checkpoint_engine(_module) -> None:
-    from verl_backend.rollout import inworker  # noqa: F401  (registers the "native" checkpoint engine)
-    from verl_backend.rollout import pool_sync  # noqa: F401  (registers "gloo": weight sync between pools)
+    # registers the checkpoint engines "native" (in-worker sampler) and "gloo" (weight sync between pools)
+    from verl_backend.rollout import inworker, pool_sync  # noqa: F401
 
 
 class RepeatedWarningFilter(logging.Filter):

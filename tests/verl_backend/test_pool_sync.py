@@ -61,7 +61,7 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
             outbox.put(("received", {"names": got, "bytes": nbytes, "left": sorted(expected)},
                         _max_rss_bytes() - base))
         engine.finalize()
-    except BaseException as exc:  # reported to the test, which fails with it
+    except BaseException as exc:  # noqa: BLE001 -- reported to the test, which fails with it
         outbox.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 0))
 
 
