@@ -1,4 +1,5 @@
-"""Ops dispatched per decode step, and decode speed, for the sampler's decode paths on CPU.
+"""The TPU profile's figures on CPU: ops per decode step and per training micro batch, graphs and compile seconds
+of the compiled sampler and trainer, and decode speed of the sampler's paths against both limits of this thread.
 
 TorchTPU's default eager mode (``rl_tpu.tpu_eager_mode=strict``) dispatches every aten op to the chip as it comes,
 so an eager decode step costs at least (ops per step) x (launch cost); a compiled step is one launch. This counts,
@@ -12,10 +13,19 @@ forward, token choice and bookkeeping) for
 * ``compiled``: ``Sampler(compile=True)`` (inductor on CPU; a step counts as one launch);
 
 and times their decode steps: (time to generate ``hi`` tokens - time for ``lo``) / (``hi - lo``), prefill and set-up
-cancelled, median of ``--repeats``. The memory bound is the model's weight bytes over this thread's measured read
-bandwidth (a decode step reads every weight once).
+cancelled, median of ``--repeats``. Both limits are measured in the same run: memory (a decode step reads every
+weight once: weight bytes / this thread's read bandwidth) and arithmetic (a decode step's FLOPs: 2 per weight per
+row, plus attention over the whole cache, / this thread's measured float32 matmul GFLOP/s); ``% limit`` is of the
+lower of the two.
 
-    python benchmarks/bench_eager_ops.py [--tiny] [--threads 1] [--prompts 4] [--n 4] [--repeats 3]
+The trainer (``rl_tpu.compile_trainer``'s :class:`rl_tpu.compiled_blocks.CompiledBlocks`, inductor) runs one
+training step's shapes on a padded micro batch at its bucket length: a no-grad log-prob forward
+(``--logprob-rows``) and an update micro batch (``--train-rows``), forward and backward; graphs are inductor's
+(a forward, an inference forward, a backward), compile seconds are first call minus second. Ops per training micro
+batch (update: forward + loss + backward) are counted by :func:`rl_tpu.train_opcount.micro_batch_ops`, eager and
+with compiled blocks (each block's forward and backward graph one launch).
+
+    python benchmarks/bench_eager_ops.py [--tiny] [--threads 1] [--prompts 4] [--n 4] [--repeats 3] [--train-len 256]
 """
 
 from __future__ import annotations
@@ -57,9 +67,81 @@ def load_model(tiny: bool):
     return model, "SmolLM2-135M-Instruct, float32"
 
 
+def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> float:
+    """Float32 matmul GFLOP/s of this thread at ``(rows, inner) @ (inner, cols)``, best of 5."""
+    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    a @ b
+    return 2 * rows * inner * cols / min(_timed(torch.mm, a, b) for _ in range(5)) / 1e9
+
+
+def decode_flops(model, rows: int, cache_len: int) -> float:
+    """FLOPs of one decode step: 2 per weight (the tied LM head counted once, as a matmul) per row, plus
+    4 x layers x heads x head_dim x ``cache_len`` per row for attention over the whole static cache."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    weights = sum(p.numel() for p in model.parameters())
+    return rows * (2 * weights + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * cache_len)
+
+
+def padded_micro_batch(vocab: int, rows: int, length: int, seed: int = 0):
+    """VeRL's padded layout at one bucket length: left-padded prompts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(rows):
+        mask[row, : row * 3] = 0
+        mask[row, length - 5 * row:] = 0
+    return ids * mask, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def loss_step(batch):
+    ids, mask, pos = batch
+
+    def step(model):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    return step
+
+
+def trainer_figures(model, args) -> dict:
+    """Compiled trainer (inductor) over one step's shapes, and ops per training micro batch eager and compiled."""
+    import copy
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from rl_tpu.compiled_blocks import CompiledBlocks
+    from rl_tpu.train_opcount import micro_batch_ops, split
+
+    vocab = model.config.vocab_size
+    update = loss_step(padded_micro_batch(vocab, args.train_rows, args.train_len))
+    lp_ids, lp_mask, lp_pos = padded_micro_batch(vocab, args.logprob_rows, args.train_len, seed=1)
+    graphs = {"forward": 0, "inference": 0, "backward": 0}
+
+    def inner(gm, example_inputs, **kw):
+        kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
+        graphs[kind] += 1
+        return compile_fx_inner(gm, example_inputs, **kw)
+
+    def one_step(m):
+        with torch.no_grad():
+            m(input_ids=lp_ids, attention_mask=lp_mask, position_ids=lp_pos, use_cache=False)
+        update(m).backward()
+
+    trained = copy.deepcopy(model).train()
+    blocks = CompiledBlocks(trained, lambda gm, ex: compile_fx(gm, ex, inner_compile=inner), say=lambda line: None)
+    first = _timed(one_step, trained)
+    second = _timed(one_step, trained)
+    eager_ops = micro_batch_ops(copy.deepcopy(model).train(), update)
+    compiled_ops = micro_batch_ops(copy.deepcopy(model).train(), update, compiled=True)
+    return {"graphs": graphs, "signatures": blocks.graphs, "compile_s": first - second, "step_s": second,
+            "fell_back": blocks.eager_reason, "eager_ops": sum(eager_ops.values()),
+            "compiled_ops": split(compiled_ops), "blocks": blocks.blocks}
+
+
 def main() -> None:
     from rl_tpu.sampler import Sampler, SamplingParams
-    from rl_tpu.sampler.opcount import GRAPH, decode_step_ops
+    from rl_tpu.sampler.opcount import decode_step_ops
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer random Llama instead of SmolLM2 (seconds)")
@@ -69,6 +151,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=50, help="tokens per prompt (bucket: the next power of two)")
     ap.add_argument("--steps", type=int, nargs=2, default=(17, 32), help="lo hi max_new_tokens (one gen bucket)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--train-rows", type=int, default=4, help="update micro batch rows (default job: 4)")
+    ap.add_argument("--logprob-rows", type=int, default=8, help="log-prob micro batch rows (default job: 8)")
+    ap.add_argument("--train-len", type=int, default=256,
+                    help="padded micro batch bucket length (default job: 128 + 64 tokens -> 256)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -81,14 +167,20 @@ def main() -> None:
     common = {"pad_token_id": 0, "eos_token_ids": []}  # no EOS: every row runs every step, the batch keeps its size
     paths = {
         "tpu-eager": Sampler(model, **common, packed_weights=False, packed_prefill=False, lean_decode=False),
+        "tpu-compiled": Sampler(model, **common, compile=True),
         "cpu-eager": Sampler(model, **common),
-        "compiled": Sampler(model, **common, compile=True),
     }
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    gbs = read_bandwidth_gbs()
-    print(f"{label}; batch {rows} ({args.prompts} prompts x {args.n}); {args.threads} thread(s); "
-          f"steps {lo}->{hi}; weights {weight_bytes / 1e6:.0f} MB, read {gbs:.1f} GB/s: memory bound "
-          f"{weight_bytes / gbs / 1e9 * 1e3:.1f} ms/step = {rows * gbs * 1e9 / weight_bytes:.0f} tokens/s")
+    gbs, gflops = read_bandwidth_gbs(), matmul_gflops()
+    cache_len = 1 << (args.prompt_len - 1).bit_length()
+    cache_len += 1 << (hi - 1).bit_length()
+    flops = decode_flops(model, rows, cache_len)
+    mem_s, math_s = weight_bytes / gbs / 1e9, flops / gflops / 1e9
+    limit_tps = rows / max(mem_s, math_s)
+    print(f"{label}; batch {rows} ({args.prompts} prompts x {args.n}); {args.threads} thread(s); steps {lo}->{hi}\n"
+          f"memory limit: {weight_bytes / 1e6:.0f} MB of weights / {gbs:.1f} GB/s read = {mem_s * 1e3:.1f} ms/step = "
+          f"{rows / mem_s:.0f} tokens/s\narithmetic limit: {flops / 1e9:.2f} GFLOP/step (cache {cache_len}) / "
+          f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s")
     table = []
     for name, sampler in paths.items():
         warm = time.perf_counter()
@@ -102,19 +194,30 @@ def main() -> None:
             per_step.append((t_hi - t_lo) / (hi - lo))
         step_s = statistics.median(per_step)
         compiled = sampler.compiled
-        table.append((name, sum(ops.values()), ops, step_s, rows / step_s,
-                      compiled.total_graphs if compiled else 0, sum(compiled.compile_s.values()) if compiled else 0.0,
-                      warm, compiled.active if compiled else None))
+        table.append((name, sum(ops.values()), step_s, compiled.graphs if compiled else None,
+                      sum(compiled.compile_s.values()) if compiled else None, compiled.active if compiled else None))
+    train = trainer_figures(model, args)
 
-    print(f"\n{'path':<10} {'ops/step':>8} {'ms/step':>8} {'s/token':>9} {'tokens/s':>8} {'graphs':>6} "
-          f"{'compile s':>9}  top ops per step")
-    for name, total, ops, step_s, tps, graphs, comp_s, _warm, active in table:
-        top = ", ".join(f"{op} {c:g}" for op, c in ops.most_common(6))
-        flag = "" if active in (None, True) else " (compile fell back to eager)"
-        print(f"{name:<10} {total:>8g} {step_s * 1e3:>8.1f} {step_s / rows:>9.5f} {tps:>8.0f} {graphs:>6} "
-              f"{comp_s:>9.1f}  {top}{flag}")
-    print(f"\n(ops/step: aten ops one decode step dispatches; a compiled step's graph counts as one ({GRAPH!r}). "
-          "s/token: seconds per generated token at this batch.)")
+    print(f"\n{'decode path':<13} {'ops/step':>8} {'ms/step':>8} {'tokens/s':>8} {'% limit':>7} "
+          f"{'graphs/rollout':>14} {'compile s':>9}")
+    for name, total, step_s, graphs, comp_s, active in table:
+        graph_text = f"{graphs['prefill']} prefill + {graphs['decode']} decode" if graphs else "-"
+        flag = "" if active in (None, True) else "  (compile fell back to eager)"
+        print(f"{name:<13} {total:>8g} {step_s * 1e3:>8.1f} {rows / step_s:>8.0f} "
+              f"{100 * rows / step_s / limit_tps:>6.0f}% {graph_text:>14} "
+              f"{comp_s if comp_s is not None else float('nan'):>9.1f}{flag}")
+    ops, launches = train["compiled_ops"]
+    g = train["graphs"]
+    print(f"\ntraining step ({train['blocks']} blocks compiled, inductor; log-prob forward {args.logprob_rows} x "
+          f"{args.train_len} + update {args.train_rows} x {args.train_len}): "
+          f"{g['forward'] + g['inference'] + g['backward']} graphs ({g['forward']} forward, {g['inference']} inference, "
+          f"{g['backward']} backward) for {train['signatures']} block input shapes, compile {train['compile_s']:.1f} s, "
+          f"then {train['step_s']:.1f} s/step{'; FELL BACK: ' + train['fell_back'] if train['fell_back'] else ''}")
+    print(f"ops per training micro batch ({args.train_rows} x {args.train_len}, forward + loss + backward): "
+          f"eager {train['eager_ops']}, compiled {ops + launches} ({ops} outside the blocks + {launches} launches)")
+    print("\n(ops/step: aten ops one decode step dispatches, a compiled step counts as one launch; % limit: of the "
+          "lower of the memory and arithmetic limits; graphs/rollout: graphs compiled over the warm-up rollout; "
+          "cpu-eager has no compiled variant: compiled steps run the bucketed path)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def step(model: torch.nn.Module) -> torch.Tensor:
     mask = torch.ones_like(ids)
     mask[0, 50:] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids * mask, attention_mask=mask, position_ids=pos).logits.float()
+    logits = model(input_ids=ids * mask, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
 
