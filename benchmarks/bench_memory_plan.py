@@ -11,7 +11,15 @@ count); ``peak - floor`` is what the job's tensors and their allocator overhead 
 
 Printed: the plan's table, then estimate vs ``peak - floor`` and ``estimate + floor`` vs peak, as ratios.
 
+``--tpu-dry-run``: the same for ``verl train --backend cpu --tpu-dry-run`` (the TPU profile on CPU: 4 gloo ranks on a
+fake v6e-4 slice this script starts, and stops by pid, the sampler inside each trainer worker in bf16) against the
+plan for v6e-4 with the dry run's profile: each of the 4 ``ray::WorkerDict`` ranks' ``peak - floor`` against the
+plan's per-chip peak (which then counts the sampler's weights and KV cache too). By default it runs the e2e test's
+small batch (2 prompts x 2 samples, one per rank, 16-token responses, micro batches of 1), so the resident terms
+(parameters, gradients, AdamW, reference policy, sampler weights) dominate.
+
     python benchmarks/bench_memory_plan.py [--steps 2] [--keep DIR] [--out memory_plan.json] [extra VeRL keys ...]
+    python benchmarks/bench_memory_plan.py --tpu-dry-run [--steps 1] [extra VeRL keys ...]
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class WorkerSampler(threading.Thread):
         self.first: dict[str, int] = {}  # role -> RSS at the first sample of its first process
         self.peak_rss: dict[str, int] = {}
         self.peak_pss: dict[str, int] = {}
+        self.rank_first: dict[tuple[str, int], int] = {}  # (role, pid) -> RSS at its first sample
+        self.rank_peak: dict[tuple[str, int], int] = {}
         self.samples = 0
 
     def _mine(self):
@@ -73,6 +83,8 @@ class WorkerSampler(threading.Thread):
                 self.first.setdefault(role, mem.rss)
                 self.peak_rss[role] = max(self.peak_rss.get(role, 0), mem.rss)
                 self.peak_pss[role] = max(self.peak_pss.get(role, 0), getattr(mem, "pss", mem.rss))
+                self.rank_first.setdefault((role, p.pid), mem.rss)
+                self.rank_peak[(role, p.pid)] = max(self.rank_peak.get((role, p.pid), 0), mem.rss)
             self.samples += 1
             self._stop_event.wait(self.interval)
 
@@ -81,13 +93,25 @@ class WorkerSampler(threading.Thread):
         self.join()
 
 
-def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s: float) -> tuple[WorkerSampler, Path]:
-    """``verl train --backend cpu`` for ``steps`` steps (no validation, no checkpoint) under the sampler."""
+#: the e2e test's small dry-run batch (tests/verl_backend/test_tpu_dry_run.py): one sequence per rank
+DRY_RUN_KEYS = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
+                "rl_tpu.train_size=8", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=600"]
+
+
+def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s: float, run_id: str | None = None,
+            ray_address: str | None = None) -> tuple[WorkerSampler, Path]:
+    """``verl train --backend cpu`` for ``steps`` steps (no validation, no checkpoint) under the sampler; with
+    ``ray_address``, on that cluster (whose processes must carry ``MARKER=run_id``)."""
     out = work / "run"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # Ray's unix socket paths must fit 107 bytes
-    run_id = uuid.uuid4().hex
+    run_id = run_id or uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp)})
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
            f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
            "trainer.save_freq=-1", *extra]
@@ -126,11 +150,15 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="run folder to keep (default: a temporary one, removed)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--tpu-dry-run", action="store_true", help="the TPU profile's dry run on a fake v6e-4 (see above)")
     ap.add_argument("overrides", nargs="*", help="extra VeRL keys for the job")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench_memory_plan_"))
     work.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    if args.tpu_dry_run:
+        dry_run(work, args)
+        return
     sampler, out = run_job(work, args.steps, args.interval, args.overrides, args.timeout)
     wall = time.time() - start
 
@@ -160,6 +188,50 @@ def main() -> None:
           f"peak - floor {(peak - floor) / GIB:.3f} GiB, peak PSS {figures['trainer_peak_pss_gib']:.3f} GiB")
     print(f"  estimate {est / GIB:.3f} GiB / (peak - floor) = {figures['estimate_over_peak_minus_floor']:.3f}; "
           f"(estimate + floor) / peak = {figures['estimate_plus_floor_over_peak']:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def dry_run(work: Path, args) -> None:
+    """The TPU-profile dry run on a fake v6e-4 started here: each rank's ``peak - floor`` against the plan."""
+    from omegaconf import OmegaConf
+
+    from ray_cluster import fake_slice
+    from verl_backend.driver.memory_plan import plan_memory
+    from verl_backend.driver.profiles import PROFILES, tpu_dry_run
+
+    run_id, state, saved = uuid.uuid4().hex, work / "cluster.json", dict(os.environ)
+    os.environ.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled"})  # the cluster's workers carry the marker
+    try:
+        cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    start = time.time()
+    try:
+        sampler, out = run_job(work, args.steps, args.interval, ["--tpu-dry-run", *DRY_RUN_KEYS, *args.overrides],
+                               args.timeout, run_id=run_id, ray_address=cluster.address)
+    finally:
+        fake_slice.stop(state_file=state)
+    wall = time.time() - start
+    plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["tpu"]))
+    ranks = {pid: (sampler.rank_peak[(role, pid)], sampler.rank_first[(role, pid)])
+             for role, pid in sampler.rank_peak if role == TRAINER_ROLE}
+    if not ranks:
+        raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples)")
+    print(plan.format())
+    print(f"\nTPU dry run, {args.steps} step(s), {wall:.0f} s, {sampler.samples} samples every {args.interval} s; "
+          f"plan per chip {plan.peak / GIB:.3f} GiB:")
+    print(f"{'rank pid':>9} {'peak RSS':>9} {'floor':>7} {'peak-floor':>10} {'plan/(peak-floor)':>17}")
+    ratios = []
+    for pid, (peak, floor) in sorted(ranks.items()):
+        ratios.append(plan.peak / max(1, peak - floor))
+        print(f"{pid:>9} {peak / GIB:>9.3f} {floor / GIB:>7.3f} {(peak - floor) / GIB:>10.3f} {ratios[-1]:>17.3f}")
+    figures = {"steps": args.steps, "wall_s": wall, "plan_gib": plan.peak / GIB, "ratios": ratios,
+               "terms_gib": {t.name: t.bytes / GIB for t in plan.terms},
+               "ranks_gib": {pid: [p / GIB, f / GIB] for pid, (p, f) in ranks.items()}}
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     if not args.keep:
