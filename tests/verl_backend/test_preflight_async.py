@@ -60,7 +60,7 @@ def _verl_separate_async_assert(config) -> str | None:
      "colocate_async, separate_async"), None),
 ])
 def test_separate_async_requirements_are_refused_in_one_line(monkeypatch, tiny_model_dir, overrides, ours, verls):
-    from verl_backend.driver.preflight import check_trainer_mode
+    from verl_backend.driver.preflight_async import check_trainer_mode
     from verl_backend.errors import BadInputError
 
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
@@ -74,7 +74,7 @@ def test_separate_async_requirements_are_refused_in_one_line(monkeypatch, tiny_m
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_sync_and_colocate_async_pass(monkeypatch, tiny_model_dir, mode):
-    from verl_backend.driver.preflight import check_trainer_mode
+    from verl_backend.driver.preflight_async import check_trainer_mode
 
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     check_trainer_mode(_compose_cpu_default(tiny_model_dir, f"trainer.v1.trainer_mode={mode}"))

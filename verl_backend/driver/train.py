@@ -16,8 +16,8 @@ from verl_backend.driver.plan import (compose_config, fit_default_micro_batches,
                                       slice_defaults, split_rl_tpu)
 from verl_backend.driver.memory_plan import check_memory_fits, show_memory_plan
 from verl_backend.driver.preflight import (check_batch_sizes, check_native_rollout, check_prompt_lengths,
-                                           check_trainer_mode, check_user_reward, check_whole_numbers,
-                                           fit_epochs_to_steps)
+                                           check_user_reward, check_whole_numbers, fit_epochs_to_steps)
+from verl_backend.driver.preflight_async import check_rollout_slice, check_trainer_mode
 from verl_backend.driver.profiles import profile
 from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
 from verl_backend.driver.runner import fork_server_here, job_runtime_env, run_with_restarts
@@ -60,7 +60,8 @@ def _run_train(args, fork_server: dict) -> int:
     settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
         "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
         "--slice": getattr(args, "slice", None), "--export": getattr(args, "export", None),
-        "--quantize": getattr(args, "quantize", None), "--tpu-dry-run": getattr(args, "tpu_dry_run", None)})
+        "--quantize": getattr(args, "quantize", None), "--tpu-dry-run": getattr(args, "tpu_dry_run", None),
+        "--rollout-slice": getattr(args, "rollout_slice", None)})
     backend, settings = _tpu_dry_run(backend, settings, args)
     settings = _apply_profile(backend, settings)
 
@@ -99,6 +100,7 @@ def _run_train(args, fork_server: dict) -> int:
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=slice_from if from_slice else "")
     check_trainer_mode(config)  # separate_async's requirements (VeRL 0.9.1) we do not meet: one line each
+    check_rollout_slice(settings.rollout_slice, settings.slice)  # named, on the cluster, then refused (not mapped)
     from omegaconf import OmegaConf, open_dict
 
     settings = job_settings.mirror_from_config(settings, config)

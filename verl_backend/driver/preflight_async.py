@@ -1,0 +1,120 @@
+"""Pre-flight checks of ``verl train`` for asynchronous RL and a separate rollout slice, before Ray starts.
+
+VeRL 0.9.1's ``trainer.v1.trainer_mode`` (``verl/trainer/ppo/v1/``): ``colocate_async`` runs on this backend,
+``separate_async`` is refused one line per requirement not met (:func:`check_trainer_mode`); ``rl_tpu.rollout_slice``
+is checked and refused (:func:`check_rollout_slice`). Each raises :class:`~verl_backend.errors.BadInputError` with
+one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from verl_backend.errors import BadInputError
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def check_trainer_mode(config) -> None:
+    """Refuse a ``trainer.v1.trainer_mode`` this backend cannot run, one line per unmet requirement, before Ray starts.
+
+    ``sync`` and ``colocate_async`` run (``colocate_async``: the rollout of the next step overlaps the update;
+    staleness bound ``trainer.v1.sampler.max_off_policy_threshold``). VeRL 0.9.1's ``separate_async``
+    (``verl/trainer/ppo/v1/trainer_separate_async.py``) asserts, in this order: ``data.train_batch_size ==
+    trainer.v1.separate_async.parameter_sync_step × actor.ppo_mini_batch_size`` (l.56-63); rollout ``nnodes`` and
+    ``n_gpus_per_node`` > 0 (l.64-67, a separate rollout pool); a checkpoint engine other than ``naive`` (l.68-70);
+    and, with a reward model, its own resource pool (l.71-76). It swaps the actor for VeRL's ``DetachActorWorker``
+    (l.114-126), whose ``save_model_to_cpu``/``restore_model_from_cpu`` keep pi_old across the mini-batches of a
+    sync cycle unless ``algorithm.rollout_correction.bypass_mode`` (l.187-211). Checked here, in that order: the
+    batch identity, the rollout pool, then the engine — ours, ``native``, is VeRL's colocated engine
+    (``verl_backend/rollout/inworker.py``) and cannot send to another pool, so ``separate_async`` is refused today.
+    Partial rollout needs no refusal: our server's abort is a pause (requests in flight finish on the weights they
+    started with), so nothing is resumed mid-sequence.
+
+    Raises:
+        BadInputError: one line naming the key and the fix.
+    """
+    v1 = config.trainer.get("v1") or {}
+    mode = str(v1.get("trainer_mode", "sync"))
+    if mode not in TRAINER_MODES:
+        raise BadInputError(f"trainer.v1.trainer_mode={mode}: give one of {', '.join(TRAINER_MODES)}")
+    if mode != "separate_async":
+        return
+    batch, mini = int(config.data.train_batch_size), config.actor_rollout_ref.actor.ppo_mini_batch_size
+    sync_step = int((v1.get("separate_async") or {}).get("parameter_sync_step", 1))
+    if mini is None or batch != sync_step * int(mini):
+        fit = f"trainer.v1.separate_async.parameter_sync_step={batch // int(mini)}" if mini and batch % int(mini) \
+            == 0 else f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // sync_step}" if batch % sync_step == 0 \
+            else f"trainer.v1.separate_async.parameter_sync_step=1 actor_rollout_ref.actor.ppo_mini_batch_size={batch}"
+        raise BadInputError(
+            f"trainer.v1.trainer_mode=separate_async needs data.train_batch_size ({batch}) == "
+            f"trainer.v1.separate_async.parameter_sync_step ({sync_step}) × actor_rollout_ref.actor.ppo_mini_batch_size "
+            f"({mini}) (VeRL 0.9.1 asserts it); set {fit}")
+    rollout = config.actor_rollout_ref.rollout
+    for key in ("nnodes", "n_gpus_per_node"):
+        if int(rollout.get(key) or 0) <= 0:
+            raise BadInputError(
+                f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: trainer.v1.trainer_mode=separate_async samples "
+                f"on a rollout pool of its own; set actor_rollout_ref.rollout.{key} to 1 or more")
+    backend = str((rollout.get("checkpoint_engine") or {}).get("backend", "naive"))
+    if backend == "naive":
+        raise BadInputError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that "
+            "sends to another pool (nccl, nixl, ...); rl-tpu has none for its native rollout yet (issue #19): use "
+            "trainer.v1.trainer_mode=colocate_async")
+    if str(rollout.get("name")) == "native" and backend == "native":
+        raise BadInputError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=native is colocated (VeRL's naive engine plus "
+            "in-worker sampling) and cannot send weights to a separate rollout pool, which "
+            "trainer.v1.trainer_mode=separate_async needs (issue #19): use trainer.v1.trainer_mode=colocate_async")
+
+
+def check_rollout_slice(value: str, trainer_slice: str = "") -> None:
+    """Check ``rl_tpu.rollout_slice`` (``--rollout-slice``) before anything waits, then refuse it (not yet mapped).
+
+    In order: the name is a slice (:func:`rl_tpu.topology.parse_slice`); the Ray cluster has it — the one already
+    joined, else ``$RAY_ADDRESS`` joined for the check and left — counted as
+    :func:`ray_cluster.pools.place_pools` counts (two of the pod type when the trainer's ``rl_tpu.slice`` is the same
+    type), by its cluster check; then a refusal: the slice is not yet mapped onto VeRL's rollout pool
+    (``actor_rollout_ref.rollout.nnodes``/``n_gpus_per_node`` with ``separate_async``, issue #19).
+
+    Raises:
+        BadInputError: one line naming ``rl_tpu.rollout_slice`` and the fix.
+    """
+    if not value:
+        return
+    import ray
+
+    from rl_tpu.topology import TopologyError, parse_slice
+
+    key = f"rl_tpu.rollout_slice={value}"
+    try:
+        spec = parse_slice(*_slice_parts(value))
+        same = bool(trainer_slice) and parse_slice(*_slice_parts(trainer_slice)).pod_type == spec.pod_type
+    except TopologyError as exc:
+        raise BadInputError(f"{key}: {exc}") from None
+    joined = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise BadInputError(f"{key}: a rollout slice needs a Ray cluster that has it; set $RAY_ADDRESS (locally: "
+                                f"rl-tpu cluster up --fake-slice {spec.accelerator_type})")
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        joined = True
+    try:
+        from ray_cluster.errors import ClusterError
+        from ray_cluster.placement import _check_cluster_has
+
+        _check_cluster_has(spec, 2 if same else 1)
+    except ClusterError as exc:
+        raise BadInputError(f"{key}: {exc}") from None
+    finally:
+        if joined:
+            ray.shutdown()
+    raise BadInputError(f"{key}: the cluster has it, but rl-tpu does not yet map a rollout slice onto VeRL's rollout "
+                        "pool (trainer.v1.trainer_mode=separate_async, issue #19); drop it")
+
+
+def _slice_parts(text: str) -> tuple[str, str | None]:
+    accelerator, _, topology = text.partition(":")
+    return accelerator, topology or None
