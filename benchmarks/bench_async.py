@@ -27,6 +27,9 @@ Columns (steps 2..N; step 1 is warm-up):
   ``overlap`` = time rollout and update were busy together / the shorter of the two; ``overlap (trainer)`` the same
   against all trainer work (old/ref log-probs, update). 0 = strictly one after the other, 1 = the shorter is hidden.
   Measured over the window from the first step's metrics line to the last one (so over steps 2..N), to 0.2 s.
+  The threshold is in cores: on a machine loaded past its cores a busy process gets less than ``--busy`` of one and
+  reads idle, so the table also gives each side's CPU seconds in the window (``rollout CPU s``, ``trainer CPU s``),
+  which do not depend on it; a run whose load average (printed) is well above its CPUs has no usable overlap.
 
     python benchmarks/bench_async.py [--rounds 3] [--steps 4] [--modes sync-1t,sync-2t,colocate_async,separate_async]
         [--cpus 0,1] [--out async.json] [--keep DIR]
@@ -120,7 +123,8 @@ class BusySampler(threading.Thread):
 
 def overlap(samples: list[tuple[float, float, float, float]], start: float, end: float, busy: float) -> dict:
     """Busy seconds of rollout, trainer and update within [start, end], and their overlap fractions."""
-    tot = {"rollout": 0.0, "trainer": 0.0, "update": 0.0, "rollout&update": 0.0, "rollout&trainer": 0.0}
+    tot = {"rollout": 0.0, "trainer": 0.0, "update": 0.0, "rollout&update": 0.0, "rollout&trainer": 0.0,
+           "rollout_cpu": 0.0, "trainer_cpu": 0.0}
     for (t0, *_), (t1, r, tr, up) in pairwise(samples):
         if t0 < start or t1 > end:
             continue
@@ -131,16 +135,20 @@ def overlap(samples: list[tuple[float, float, float, float]], start: float, end:
         tot["update"] += dt * u_b
         tot["rollout&update"] += dt * (r_b and u_b)
         tot["rollout&trainer"] += dt * (r_b and t_b)
+        tot["rollout_cpu"] += dt * r
+        tot["trainer_cpu"] += dt * tr
     short_u, short_t = min(tot["rollout"], tot["update"]), min(tot["rollout"], tot["trainer"])
     return {"rollout_busy_s": tot["rollout"], "trainer_busy_s": tot["trainer"], "update_busy_s": tot["update"],
             "overlap": tot["rollout&update"] / short_u if short_u else None,
-            "overlap_trainer": tot["rollout&trainer"] / short_t if short_t else None, "window_s": end - start}
+            "overlap_trainer": tot["rollout&trainer"] / short_t if short_t else None, "window_s": end - start,
+            "rollout_cpu_s": tot["rollout_cpu"], "trainer_cpu_s": tot["trainer_cpu"]}
 
 
 def run_mode(work: Path, name: str, steps: int, timeout_s: float, busy: float) -> dict:
     threads, overrides = MODES[name]
     run_id = uuid.uuid4().hex
     os.environ[BUSY_ENV] = run_id
+    work.mkdir(parents=True, exist_ok=True)
     out = work / "verl"
     sampler = BusySampler(run_id, out / "metrics.jsonl")
     sampler.start()
@@ -166,7 +174,8 @@ def _median(values: list) -> float | None:
 def table(results: dict[str, list[dict]], refused: dict[str, str]) -> str:
     cols = [("s/step", "step_s"), ("trained tok/s", "tokens_per_s"), ("rollout busy s", "rollout_busy_s"),
             ("update busy s", "update_busy_s"), ("trainer busy s", "trainer_busy_s"), ("overlap", "overlap"),
-            ("overlap (trainer)", "overlap_trainer")]
+            ("overlap (trainer)", "overlap_trainer"), ("rollout CPU s", "rollout_cpu_s"),
+            ("trainer CPU s", "trainer_cpu_s")]
     lines = ["| mode | rounds | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for name, runs in results.items():
         med = {k: _median([r[k] for r in runs]) for _, k in cols}
