@@ -216,9 +216,10 @@ def dry_run(work: Path, args) -> None:
     finally:
         fake_slice.stop(state_file=state)
     wall = time.time() - start
-    plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["tpu"]))
     ranks = {pid: (sampler.rank_peak[(role, pid)], sampler.rank_first[(role, pid)])
              for role, pid in sampler.rank_peak if role == TRAINER_ROLE}
+    (work / "ranks_rss.json").write_text(json.dumps({"wall_s": wall, "ranks": ranks}))  # kept before planning
+    plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["cpu"]))
     if not ranks:
         raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples)")
     print(plan.format())
