@@ -32,7 +32,7 @@ Columns (steps 2..N; step 1 is warm-up):
   which do not depend on it; a run whose load average (printed) is well above its CPUs has no usable overlap.
 
     python benchmarks/bench_async.py [--rounds 3] [--steps 4] [--modes sync-1t,sync-2t,colocate_async,separate_async]
-        [--cpus 0,1] [--out async.json] [--keep DIR]
+        [--cpus 0,1] [--set KEY=VALUE ...] [--out async.json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ MODES = {  # name -> (torch threads per process, VeRL overrides)
 class BusySampler(threading.Thread):
     """Every ``interval`` s: CPU seconds of each process of the run whose environment has ``BUSY_ENV=run_id``,
     classified as rollout (``ray::NativeRolloutServer``), update (``ray::WorkerDict...update_actor``) or other
-    trainer work (``ray::WorkerDict``); ``step_times``: when each step's line appeared in ``step_log``. ``samples``: (time, rollout cores, trainer cores, update cores)."""
+    trainer work (``ray::WorkerDict``); ``step_times``: when each step's line appeared in ``step_log``.
+    ``samples``: (time, rollout cores, trainer cores, update cores)."""
 
     def __init__(self, run_id: str, step_log: Path, interval: float = 0.2):
         super().__init__(daemon=True)
@@ -144,8 +145,9 @@ def overlap(samples: list[tuple[float, float, float, float]], start: float, end:
             "rollout_cpu_s": tot["rollout_cpu"], "trainer_cpu_s": tot["trainer_cpu"]}
 
 
-def run_mode(work: Path, name: str, steps: int, timeout_s: float, busy: float) -> dict:
+def run_mode(work: Path, name: str, steps: int, timeout_s: float, busy: float, extra: list[str]) -> dict:
     threads, overrides = MODES[name]
+    overrides = overrides + extra
     run_id = uuid.uuid4().hex
     os.environ[BUSY_ENV] = run_id
     work.mkdir(parents=True, exist_ok=True)
@@ -194,6 +196,8 @@ def main() -> int:
     ap.add_argument("--cpus", help="CPU ids to pin every run to (e.g. 0,1); default: this process's affinity")
     ap.add_argument("--busy", type=float, default=0.25, help="cores used, at or above which a process is busy")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra VeRL override for every mode (e.g. a small model for a quick check); printed")
     ap.add_argument("--out", help="also write the results as JSON to this file")
     ap.add_argument("--keep", help="keep the run folders here instead of a temp folder")
     args = ap.parse_args()
@@ -217,7 +221,7 @@ def main() -> int:
                 folder = work / f"r{rnd}_{name}"
                 print(f"[bench] round {rnd + 1}/{args.rounds}: {name}, {args.steps} steps, cpus {cpus}", flush=True)
                 try:
-                    results[name].append(run_mode(folder, name, args.steps, args.timeout, args.busy))
+                    results[name].append(run_mode(folder, name, args.steps, args.timeout, args.busy, args.set))
                 except BenchError as exc:
                     line = next((ln for ln in str(exc).splitlines() if ln.startswith("verl: error:")), None)
                     if line is None:  # not a refusal before Ray: a failure
@@ -235,8 +239,10 @@ def main() -> int:
         Path(args.out).write_text(json.dumps({"results": results, "refused": refused, "cpus": cpus,
                                               "rounds": args.rounds, "steps": args.steps}, indent=1))
     load = os.getloadavg()
-    print(f"\nverl train --backend cpu default job (SmolLM2-135M fp32, 4 prompts x 4 samples), {args.steps} steps "
-          f"(mean of 2..N), median of {args.rounds} interleaved round(s); cpus {cpus}; load average {load[0]:.1f}\n")
+    print(f"\nverl train --backend cpu default job (SmolLM2-135M fp32, 4 prompts x 4 samples, unless --set), "
+          f"{args.steps} steps (mean of 2..N), median of {args.rounds} interleaved round(s); cpus {cpus}; "
+          f"load average {load[0]:.1f}"
+          + (f"; overrides {' '.join(args.set)}" if args.set else "") + "\n")
     print(table(results, refused))
     for name, runs in results.items():
         for r in runs:
