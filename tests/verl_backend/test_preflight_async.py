@@ -72,12 +72,13 @@ def test_separate_async_requirements_are_refused_in_one_line(monkeypatch, tiny_m
         assert verls in _verl_separate_async_assert(config)
 
 
-@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
-def test_sync_and_colocate_async_pass(monkeypatch, tiny_model_dir, mode):
+@pytest.mark.parametrize("overrides", [["trainer.v1.trainer_mode=sync"], ["trainer.v1.trainer_mode=colocate_async"],
+                                       SEP + ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"]])
+def test_what_the_backend_can_run_passes(monkeypatch, tiny_model_dir, overrides):
     from verl_backend.driver.preflight_async import check_trainer_mode
 
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    check_trainer_mode(_compose_cpu_default(tiny_model_dir, f"trainer.v1.trainer_mode={mode}"))
+    check_trainer_mode(_compose_cpu_default(tiny_model_dir, *overrides))
 
 
 def test_verl_train_refuses_separate_async_before_ray(tmp_path):

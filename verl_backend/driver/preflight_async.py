@@ -18,18 +18,21 @@ TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 def check_trainer_mode(config) -> None:
     """Refuse a ``trainer.v1.trainer_mode`` this backend cannot run, one line per unmet requirement, before Ray starts.
 
-    ``sync`` and ``colocate_async`` run (``colocate_async``: the rollout of the next step overlaps the update;
-    staleness bound ``trainer.v1.sampler.max_off_policy_threshold``). VeRL 0.9.1's ``separate_async``
+    ``sync`` and ``colocate_async`` run (``colocate_async``: one batch sampled ahead, staleness bound
+    ``trainer.v1.sampler.max_off_policy_threshold``; VeRL aborts and sleeps the rollout while the actor updates).
+    VeRL 0.9.1's ``separate_async``
     (``verl/trainer/ppo/v1/trainer_separate_async.py``) asserts, in this order: ``data.train_batch_size ==
     trainer.v1.separate_async.parameter_sync_step × actor.ppo_mini_batch_size`` (l.56-63); rollout ``nnodes`` and
     ``n_gpus_per_node`` > 0 (l.64-67, a separate rollout pool); a checkpoint engine other than ``naive`` (l.68-70);
     and, with a reward model, its own resource pool (l.71-76). It swaps the actor for VeRL's ``DetachActorWorker``
     (l.114-126), whose ``save_model_to_cpu``/``restore_model_from_cpu`` keep pi_old across the mini-batches of a
     sync cycle unless ``algorithm.rollout_correction.bypass_mode`` (l.187-211). Checked here, in that order: the
-    batch identity, the rollout pool, then the engine — ours, ``native``, is VeRL's colocated engine
-    (``verl_backend/rollout/inworker.py``) and cannot send to another pool, so ``separate_async`` is refused today.
-    Partial rollout needs no refusal: our server's abort is a pause (requests in flight finish on the weights they
-    started with), so nothing is resumed mid-sequence.
+    batch identity, the rollout pool, then the engine: ``naive`` (VeRL's assert) and ours ``native`` (VeRL's colocated
+    engine plus in-worker sampling, ``verl_backend/rollout/inworker.py``: it cannot send to another pool; VeRL lets it
+    through and its ``prepare`` raises ``NotImplementedError`` at the first sync) are refused, pointing at ``gloo``
+    (``verl_backend/rollout/pool_sync.py``, rl-tpu's engine between pools). Partial rollout needs no refusal: our
+    server's abort is a pause (requests in flight finish on the weights they started with), so nothing is resumed
+    mid-sequence.
 
     Raises:
         BadInputError: one line naming the key and the fix.
@@ -48,8 +51,8 @@ def check_trainer_mode(config) -> None:
             else f"trainer.v1.separate_async.parameter_sync_step=1 actor_rollout_ref.actor.ppo_mini_batch_size={batch}"
         raise BadInputError(
             f"trainer.v1.trainer_mode=separate_async needs data.train_batch_size ({batch}) == "
-            f"trainer.v1.separate_async.parameter_sync_step ({sync_step}) × actor_rollout_ref.actor.ppo_mini_batch_size "
-            f"({mini}) (VeRL 0.9.1 asserts it); set {fit}")
+            f"trainer.v1.separate_async.parameter_sync_step ({sync_step}) × "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) (VeRL 0.9.1 asserts it); set {fit}")
     rollout = config.actor_rollout_ref.rollout
     for key in ("nnodes", "n_gpus_per_node"):
         if int(rollout.get(key) or 0) <= 0:
@@ -60,13 +63,13 @@ def check_trainer_mode(config) -> None:
     if backend == "naive":
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that "
-            "sends to another pool (nccl, nixl, ...); rl-tpu has none for its native rollout yet (issue #19): use "
-            "trainer.v1.trainer_mode=colocate_async")
+            "sends to another pool; set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (rl-tpu's)")
     if str(rollout.get("name")) == "native" and backend == "native":
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=native is colocated (VeRL's naive engine plus "
             "in-worker sampling) and cannot send weights to a separate rollout pool, which "
-            "trainer.v1.trainer_mode=separate_async needs (issue #19): use trainer.v1.trainer_mode=colocate_async")
+            "trainer.v1.trainer_mode=separate_async needs; set "
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo")
 
 
 def check_rollout_slice(value: str, trainer_slice: str = "") -> None:
