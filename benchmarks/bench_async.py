@@ -6,9 +6,10 @@ Modes, run in interleaved rounds (round r runs every mode once, in order) and re
 - ``sync-1t``: VeRL's ``trainer.v1.trainer_mode=sync``, 1 torch thread per process (today's default);
 - ``sync-2t``: the same with 2 threads, so an async mode does not win merely by using an idle core;
 - ``colocate_async``: ``trainer.v1.trainer_mode=colocate_async`` (one warm-up batch, VeRL's staleness bound), 1 thread;
-- ``separate_async``: ``trainer.v1.trainer_mode=separate_async`` with a one-worker rollout pool. rl-tpu refuses it
-  before Ray today (``verl_backend.driver.preflight.check_trainer_mode``: our checkpoint engine is colocated); the
-  table then says ``refused`` with the line, and the mode is not retried in later rounds.
+- ``separate_async``: ``trainer.v1.trainer_mode=separate_async`` with a one-worker rollout pool and rl-tpu's ``gloo``
+  checkpoint engine between the pools. A mode refused before Ray (one ``verl: error:`` line,
+  ``verl_backend.driver.preflight_async``) or failing is not retried in later rounds: the table says ``refused`` or
+  ``failed`` with the line, and the other modes go on.
 
 Every run is the default job of :func:`bench_grpo_step.run_ours` (SmolLM2-135M-Instruct fp32, basic_arithmetic, 4
 prompts x 4 samples, completions <= 64 tokens), pinned with the CPU affinity this script has (``--cpus``, default
@@ -61,7 +62,7 @@ MODES = {  # name -> (torch threads per process, VeRL overrides)
     "colocate_async": (1, ["trainer.v1.trainer_mode=colocate_async"]),
     "separate_async": (1, ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
                            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-                           "actor_rollout_ref.rollout.checkpoint_engine.backend=native"]),
+                           "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"]),
 }
 
 
@@ -184,7 +185,7 @@ def table(results: dict[str, list[dict]], refused: dict[str, str]) -> str:
         lines.append(f"| {name} | {len(runs)} | " + " | ".join("n/a" if med[k] is None else f"{med[k]:.2f}"
                                                              for _, k in cols) + " |")
     for name, why in refused.items():
-        lines.append(f"| {name} | 0 | refused: {why} |")
+        lines.append(f"| {name} | 0 | {why} |")
     return "\n".join(lines)
 
 
@@ -223,12 +224,12 @@ def main() -> int:
                 try:
                     results[name].append(run_mode(folder, name, args.steps, args.timeout, args.busy, args.set))
                 except BenchError as exc:
-                    line = next((ln for ln in str(exc).splitlines() if ln.startswith("verl: error:")), None)
-                    if line is None:  # not a refusal before Ray: a failure
-                        raise
-                    refused[name] = line.removeprefix("verl: error:").strip()
+                    lines = str(exc).splitlines()
+                    line = next((ln for ln in lines if ln.startswith("verl: error:")), None)
+                    refused[name] = (f"refused: {line.removeprefix('verl: error:').strip()}" if line else
+                                     f"failed: {lines[0]} / {lines[-1].strip()[:200]}")
                     results.pop(name)
-                    print(f"[bench] {name} refused: {refused[name]}", flush=True)
+                    print(f"[bench] {name} {refused[name]}", flush=True)
     except BenchError as exc:
         print(f"bench_async: error: {exc}", file=sys.stderr)
         return 1
