@@ -5,7 +5,8 @@ prompts x 4 samples, responses <= 64 tokens) runs with every default, then with 
 at a time (VeRL-style keys on the command line, so the run's ``config.yaml`` records them):
 
 - ``rl_tpu.fork_server`` (default on): Ray's workers forked from one process that imported torch and VeRL;
-- ``rl_tpu.trim_backward`` (default on): the actor's backward hands freed activation pages back to the OS per block;
+- ``rl_tpu.trim_backward`` (default off, as this benchmark found): the actor's backward hands freed activation pages
+  back to the OS per block;
 - ``rl_tpu.plain_module`` (default on): one CPU rank runs the model without FSDP2;
 - ``rl_tpu.compact_malloc`` (default off): glibc settings that keep the backward from fragmenting the heap.
 
@@ -36,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_grpo_step import BenchError, _mean_after_warmup, run_ours
 
-# (setting, its default): each configuration flips one of them
-PARTS = (("fork_server", True), ("trim_backward", True), ("plain_module", True), ("compact_malloc", False))
+from verl_backend.settings import BY_NAME
+
+# (setting, its default in the settings table): each configuration flips one of them
+PARTS = tuple((name, BY_NAME[name].default) for name in ("fork_server", "trim_backward", "plain_module", "compact_malloc"))
 MEMORY_GAIN, TIME_COST = 0.03, 0.05  # the rule's thresholds (fractions)
 
 

@@ -70,8 +70,9 @@ SETTINGS: tuple[Setting, ...] = (
             mirrors="actor_rollout_ref.actor.use_prefix_grouper"),
     Setting("response_only_logits", bool, True, "the trainer runs the LM head only where a response token is "
             "predicted (false: at every position, as VeRL does)", env="RL_TPU_RESPONSE_ONLY_LOGITS"),
-    Setting("trim_backward", bool, True, "on CPU, hand each transformer block's freed activation pages back to the "
-            "OS during the actor's backward (lower peak memory)", env="RL_TPU_TRIM_BACKWARD"),
+    Setting("trim_backward", bool, False, "on CPU, hand each transformer block's freed activation pages back to "
+            "the OS during the actor's backward (off by default: benchmarks/bench_host_memory.py measured no lower peak "
+            "beside plain_module)", env="RL_TPU_TRIM_BACKWARD"),
     Setting("plain_module", bool, True, "on one CPU rank, run the model without FSDP2 (its copies shard nothing "
             "there); false wraps it anyway", env="RL_TPU_PLAIN_MODULE", checkpoint_format=True),
     Setting("num_threads", int, 0, "torch threads per process (0: 1 on cpu, torch's own count elsewhere)",

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-NODE_ENV = {"RL_TPU_PLAIN_MODULE": "0", "RL_TPU_TRIM_BACKWARD": "0", "RL_TPU_SHARED_WEIGHTS": "0",
+NODE_ENV = {"RL_TPU_PLAIN_MODULE": "0", "RL_TPU_TRIM_BACKWARD": "1", "RL_TPU_SHARED_WEIGHTS": "0",
             "RL_TPU_RESPONSE_ONLY_LOGITS": "0"}
 
 
@@ -69,7 +69,7 @@ def test_job_settings_reach_workers_and_node_variables_do_not(preexisting_cluste
     # Negative control: the nodes say RL_TPU_PLAIN_MODULE=0 etc.; the job says nothing, so the defaults hold.
     log, seen = _run(preexisting_cluster, tiny_model_dir, tmp_path / "defaults")
     assert "actor: one CPU rank, so the model runs unwrapped" in log
-    assert "actor backward: heap pages handed back" in log
+    assert "heap pages handed back" not in log  # trim_backward's default (off), not the nodes' variable (on)
     assert "shared-prefix forward:" in log  # response-only logits on (the shared-prefix row is part of that path)
     assert seen["fsdp_version"] == 0
     assert "object store, rl_tpu.shared_weights=false" not in log
@@ -79,15 +79,16 @@ def test_job_settings_reach_workers_and_node_variables_do_not(preexisting_cluste
 
     # The job's own settings, given as keys on the command line, act in the workers on the other host.
     log, chosen = _run(preexisting_cluster, tiny_model_dir, tmp_path / "chosen", "rl_tpu.plain_module=false",
-                       "rl_tpu.trim_backward=false", "rl_tpu.shared_weights=false",
+                       "rl_tpu.trim_backward=true", "rl_tpu.shared_weights=false",
                        "rl_tpu.response_only_logits=false")
     assert "actor: FSDP2 wraps the model (rl_tpu.plain_module=false)" in log
     assert "actor: one CPU rank, so the model runs unwrapped" not in log
-    assert "heap pages handed back" not in log
+    # the actor (not the reference policy) trims the heap once per decoder layer in its backward: the tiny model's 2
+    assert re.findall(r"actor backward: heap pages handed back after each of (\d+) blocks", log) == ["2"]
     assert "shared-prefix forward:" not in log  # the LM head at every position, VeRL's own path
     assert re.search(r"weight sync to rollout replica 0: object store, rl_tpu\.shared_weights=false", log), log[-3000:]
     assert chosen["fsdp_version"] == 2
     assert chosen["record"] != seen["record"]
     saved = (tmp_path / "chosen" / "config.yaml").read_text()
-    assert "plain_module: false" in saved and "trim_backward: false" in saved  # recorded with the run
+    assert "plain_module: false" in saved and "trim_backward: true" in saved  # recorded with the run
     assert "response_only_logits: false" in saved

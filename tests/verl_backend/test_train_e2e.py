@@ -68,9 +68,8 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # came through that path)
     assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens",
                      proc.stdout + proc.stderr)
-    # the actor (not the reference policy) trims the heap once per decoder layer in its backward
-    trims = re.findall(r"actor backward: heap pages handed back after each of (\d+) blocks", proc.stdout + proc.stderr)
-    assert trims == ["2"], trims  # the tiny model's 2 decoder layers, once: the reference engine adds none
+    # rl_tpu.trim_backward is off by default (bench_host_memory.py: no lower peak beside plain_module)
+    assert "heap pages handed back" not in proc.stdout + proc.stderr
     # one CPU rank: the actor and the reference policy (both float32) run their modules unwrapped (no FSDP2 copies)
     unwrapped = re.findall(r"\[rl-tpu\] ([a-z ]+): one CPU rank, so the model runs unwrapped", proc.stdout + proc.stderr)
     assert sorted(unwrapped) == ["actor", "reference policy"], unwrapped
