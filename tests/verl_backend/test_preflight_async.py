@@ -56,6 +56,9 @@ def _verl_separate_async_assert(config) -> str | None:
     # VeRL accepts ours (not naive), but it is colocated: refused here only
     (SEP + ["actor_rollout_ref.rollout.checkpoint_engine.backend=native"],
      "actor_rollout_ref.rollout.checkpoint_engine.backend=native is colocated", None),
+    # VeRL 0.9.1 trainer_separate_async.py:181: logger.info(..., flush=True) is a TypeError (tried on --backend cpu)
+    (SEP + ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "actor_rollout_ref.hybrid_engine=false"],
+     "actor_rollout_ref.hybrid_engine=false: VeRL 0.9.1's separate_async then fails while it sets up", None),
     (["trainer.v1.trainer_mode=fully_async"], ("trainer.v1.trainer_mode=fully_async: give one of sync, "
      "colocate_async, separate_async"), None),
 ])

@@ -64,6 +64,10 @@ def check_trainer_mode(config) -> None:
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that "
             "sends to another pool; set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (rl-tpu's)")
+    if not config.actor_rollout_ref.get("hybrid_engine", True):
+        raise BadInputError(
+            "actor_rollout_ref.hybrid_engine=false: VeRL 0.9.1's separate_async then fails while it sets up "
+            "(trainer_separate_async.py:181 passes flush= to logger.info, a TypeError); leave it true")
     if str(rollout.get("name")) == "native" and backend == "native":
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=native is colocated (VeRL's naive engine plus "
