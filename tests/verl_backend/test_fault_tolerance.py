@@ -48,24 +48,29 @@ def _metrics_steps(path: Path) -> set[int]:
     return steps
 
 
-def _session_actor(marker: str, actor: str) -> psutil.Process | None:
+def _session_actor(marker: str, actor: str, newest: bool = False) -> psutil.Process | None:
     """The process of this run's Ray actor ``actor``: named ``ray::<actor>``, with the run's marker in its environment
-    (a Ray worker is a child of the raylet, or of the fork server, verl_backend.zygote; both started from the run)."""
-    for proc in psutil.process_iter(["cmdline"]):
+    (a Ray worker is a child of the raylet, or of the fork server, verl_backend.zygote; both started from the run);
+    the first found, or with ``newest`` the one started last."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
         try:
             if " ".join(proc.info["cmdline"] or []).startswith(f"ray::{actor}") and \
                     proc.environ().get(MARKER) == marker:
-                return proc
+                if not newest:
+                    return proc
+                found.append(proc)
         except psutil.Error:
             continue
-    return None
+    return max(found, key=lambda p: p.info["create_time"]) if found else None
 
 
-def _kill_when(proc, metrics: Path, marker: str, step: int, actor: str, timeout_s: float = 900) -> int:
+def _kill_when(proc, metrics: Path, marker: str, step: int, actor: str, timeout_s: float = 900,
+               newest: bool = False) -> int:
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         if step in _metrics_steps(metrics):
-            target = _session_actor(marker, actor)
+            target = _session_actor(marker, actor, newest)
             if target is not None:
                 target.send_signal(signal.SIGKILL)
                 return target.pid
