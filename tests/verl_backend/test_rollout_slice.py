@@ -11,6 +11,17 @@ from verl_backend.driver.preflight_async import check_rollout_slice
 from verl_backend.errors import BadInputError
 
 
+@pytest.fixture(autouse=True)
+def no_ray_joined_yet(monkeypatch):
+    """Each test starts as the driver's pre-flight does: this process joined no Ray cluster. (An earlier test of the
+    same pytest process can leave one joined: Ray starts a local cluster by itself on a first ``ray.put``.)"""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
 def _line(value: str, trainer_slice: str = "") -> str:
     with pytest.raises(BadInputError) as caught:
         check_rollout_slice(value, trainer_slice)
