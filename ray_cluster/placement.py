@@ -49,7 +49,7 @@ def cluster_slices(resources: dict[str, float] | None = None) -> dict[str, int]:
     return out
 
 
-def _check_cluster_has(spec: SliceTopology, count: int) -> None:
+def check_cluster_has(spec: SliceTopology, count: int) -> None:
     total = ray.cluster_resources()
     have = cluster_slices(total).get(spec.pod_type, 0)
     if have >= count:
@@ -248,7 +248,7 @@ def reserve_slice_workers(
     per_host = _workers_per_host(spec, n)
     if cpus_per_worker < 0:
         raise ClusterError(f"cpus_per_worker {cpus_per_worker} is negative; use 0 or more")
-    _check_cluster_has(spec, 1)
+    check_cluster_has(spec, 1)
     selectors = [{POD_TYPE_LABEL: spec.pod_type, WORKER_ID_LABEL: str(b // per_host)}
                  for b in range(spec.hosts * per_host)]
     start = time.monotonic()
@@ -327,7 +327,7 @@ def reserve_slice(
     spec = parse_slice(accelerator_type, topology)
     if cpus_per_host < 0:
         raise ClusterError(f"cpus_per_host {cpus_per_host} is negative; use 0 or more")
-    _check_cluster_has(spec, _count)
+    check_cluster_has(spec, _count)
     start = time.monotonic()
     handle = _slice_placement_group(
         spec, timeout_s, resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host}, name=name,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from rl_tpu.topology import SliceTopology, check_chip_request, parse_slice
 
 from .errors import ClusterError
-from .placement import SlicePlacement, _check_cluster_has, reserve_slice
+from .placement import SlicePlacement, check_cluster_has, reserve_slice
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def place_pools(layout: PoolLayout, timeout_s: float = 60.0) -> dict[str, SliceP
                           cpus_per_host=layout.cpus_per_host, name="rl-tpu-colocated", timeout_s=timeout_s)
         return {"trainer": p, "rollout": p}
     same = specs["trainer"].pod_type == specs["rollout"].pod_type
-    _check_cluster_has(specs["trainer"], 2 if same else 1)
-    _check_cluster_has(specs["rollout"], 2 if same else 1)
+    check_cluster_has(specs["trainer"], 2 if same else 1)
+    check_cluster_has(specs["rollout"], 2 if same else 1)
     out: dict[str, SlicePlacement] = {}
     try:
         for pool in ("trainer", "rollout"):

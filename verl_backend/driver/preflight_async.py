@@ -110,9 +110,9 @@ def check_rollout_slice(value: str, trainer_slice: str = "") -> None:
         joined = True
     try:
         from ray_cluster.errors import ClusterError
-        from ray_cluster.placement import _check_cluster_has
+        from ray_cluster.placement import check_cluster_has
 
-        _check_cluster_has(spec, 2 if same else 1)
+        check_cluster_has(spec, 2 if same else 1)
     except ClusterError as exc:
         raise BadInputError(f"{key}: {exc}") from None
     finally:
