@@ -89,6 +89,36 @@ def on_cpu_platform() -> dict:
 
         from verl.workers.rollout.base import get_rollout_class
         out["rollout"] = get_rollout_class("native", "async").__name__
+
+        # separate_async's DetachActorWorker: save pi_old, update in place (an optimizer step), restore
+        import torch
+        import verl.utils.fsdp_utils as fu
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        def pi_old_kept(save, load, model):
+            full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            with torch.no_grad():
+                before = {n: full(p) for n, p in model.named_parameters()}
+                saved = save(model)
+                for p in model.parameters():
+                    p.add_(1.0)
+                load(model, *saved)
+                return all(torch.equal(before[n], full(p)) for n, p in model.named_parameters())
+
+        plain = torch.nn.Linear(4, 3)
+        out["plain_patched"] = pi_old_kept(fu.fsdp2_sharded_save_to_cpu, fu.fsdp2_sharded_load_from_cpu, plain)
+        try:
+            fu.fsdp2_sharded_save_to_cpu.__wrapped__(plain)
+            out["plain_original"] = "saved"
+        except AssertionError:
+            out["plain_original"] = "AssertionError"
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        sharded = fully_shard(torch.nn.Linear(4, 3), mesh=init_device_mesh("cpu", (1,)))
+        out["fsdp2_original"] = pi_old_kept(fu.fsdp2_sharded_save_to_cpu.__wrapped__,
+                                            fu.fsdp2_sharded_load_from_cpu.__wrapped__, sharded)
+        out["fsdp2_patched"] = pi_old_kept(fu.fsdp2_sharded_save_to_cpu, fu.fsdp2_sharded_load_from_cpu, sharded)
+        dist.destroy_process_group()
         print(json.dumps(out))
         """,
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
@@ -125,6 +155,14 @@ def test_transfer_queue_takes_the_thread_cap_set_after_its_import(on_cpu_platfor
 
 def test_native_rollout_is_in_verls_rollout_table(on_cpu_platform):
     assert on_cpu_platform["rollout"] == "NativeServerAdapter"
+
+
+def test_detached_actor_keeps_pi_old_on_cpu_for_sharded_and_plain_modules(on_cpu_platform):
+    # VeRL 0.9.1's save aliases a CPU shard (.cpu() is a no-op), so pi_old moved with the update: the negative control
+    assert on_cpu_platform["fsdp2_original"] is False
+    assert on_cpu_platform["fsdp2_patched"] is True
+    assert on_cpu_platform["plain_original"] == "AssertionError"  # rl_tpu.plain_module: no DTensor parameters
+    assert on_cpu_platform["plain_patched"] is True
 
 
 def test_resource_check_counts_cpus_and_slice_pool_replaces_verls(job_settings):

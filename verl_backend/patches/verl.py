@@ -85,10 +85,17 @@ def _create_resource_pool(original):
         """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
 
         With ``rl_tpu.slice`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
-        :class:`SliceResourcePool`; every other pool (and every pool without a slice) is VeRL's own.
+        :class:`SliceResourcePool`; with ``rl_tpu.rollout_slice`` too, each standalone rollout replica's pool
+        (``rollout_pool_<rank>``) is its block of the rollout slice (``slice_pool.RolloutSlice``); every other pool
+        (and every pool without a slice) is VeRL's own.
         """
         from verl_backend.settings import current
-        from verl_backend.slice_pool import SliceResourcePool, job_slice
+        from verl_backend.slice_pool import (
+            STANDALONE_POOL,
+            SliceResourcePool,
+            job_slice,
+            rollout_slice_pool,
+        )
 
         original(self)
         spec = job_slice()
@@ -96,7 +103,11 @@ def _create_resource_pool(original):
             return
         timeout_s = current().slice_timeout_s
         for pool_name, nodes in self.resource_pool_spec.items():
-            if list(nodes) == [spec.chips_per_host] * spec.hosts:
+            on_rollout_slice = rollout_slice_pool(pool_name, nodes, self.max_colocate_count, timeout_s)
+            if on_rollout_slice is not None:
+                self.resource_pool_dict[pool_name] = on_rollout_slice
+            elif list(nodes) == [spec.chips_per_host] * spec.hosts and not (
+                    current().rollout_slice and STANDALONE_POOL.fullmatch(pool_name)):
                 self.resource_pool_dict[pool_name] = SliceResourcePool(
                     spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
 
@@ -195,6 +206,53 @@ def _on_cpu() -> bool:
     return get_device_name() == "cpu"
 
 
+def _save_to_cpu(original):
+    def fsdp2_sharded_save_to_cpu(model):
+        """Patched ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu`` (VeRL 0.9.1), with which ``separate_async``'s
+        ``DetachActorWorker`` keeps pi_old across a sync cycle's mini-batches (bypass mode off).
+
+        VeRL copies each shard with ``.cpu()``, which returns the tensor itself when it is on the CPU already (the
+        CPU backend, the TPU dry run): the saved pi_old then moved with every update, and later mini-batches' old
+        log-probs were silently the current policy's. A shard that shares the live parameter's storage is cloned. A
+        module without DTensor parameters (``rl_tpu.plain_module``, one rank) is saved as clones with spec ``None``,
+        where VeRL asserted.
+
+        Returns:
+            ``({name: (tensor, DTensorSpec | None)}, DTensorSpec | None)`` as VeRL's.
+        """
+        from torch.distributed.tensor import DTensor
+
+        params = dict(model.named_parameters())
+        if not any(isinstance(p, DTensor) for p in params.values()):
+            return {n: (p.detach().clone(), None) for n, p in params.items()}, None
+        state, spec = original(model)
+        for name, (tensor, shard_spec) in state.items():
+            live = params[name]._local_tensor if isinstance(params[name], DTensor) else params[name]
+            if tensor.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+                state[name] = (tensor.clone(), shard_spec)
+        return state, spec
+
+    return fsdp2_sharded_save_to_cpu
+
+
+def _load_from_cpu(original):
+    def fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec):
+        """Patched ``verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu`` (VeRL 0.9.1): a state saved from a module
+        without DTensor parameters (spec ``None``, :func:`_save_to_cpu`) is copied back into its parameters; any
+        other is VeRL's."""
+        if target_spec is not None:
+            return original(model, cpu_sharded_state, target_spec)
+        import torch
+
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in cpu_sharded_state:
+                    param.copy_(cpu_sharded_state[name][0])
+        return None
+
+    return fsdp2_sharded_load_from_cpu
+
+
 def _step_begin_hook(original):
     def on_step_begin(self):
         """Patched ``PPOTrainer.on_step_begin`` (VeRL 0.9.1, an empty hook its subclasses do not override): it
@@ -287,6 +345,11 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", _cpu_offload_policy_without_pinning,
               "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator (no upstream issue "
               "found)", when=_on_cpu),
+    _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", _save_to_cpu,
+              "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
+              "policy moved with each update), and asserts FSDP2 DTensors (no upstream issue found)"),
+    _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", _load_from_cpu,
+              "restores the plain-module state the patched save makes (no upstream issue found)"),
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
               "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
               "empty hook, no upstream issue)"),
