@@ -13,6 +13,16 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
   actor reads the object store's shared memory without a deserialisation copy.
 - ``gloo broadcast``: two spawned processes, :func:`~rl_tpu.collectives.broadcast_parameters_bucketed` from rank 0;
   rank 1 copies into its parameters.
+- ``gloo checkpoint engine``: rl-tpu's VeRL checkpoint engine ``gloo``
+  (:class:`~verl_backend.rollout.pool_sync.GlooCheckpointEngine`, the weight sync between a trainer pool and a
+  rollout pool) from one trainer-side source process to one rollout-side receiver process (both spawned). Each
+  sync is driven as VeRL's ``CheckpointEngineManager`` drives it: ``prepare`` on both, ``build_topology`` here,
+  ``init_process_group``, ``send_weights`` / ``receive_weights``, ``finalize``; the group is made for each sync and
+  its set-up is not timed. Timed from the source calling ``send_weights`` to the receiver having copied every
+  tensor ``receive_weights`` yields into its preallocated parameters (both stamps from the host's monotonic clock);
+  buckets of ``--engine-bucket-mb`` (default ``--bucket-mb``). Its bytes are what the receiver counted (checked
+  equal to the payload and to the source's ``weight_sync/pool_bytes``); the source's own figures
+  (``weight_sync/pool_*``, medians) are printed under the table.
 - ``shared memory``: the production path on one host. A real :class:`~verl_backend.rollout.server.NativeRolloutServer`
   actor (SmolLM2 loaded, its parameters in a shared-memory file) and the driver as the trainer: hold generation,
   write every tensor into the server's parameters with :class:`~rl_tpu.shared_weights.SharedWeightsWriter`, resume
@@ -24,7 +34,11 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
   a sync holds generation, checks each tensor is its slot (:meth:`~rl_tpu.shared_weights.SharedWeights.publish`)
   and resumes: no byte is copied, so its "bandwidth" is bytes made visible per second.
 
-    python benchmarks/bench_weight_sync.py [--bucket-mb 64] [--repeats 3] [--threads 1] [--synthetic-mb N]
+Columns: bytes moved (the payload; the engine row: what its receiver got), median seconds, GB/s, and the share of
+the memcpy reference's (and of the fresh-pages memcpy's) GB/s.
+
+    python benchmarks/bench_weight_sync.py [--bucket-mb 64] [--engine-bucket-mb N] [--repeats 3] [--threads 1]
+        [--synthetic-mb N] [--skip ray gloo engine]
 """
 
 from __future__ import annotations
@@ -39,7 +53,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl_tpu.collectives import broadcast_parameters_bucketed, iter_buckets, pack_bucket, unpack_bucket
+from rl_tpu.collectives import (
+    broadcast_parameters_bucketed,
+    iter_buckets,
+    pack_bucket,
+    unpack_bucket,
+)
 
 
 def payload(synthetic_mb: int | None) -> list[tuple[str, torch.Tensor]]:
@@ -222,13 +241,94 @@ def run_gloo(named, bucket_bytes, repeats, threads) -> list[float]:
     return results.get()
 
 
+# ------------------------------------------------------------------------------------ gloo checkpoint engine
+def _engine_side(role: str, named, bucket_bytes: int, threads: int, inbox, outbox, go) -> None:
+    """One side of rl-tpu's ``gloo`` checkpoint engine; per sync (a step from ``inbox``, ``None`` ends) it does what
+    VeRL's worker does: ``prepare`` -> (driver: ``build_topology``) -> ``init_process_group`` -> send or receive ->
+    ``finalize``. Puts ``(kind, ...)`` on ``outbox``; ``("error", traceback)`` if anything raises."""
+    try:
+        import asyncio
+
+        from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+
+        torch.set_num_threads(threads)
+        engine = GlooCheckpointEngine(bucket_size=bucket_bytes, is_master=role == "trainer", timeout_s=600)
+        dst = empty_like_all(named) if role == "rollout" else None  # the rollout's own parameters
+
+        async def send(step: int):
+            start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on the host
+            return start, await engine.send_weights(iter(named), global_steps=step)
+
+        while (step := inbox.get()) is not None:
+            outbox.put(engine.prepare())
+            engine.init_process_group(**inbox.get())
+            go.wait()  # both in the group: the source's clock starts with the receiver already waiting
+            if role == "trainer":
+                outbox.put(("sent", *asyncio.run(send(step))))
+            else:
+                got = 0
+                for name, tensor in engine.receive_weights(global_steps=step):
+                    dst[name].copy_(tensor)
+                    got += tensor.numel() * tensor.element_size()
+                outbox.put(("received", time.monotonic(), got))
+            engine.finalize()
+        outbox.put(("done", dst is None or all(torch.equal(dst[n], t) for n, t in named)))
+    except BaseException:  # noqa: BLE001 -- the driver raises it
+        import traceback
+
+        outbox.put(("error", traceback.format_exc()))
+
+
+def run_engine(named, bucket_bytes, repeats, threads) -> tuple[list[float], list[int], list[dict]]:
+    """``repeats`` syncs source -> receiver: (seconds, receiver bytes, source metrics) per sync."""
+    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+
+    ctx = mp.get_context("spawn")
+    go = ctx.Barrier(2)
+    boxes = {role: (ctx.Queue(), ctx.Queue()) for role in ("trainer", "rollout")}
+    procs = [ctx.Process(target=_engine_side, args=(role, named, bucket_bytes, threads, inbox, outbox, go),
+                         daemon=True) for role, (inbox, outbox) in boxes.items()]
+
+    def reply(role: str):
+        got = boxes[role][1].get(timeout=900)  # prepare()'s dict, or a (kind, ...) tuple
+        if isinstance(got, tuple) and got[0] == "error":
+            raise RuntimeError(f"gloo checkpoint engine, {role} side:\n{got[1]}")
+        return got
+
+    for p in procs:
+        p.start()
+    seconds, received, metrics = [], [], []
+    try:
+        for step in range(repeats):
+            for inbox, _ in boxes.values():
+                inbox.put(step)
+            actor, rollout = GlooCheckpointEngine.build_topology(1, 1, [reply("trainer"), reply("rollout")])
+            boxes["trainer"][0].put({k: v[0] for k, v in actor.items()})
+            boxes["rollout"][0].put({k: v[0] for k, v in rollout.items()})
+            (_, start, sent), (_, end, got) = reply("trainer"), reply("rollout")
+            seconds.append(end - start)
+            received.append(got)
+            metrics.append(sent)
+        for inbox, _ in boxes.values():
+            inbox.put(None)
+        assert reply("trainer")[1] and reply("rollout")[1], "the receiver's parameters differ from the payload"
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return seconds, received, metrics
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (median shown)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
     ap.add_argument("--synthetic-mb", type=int, default=None, help="random payload of this size instead of SmolLM2")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["ray", "gloo"], help="paths to leave out")
+    ap.add_argument("--engine-bucket-mb", type=int, default=None, help="gloo checkpoint engine bucket in MiB "
+                    "(default: --bucket-mb)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["ray", "gloo", "engine"], help="paths to leave out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bucket_bytes = args.bucket_mb << 20
@@ -240,6 +340,7 @@ def main() -> None:
     staging = torch.zeros(max(bucket_bytes, largest) + 16 * len(named), dtype=torch.uint8)  # reused pack buffer
 
     rows: dict[str, list[float]] = {}
+    moved: dict[str, int] = {}  # bytes a row measured itself (else the payload's)
     rows["memcpy (reference)"] = [run_memcpy(named, dst) for _ in range(args.repeats)]
     rows["memcpy into fresh pages"] = [run_memcpy_fresh(named) for _ in range(args.repeats)]
     rows["pack+unpack (no transfer)"] = [run_pack_unpack(named, dst, bucket_bytes, staging) for _ in range(args.repeats)]
@@ -265,18 +366,31 @@ def main() -> None:
             ray.shutdown()
     if "gloo" not in args.skip:
         rows["gloo broadcast, 2 processes"] = run_gloo(named, bucket_bytes, args.repeats + 1, args.threads)[1:]
+    engine_metrics: list[dict] = []
+    if "engine" not in args.skip:
+        engine_mb = args.engine_bucket_mb or args.bucket_mb
+        label = f"gloo checkpoint engine, {engine_mb} MiB"
+        times, received, engine_metrics = run_engine(named, engine_mb << 20, args.repeats + 1, args.threads)
+        sent = {m["weight_sync/pool_bytes"] for m in engine_metrics}
+        assert set(received) == {total} and sent == {total}, f"engine moved {received} / {sent}, payload {total}"
+        rows[label], moved[label], engine_metrics = times[1:], received[-1], engine_metrics[1:]
 
     gb = total / 1e9
     ref = gb / statistics.median(rows["memcpy (reference)"])
-    print(f"payload {gb:.3f} GB in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads {args.threads}, "
-          f"repeats {args.repeats} (median)")
-    header = f"{'path':<34} {'seconds':>8} {'GB/s':>7} {'vs memcpy':>9}"
     fresh = gb / statistics.median(rows["memcpy into fresh pages"])
-    print(header + f" {'vs fresh':>9}")
-    print("-" * (len(header) + 10))
+    print(f"payload {total} bytes ({gb:.3f} GB) in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads "
+          f"{args.threads}, repeats {args.repeats} (median)")
+    header = f"{'path':<34} {'bytes':>11} {'seconds':>8} {'GB/s':>7} {'vs memcpy':>9} {'vs fresh':>9}"
+    print(header)
+    print("-" * len(header))
     for label, times in rows.items():
-        sec = statistics.median(times)
-        print(f"{label:<34} {sec:>8.3f} {gb / sec:>7.2f} {gb / sec / ref:>8.0%} {gb / sec / fresh:>8.0%}")
+        sec, rate = statistics.median(times), moved.get(label, total) / 1e9 / statistics.median(times)
+        print(f"{label:<34} {moved.get(label, total):>11} {sec:>8.3f} {rate:>7.2f} {rate / ref:>9.0%} "
+              f"{rate / fresh:>9.0%}")
+    if engine_metrics:
+        median = {k: statistics.median(m[k] for m in engine_metrics) for k in sorted(engine_metrics[0])}
+        print("gloo checkpoint engine, the source's metrics (median): " + ", ".join(
+            f"{k} {v:.3f}" if k.endswith("seconds") else f"{k} {v:.0f}" for k, v in median.items()))
 
 
 if __name__ == "__main__":
