@@ -49,9 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
                    "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
                    "Shortcut for rl_tpu.slice")
-    t.add_argument("--rollout-slice", help="TPU slice for the rollout replicas apart from the trainer's, e.g. v6e-8: "
-                   "checked against the Ray cluster before anything waits; not yet mapped onto VeRL's rollout pool "
-                   "(refused after the checks). Shortcut for rl_tpu.rollout_slice")
+    t.add_argument("--rollout-slice", help="TPU slice for the rollout replicas apart from the trainer's --slice, e.g. "
+                   "v6e-8: checked against the Ray cluster before anything waits, then VeRL's separate_async with "
+                   "this slice as its rollout pool and rl-tpu's gloo engine. Shortcut for rl_tpu.rollout_slice")
     t.add_argument("--tpu-dry-run", action="store_true", default=None,
                    help="with --backend cpu: the TPU profile's choices on CPU devices, one gloo rank per chip of a "
                    "fake slice (--slice, default v6e-4: 4 ranks; needs `rl-tpu cluster up --fake-slice` and "

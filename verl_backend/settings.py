@@ -97,10 +97,11 @@ SETTINGS: tuple[Setting, ...] = (
             flag="--tpu-dry-run", reader="driver"),
     Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",
             minimum=1, env="RL_TPU_SLICE_TIMEOUT_S"),
-    Setting("rollout_slice", str, "", "TPU slice for the rollout replicas apart from the trainer's (VeRL's "
-            "separate_async), e.g. v6e-8: its name is checked, then the Ray cluster ($RAY_ADDRESS) must have it, "
-            "before anything waits; not yet mapped onto VeRL's rollout pool, so then refused (issue #19)",
-            flag="--rollout-slice", reader="driver"),
+    Setting("rollout_slice", str, "", "TPU slice for the rollout replicas apart from the trainer's rl_tpu.slice, "
+            "e.g. v6e-8: checked against the Ray cluster ($RAY_ADDRESS) before anything waits, then the job is "
+            "VeRL's separate_async with this slice as its standalone rollout pool (one worker per chip, reserved "
+            "whole with ray.util.tpu) and rl-tpu's gloo checkpoint engine",
+            flag="--rollout-slice"),
     # --- how the driver runs the job (read by verl train only)
     Setting("fork_server", bool, True, "local CPU job: fork Ray's workers from one process that has imported "
             "torch and VeRL (imports held once, workers start in ~1 s)", env="RL_TPU_FORK_SERVER", reader="driver"),

@@ -15,26 +15,98 @@ pool is one "node" of ``hosts * chips_per_host`` processes, so the pool declares
 a per-node pool. Each worker still sees only its own chip (Ray sets ``TPU_VISIBLE_CHIPS``), so
 ``LOCAL_RANK`` stays 0 as VeRL expects; only ``RAY_LOCAL_WORLD_SIZE`` (read by the vLLM/SGLang rollouts,
 not by ours) reads the slice's chip count instead of a host's.
+
+With ``rl_tpu.rollout_slice`` (``trainer_mode=separate_async``), VeRL's standalone rollout replicas each ask for a
+pool of their own (``rollout_pool_<replica rank>``, ``RolloutReplica.init_standalone``); :class:`RolloutSlice`
+reserves the rollout slice whole once, on the first such request, and hands each replica the next block of its
+bundles as VeRL's ``SubRayResourcePool`` (replica ``k`` of size ``w`` gets bundles ``[k*w, (k+1)*w)``).
 """
 
 from __future__ import annotations
 
-from verl.single_controller.ray.base import RayResourcePool
+import re
+
+from verl.single_controller.ray.base import RayResourcePool, SubRayResourcePool
 
 from rl_tpu.topology import SliceTopology, parse_slice
 
 CPUS_PER_WORKER = 1.0  # the bundle's CPU: VeRL schedules a 1-CPU task on bundle 0 to find MASTER_ADDR
 
 
-def job_slice() -> SliceTopology | None:
-    """The slice of this job's settings record (``rl_tpu.slice``, ``"v6e-16:4x4"``), or ``None`` when it has none."""
+STANDALONE_POOL = re.compile(r"rollout_pool_\d+")  # VeRL 0.9.1 replica.py: a standalone rollout replica's pool
+
+
+def job_slice(key: str = "slice") -> SliceTopology | None:
+    """A slice of this job's settings record (``rl_tpu.slice``, or ``key="rollout_slice"``; ``"v6e-16:4x4"``), or
+    ``None`` when it has none."""
     from verl_backend.settings import current
 
-    value = current().slice.strip()
+    value = str(getattr(current(), key)).strip()
     if not value:
         return None
     acc, _, topo = value.partition(":")
     return parse_slice(acc, topo or None)
+
+
+class RolloutSlice:
+    """The rollout slice (``rl_tpu.rollout_slice``) reserved whole with ``ray.util.tpu``, one bundle per chip, and
+    cut into VeRL's standalone rollout replica pools in the order the replicas ask (one TaskRunner per job).
+
+    Args:
+        spec: the slice. timeout_s: seconds to wait for it before :class:`ray_cluster.errors.ClusterError`.
+    """
+
+    def __init__(self, spec: SliceTopology, timeout_s: float):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.placement = None
+        self.blocks: dict[str, int] = {}  # pool name -> first bundle
+        self.next_bundle = 0
+
+    def pool(self, name: str, nodes: list[int], max_colocate_count: int) -> SubRayResourcePool:
+        """Replica pool ``name`` asking for ``nodes`` (``[chips per node] * nnodes``): its block of the slice.
+
+        Raises:
+            ClusterError: the slice is not in the cluster or stays busy; the replicas ask for more chips than it has
+                (a rollout ``tensor_model_parallel_size`` that does not divide the slice's chips).
+        """
+        from ray_cluster.errors import ClusterError
+        from ray_cluster.placement import reserve_slice_workers
+
+        if self.placement is None:
+            self.placement = reserve_slice_workers(
+                self.spec.accelerator_type, self.spec.topology, chips_per_worker=1, cpus_per_worker=CPUS_PER_WORKER,
+                name="rollout_pool_rl_tpu_slice", timeout_s=self.timeout_s)
+            print(f"[rl-tpu] rollout slice {self.spec.accelerator_type} "
+                  f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu for the standalone "
+                  f"rollout replicas, {self.spec.chips} chips, host of each: {self.placement.bundle_hosts()}",
+                  flush=True)
+        size = sum(nodes)
+        if name not in self.blocks:
+            if self.next_bundle + size > self.spec.chips:
+                raise ClusterError(
+                    f"rollout replica pool {name} needs {size} chips past the {self.next_bundle} of "
+                    f"{self.spec.chips} already given out on rollout slice {self.spec.accelerator_type}; make "
+                    f"actor_rollout_ref.rollout.tensor_model_parallel_size divide {self.spec.chips}")
+            self.blocks[name] = self.next_bundle
+            self.next_bundle += size
+        return SubRayResourcePool(placement_groups=[self.placement.placement_group],
+                                  start_bundle_index=self.blocks[name], subgroup_world_size=size,
+                                  process_on_nodes=[self.spec.chips], use_gpu=True, name_prefix=name,
+                                  max_colocate_count=max_colocate_count)
+
+
+_ROLLOUT_SLICE: list[RolloutSlice] = []  # this process's (the TaskRunner's) reservation, made on first use
+
+
+def rollout_slice_pool(name: str, nodes: list[int], max_colocate_count: int, timeout_s: float):
+    """The pool of standalone rollout replica ``name`` on the job's rollout slice, or ``None`` when the job has no
+    rollout slice or ``name`` is not a standalone rollout pool (:class:`RolloutSlice`)."""
+    spec = job_slice("rollout_slice")
+    if spec is None or not STANDALONE_POOL.fullmatch(name):
+        return None
+    if not _ROLLOUT_SLICE or _ROLLOUT_SLICE[0].spec != spec:
+        _ROLLOUT_SLICE[:] = [RolloutSlice(spec, timeout_s)]
+    return _ROLLOUT_SLICE[0].pool(name, list(nodes), max_colocate_count)
 
 
 class SliceResourcePool(RayResourcePool):

@@ -80,7 +80,7 @@ def test_separate_async_syncs_through_gloo_and_resumes_after_a_killed_rollout_re
         assert 0 <= m[STALE] <= BOUND - 1, m[STALE]  # VeRL drops what its bound does not allow
         assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"))
     assert abs(rows[0]["actor/ppo_kl"]) <= 1e-6  # step 1: rollout and trainer hold the same weights
-    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 0", text)
+    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1", text)  # the standalone one: hybrid replica 0 is the trainer's
     ckpts = out / "checkpoints"
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     for step in range(1, STEPS + 1):

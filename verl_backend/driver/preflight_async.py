@@ -2,7 +2,8 @@
 
 VeRL 0.9.1's ``trainer.v1.trainer_mode`` (``verl/trainer/ppo/v1/``): ``colocate_async`` runs on this backend,
 ``separate_async`` is refused one line per requirement not met (:func:`check_trainer_mode`); ``rl_tpu.rollout_slice``
-is checked and refused (:func:`check_rollout_slice`). Each raises :class:`~verl_backend.errors.BadInputError` with
+is checked and turned into VeRL's standalone rollout pool keys (:func:`rollout_slice_keys`,
+:func:`check_rollout_slice_config`). Each raises :class:`~verl_backend.errors.BadInputError` with
 one line naming the key and the fix.
 """
 
@@ -76,30 +77,43 @@ def check_trainer_mode(config) -> None:
             "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo")
 
 
-def check_rollout_slice(value: str, trainer_slice: str = "") -> None:
-    """Check ``rl_tpu.rollout_slice`` (``--rollout-slice``) before anything waits, then refuse it (not yet mapped).
+def rollout_slice_keys(value: str, trainer_slice: str = "", backend_slices: str = "none") -> dict[str, str]:
+    """The VeRL keys ``rl_tpu.rollout_slice`` (``--rollout-slice``) sets, checked before anything waits.
 
-    In order: the name is a slice (:func:`rl_tpu.topology.parse_slice`); the Ray cluster has it — the one already
-    joined, else ``$RAY_ADDRESS`` joined for the check and left — counted as
-    :func:`ray_cluster.pools.place_pools` counts (two of the pod type when the trainer's ``rl_tpu.slice`` is the same
-    type), by its cluster check; then a refusal: the slice is not yet mapped onto VeRL's rollout pool
-    (``actor_rollout_ref.rollout.nnodes``/``n_gpus_per_node`` with ``separate_async``, issue #19).
+    In order: the backend places slices (``--backend tpu``, or ``cpu`` as a dry run); the trainer has a slice of its
+    own (``rl_tpu.slice``, ``--slice`` or ``$TPU_ACCELERATOR_TYPE``: already resolved into ``trainer_slice``); the name
+    is a slice (:func:`rl_tpu.topology.parse_slice`); the Ray cluster has it — the one already joined, else
+    ``$RAY_ADDRESS`` joined for the check and left — counted as :func:`ray_cluster.pools.place_pools` counts (two of the
+    pod type when the trainer's slice is the same type), by its cluster check. The slice is then VeRL's standalone
+    rollout pool of ``trainer.v1.trainer_mode=separate_async``: one VeRL node per host, one rollout worker per chip
+    (``actor_rollout_ref.rollout.nnodes``/``n_gpus_per_node``), weights sent by rl-tpu's ``gloo`` checkpoint engine.
+    The TaskRunner reserves it whole with ``ray.util.tpu`` (:class:`verl_backend.slice_pool.RolloutSlice`).
+
+    Returns:
+        ``{key: value}`` to apply below the user's file and command line (``{}`` when ``value`` is empty); a user's
+        value that disagrees is refused after composing (:func:`check_rollout_slice_config`).
 
     Raises:
         BadInputError: one line naming ``rl_tpu.rollout_slice`` and the fix.
     """
     if not value:
-        return
+        return {}
     import ray
 
     from rl_tpu.topology import TopologyError, parse_slice
 
     key = f"rl_tpu.rollout_slice={value}"
+    if backend_slices == "none":
+        raise BadInputError(f"{key}: a rollout slice applies to --backend tpu (or cpu, as a dry run on a fake slice); "
+                            f"drop it")
     try:
         spec = parse_slice(*_slice_parts(value))
-        same = bool(trainer_slice) and parse_slice(*_slice_parts(trainer_slice)).pod_type == spec.pod_type
     except TopologyError as exc:
         raise BadInputError(f"{key}: {exc}") from None
+    if not trainer_slice:
+        raise BadInputError(f"{key}: the trainer needs a slice of its own too; set rl_tpu.slice (--slice), e.g. "
+                            f"--slice {spec.accelerator_type}")
+    same = parse_slice(*_slice_parts(trainer_slice)).pod_type == spec.pod_type
     joined = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
@@ -118,8 +132,39 @@ def check_rollout_slice(value: str, trainer_slice: str = "") -> None:
     finally:
         if joined:
             ray.shutdown()
-    raise BadInputError(f"{key}: the cluster has it, but rl-tpu does not yet map a rollout slice onto VeRL's rollout "
-                        "pool (trainer.v1.trainer_mode=separate_async, issue #19); drop it")
+    return {"trainer.v1.trainer_mode": "separate_async", "actor_rollout_ref.rollout.nnodes": str(spec.hosts),
+            "actor_rollout_ref.rollout.n_gpus_per_node": str(spec.chips_per_host),
+            "actor_rollout_ref.rollout.checkpoint_engine.backend": "gloo"}
+
+
+SHAPE_KEYS = ("trainer.v1.trainer_mode", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node")
+
+
+def check_rollout_slice_config(config, value: str, keys: dict[str, str], user_keys: set[str]) -> None:
+    """After composing: the keys the rollout slice sets (:func:`rollout_slice_keys`) hold in ``config``, and
+    ``trainer.v1.separate_async.parameter_sync_step``, when the user did not give it, fits VeRL's batch identity
+    (``data.train_batch_size / actor.ppo_mini_batch_size``; VeRL's default 4 would otherwise be refused by
+    :func:`check_trainer_mode` for the embedded job). Changes ``config`` in place (open for writing).
+
+    Raises:
+        BadInputError: a trainer mode or rollout pool shape given in the file or on the command line that is not the
+            slice's, one line naming both keys.
+    """
+    if not keys:
+        return
+    from omegaconf import OmegaConf, open_dict
+
+    for name in SHAPE_KEYS:
+        given = OmegaConf.select(config, name)
+        if str(given) != keys[name]:
+            raise BadInputError(f"rl_tpu.rollout_slice={value} sets {name}={keys[name]}, but the job gives {given}; "
+                                f"drop {name} (the rollout slice decides it)")
+    sync_key = "trainer.v1.separate_async.parameter_sync_step"
+    mini = config.actor_rollout_ref.actor.get("ppo_mini_batch_size")
+    batch = int(config.data.train_batch_size)
+    if sync_key not in user_keys and mini and batch % int(mini) == 0:
+        with open_dict(config):
+            OmegaConf.update(config, sync_key, batch // int(mini), force_add=True)
 
 
 def _slice_parts(text: str) -> tuple[str, str | None]:

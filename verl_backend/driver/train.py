@@ -11,16 +11,38 @@ from verl_backend import settings as job_settings
 from verl_backend.driver.bypass_guard import guard_bypass
 from verl_backend.driver.data_prep import prepare_data, validate_data_files
 from verl_backend.driver.export_step import check_export
-from verl_backend.driver.plan import (compose_config, fit_default_micro_batches, flatten_yaml_overrides,
-                                      guard_user_reward, merge_overrides, model_path_overrides, normalized_path,
-                                      slice_defaults, split_rl_tpu)
 from verl_backend.driver.memory_plan import check_memory_fits, show_memory_plan
-from verl_backend.driver.preflight import (check_batch_sizes, check_native_rollout, check_prompt_lengths,
-                                           check_user_reward, check_whole_numbers, fit_epochs_to_steps)
-from verl_backend.driver.preflight_async import check_rollout_slice, check_trainer_mode
+from verl_backend.driver.plan import (
+    compose_config,
+    fit_default_micro_batches,
+    flatten_yaml_overrides,
+    guard_user_reward,
+    merge_overrides,
+    model_path_overrides,
+    normalized_path,
+    slice_defaults,
+    split_rl_tpu,
+)
+from verl_backend.driver.preflight import (
+    check_batch_sizes,
+    check_native_rollout,
+    check_prompt_lengths,
+    check_user_reward,
+    check_whole_numbers,
+    fit_epochs_to_steps,
+)
+from verl_backend.driver.preflight_async import (
+    check_rollout_slice_config,
+    check_trainer_mode,
+    rollout_slice_keys,
+)
 from verl_backend.driver.profiles import profile
 from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
-from verl_backend.driver.runner import fork_server_here, job_runtime_env, run_with_restarts
+from verl_backend.driver.runner import (
+    fork_server_here,
+    job_runtime_env,
+    run_with_restarts,
+)
 from verl_backend.errors import BadInputError
 
 
@@ -82,6 +104,9 @@ def _run_train(args, fork_server: dict) -> int:
     elif settings.slice:
         raise BadInputError(f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not "
                             f"{backend.name}")
+    # a rollout slice of its own: checked against the cluster now, then VeRL's standalone rollout pool (separate_async)
+    rollout_keys = rollout_slice_keys(settings.rollout_slice, settings.slice, backend.slices)
+    defaults.update(rollout_keys)
     merged = [normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
@@ -99,8 +124,8 @@ def _run_train(args, fork_server: dict) -> int:
     guard_bypass(config, _keys(file_overrides + cli_overrides))
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=slice_from if from_slice else "")
+    check_rollout_slice_config(config, settings.rollout_slice, rollout_keys, _keys(file_overrides + cli_overrides))
     check_trainer_mode(config)  # separate_async's requirements (VeRL 0.9.1) we do not meet: one line each
-    check_rollout_slice(settings.rollout_slice, settings.slice)  # named, on the cluster, then refused (not mapped)
     from omegaconf import OmegaConf, open_dict
 
     settings = job_settings.mirror_from_config(settings, config)
@@ -150,7 +175,11 @@ def _export(config, out: Path, settings) -> int:
     import json
     import sys
 
-    from verl_backend.driver.export_step import EXPORT_FAILED, export_final_checkpoint, export_lines
+    from verl_backend.driver.export_step import (
+        EXPORT_FAILED,
+        export_final_checkpoint,
+        export_lines,
+    )
 
     entry = export_final_checkpoint(config, out, settings)
     path = out / "summary.json"

@@ -19,6 +19,7 @@ collective under FSDP). No NCCL, no shared device memory. The route is chosen on
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Generator
 
@@ -73,12 +74,15 @@ MAX_BUCKETS_IN_FLIGHT = 2  # weight-sync buckets sent and not yet loaded: the ob
 class NativeServerAdapter(BaseRollout):
     """Weight-sync side of the native rollout, living in the trainer worker process."""
 
-    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+    def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = -1, **kwargs):
+        """``replica_rank``: given by VeRL to a standalone replica's worker (``CheckpointEngineWorker``, created
+        before its process group: ``RANK`` is its rank within the replica); ``-1`` in a trainer worker, whose rank
+        gives its colocated replica."""
         super().__init__(config, model_config, device_mesh, *args, **kwargs)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
         tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size
         tp *= self.config.pipeline_model_parallel_size
-        self.replica_rank = rank // tp
+        self.replica_rank = rank // tp if replica_rank < 0 else int(replica_rank)
         self.is_leader = rank % tp == 0
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self._server = None
