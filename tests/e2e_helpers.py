@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # reward in [0, 1) from the response's length in characters: varies within a GRPO group, so advantages are non-zero
@@ -48,3 +50,26 @@ def train_rows(out: Path, key: str = "actor/pg_loss") -> list[dict]:
     rows = [json.loads(line)["data"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     return [r for r in rows if key in r]
+
+
+@contextmanager
+def fake_cluster(slices: list[str], state_file: Path, node_env: dict[str, str] | None = None) -> Iterator:
+    """A fake-slice Ray cluster (:func:`ray_cluster.fake_slice.start`: a 4-CPU head plus the hosts of ``slices``)
+    for the ``with`` block; its nodes get this environment plus ``node_env``, without any settings record. Stopped
+    by pid at the end, and checked to leave no process behind."""
+    from ray_cluster import fake_slice, ray_nodes
+
+    saved = dict(os.environ)
+    os.environ.update(node_env or {}, RAY_AUTH_MODE="disabled")
+    for key in [k for k in os.environ if k.startswith("RL_TPU_SETTINGS")]:
+        del os.environ[key]
+    try:
+        cluster = fake_slice.start(slices, head_cpus=4, object_store_mb=256, state_file=state_file, timeout_s=240)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        yield cluster
+    finally:
+        fake_slice.stop(state_file=state_file)
+    assert not ray_nodes.tagged_processes(cluster.marker), "fake cluster processes left behind"

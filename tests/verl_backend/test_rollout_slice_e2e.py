@@ -8,14 +8,13 @@ rl-tpu's engine (the patched save, ``test_patches.py::test_detached_actor_keeps_
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 import yaml
-from e2e_helpers import train_env, train_rows, write_reward
+from e2e_helpers import fake_cluster, train_env, train_rows, write_reward
 from families import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -26,20 +25,8 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def two_fake_slices(tmp_path_factory):
     """Two fake v6e-1 slices (head + one 1-chip host each), stopped by pid at the end."""
-    from ray_cluster import fake_slice, ray_nodes
-
-    state = tmp_path_factory.mktemp("cluster") / "state.json"
-    saved = dict(os.environ)
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
-        cluster = fake_slice.start(["v6e-1", "v6e-1"], head_cpus=4, object_store_mb=256, state_file=state,
-                                   timeout_s=240)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    yield cluster
-    fake_slice.stop(state_file=state)
-    assert not ray_nodes.tagged_processes(cluster.marker), "fake cluster processes left behind"
+    with fake_cluster(["v6e-1", "v6e-1"], tmp_path_factory.mktemp("cluster") / "state.json") as cluster:
+        yield cluster
 
 
 def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them(two_fake_slices, tmp_path,

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from e2e_helpers import fake_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -29,21 +30,8 @@ NODE_ENV = {"RL_TPU_PLAIN_MODULE": "0", "RL_TPU_TRIM_BACKWARD": "1", "RL_TPU_SHA
 @pytest.fixture(scope="module")
 def preexisting_cluster(tmp_path_factory):
     """A fake v6e-4 slice (head + one host) started before any job, its nodes carrying ``NODE_ENV``."""
-    from ray_cluster import fake_slice, ray_nodes
-
-    state = tmp_path_factory.mktemp("cluster") / "state.json"
-    saved = dict(os.environ)
-    os.environ.update(NODE_ENV, RAY_AUTH_MODE="disabled")
-    for key in [k for k in os.environ if k.startswith("RL_TPU_SETTINGS")]:
-        del os.environ[key]
-    try:
-        cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    yield cluster
-    fake_slice.stop(state_file=state)
-    assert not ray_nodes.tagged_processes(cluster.marker), "fake cluster processes left behind"
+    with fake_cluster(["v6e-4"], tmp_path_factory.mktemp("cluster") / "state.json", NODE_ENV) as cluster:
+        yield cluster
 
 
 def _run(cluster, model: Path, out: Path, *settings: str) -> tuple[str, dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -191,19 +190,10 @@ def test_bf16_bucketed_sampler_is_within_the_bound_and_a_reinitialised_layer_is_
 @pytest.fixture(scope="module")
 def fake_v6e_4(tmp_path_factory):
     """A fake v6e-4 slice (head + one 4-chip host) for this module, stopped by pid at the end."""
-    from ray_cluster import fake_slice, ray_nodes
+    from e2e_helpers import fake_cluster
 
-    state = tmp_path_factory.mktemp("cluster") / "state.json"
-    saved = dict(os.environ)
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
-        cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    yield cluster
-    fake_slice.stop(state_file=state)
-    assert not ray_nodes.tagged_processes(cluster.marker), "fake cluster processes left behind"
+    with fake_cluster(["v6e-4"], tmp_path_factory.mktemp("cluster") / "state.json") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
