@@ -9,7 +9,8 @@ Modes, run in interleaved rounds (round r runs every mode once, in order) and re
 - ``separate_async``: ``trainer.v1.trainer_mode=separate_async`` with a one-worker rollout pool and rl-tpu's ``gloo``
   checkpoint engine between the pools. A mode refused before Ray (one ``verl: error:`` line,
   ``verl_backend.driver.preflight_async``) or failing is not retried in later rounds: the table says ``refused`` or
-  ``failed`` with the line, and the other modes go on.
+  ``failed`` with the line, and the other modes go on;
+- ``separate_async-2t``: the same with 2 threads per process (not in the default ``--modes``).
 
 Every run is the default job of :func:`bench_grpo_step.run_ours` (SmolLM2-135M-Instruct fp32, basic_arithmetic, 4
 prompts x 4 samples, completions <= 64 tokens), pinned with the CPU affinity this script has (``--cpus``, default
@@ -64,6 +65,9 @@ MODES = {  # name -> (torch threads per process, VeRL overrides)
                            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
                            "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"]),
 }
+# separate_async with 2 torch threads per process: the trainer's update uses both cores while the rollout, which
+# needs a fraction of one, runs beside it (oversubscribed while both compute)
+MODES["separate_async-2t"] = (2, MODES["separate_async"][1])
 
 
 class BusySampler(threading.Thread):
@@ -193,7 +197,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table gives the median")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (step 1 is warm-up; >= 2)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--modes", default="sync-1t,sync-2t,colocate_async,separate_async",
+                    help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--cpus", help="CPU ids to pin every run to (e.g. 0,1); default: this process's affinity")
     ap.add_argument("--busy", type=float, default=0.25, help="cores used, at or above which a process is busy")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
