@@ -91,7 +91,6 @@ def _create_resource_pool(original):
         """
         from verl_backend.settings import current
         from verl_backend.slice_pool import (
-            STANDALONE_POOL,
             SliceResourcePool,
             job_slice,
             rollout_slice_pool,
@@ -106,8 +105,7 @@ def _create_resource_pool(original):
             on_rollout_slice = rollout_slice_pool(pool_name, nodes, self.max_colocate_count, timeout_s)
             if on_rollout_slice is not None:
                 self.resource_pool_dict[pool_name] = on_rollout_slice
-            elif list(nodes) == [spec.chips_per_host] * spec.hosts and not (
-                    current().rollout_slice and STANDALONE_POOL.fullmatch(pool_name)):
+            elif list(nodes) == [spec.chips_per_host] * spec.hosts:
                 self.resource_pool_dict[pool_name] = SliceResourcePool(
                     spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
 
