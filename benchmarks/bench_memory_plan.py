@@ -16,7 +16,16 @@ fake v6e-4 slice this script starts, and stops by pid, the sampler inside each t
 plan for v6e-4 with the dry run's profile: each of the 4 ``ray::WorkerDict`` ranks' ``peak - floor`` against the
 plan's per-chip peak (which then counts the sampler's weights and KV cache too). By default it runs the e2e test's
 small batch (2 prompts x 2 samples, one per rank, 16-token responses, micro batches of 1), so the resident terms
-(parameters, gradients, AdamW, reference policy, sampler weights) dominate.
+(parameters, gradients, AdamW, reference policy, sampler weights) dominate. Each rank is measured four ways, each as
+``peak - floor`` against the plan:
+
+- ``RSS``: as above (counts shared libraries loaded after the first sample, and freed heap glibc keeps);
+- ``anon+shmem RSS``: resident anonymous and shared-memory pages only (``/proc/<pid>/status``), no file-backed ones;
+- ``live heap``: glibc's bytes in use (``mallinfo2``: every live malloc'd or mmap'd block, tensors included; freed
+  blocks glibc keeps are not counted), sampled every 10 ms inside each process by ``heap_probe/sitecustomize.py``,
+  which this script puts on the cluster's ``PYTHONPATH``: what a device allocator calls "allocated";
+- ``live heap, loop``: the same from the first weight sync on (the training loop). Set-up's transients (a full fp32
+  checkpoint read before its shards and its bf16 sampler copy are placed) are host memory on a TPU, not HBM.
 
     python benchmarks/bench_memory_plan.py [--steps 2] [--keep DIR] [--out memory_plan.json] [extra VeRL keys ...]
     python benchmarks/bench_memory_plan.py --tpu-dry-run [--steps 1] [extra VeRL keys ...]
@@ -43,6 +52,18 @@ GIB = float(1 << 30)
 TRAINER_ROLE = "ray::WorkerDict"
 
 
+def _anon_bytes(pid: int) -> int | None:
+    """``RssAnon + RssShmem`` of ``pid`` in bytes (``/proc/<pid>/status``): the resident pages that hold data the
+    process made (malloc'd and mmap'd tensors, the shared-memory weight files), without ``RssFile`` (shared libraries'
+    code, a checkpoint read through mmap), which a process loads from disk and an accelerator's HBM never holds.
+    ``None`` when the process is gone."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return sum(int(fields[k].split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 class WorkerSampler(threading.Thread):
     """Every ``interval`` s: RSS and PSS of each process named ``ray::<Role>`` that carries ``MARKER=<run id>``."""
 
@@ -56,7 +77,11 @@ class WorkerSampler(threading.Thread):
         self.peak_pss: dict[str, int] = {}
         self.rank_first: dict[tuple[str, int], int] = {}  # (role, pid) -> RSS at its first sample
         self.rank_peak: dict[tuple[str, int], int] = {}
+        # the same for anonymous + shared-memory pages only (:func:`_anon_bytes`)
+        self.rank_first_anon: dict[tuple[str, int], int] = {}
+        self.rank_peak_anon: dict[tuple[str, int], int] = {}
         self.samples = 0
+        self.marks: dict[str, float] = {}  # filled by _copy_log
 
     def _mine(self):
         for p in psutil.process_iter(["pid", "create_time"]):
@@ -85,6 +110,10 @@ class WorkerSampler(threading.Thread):
                 self.peak_pss[role] = max(self.peak_pss.get(role, 0), getattr(mem, "pss", mem.rss))
                 self.rank_first.setdefault((role, p.pid), mem.rss)
                 self.rank_peak[(role, p.pid)] = max(self.rank_peak.get((role, p.pid), 0), mem.rss)
+                anon = _anon_bytes(p.pid)
+                if anon is not None:
+                    self.rank_first_anon.setdefault((role, p.pid), anon)
+                    self.rank_peak_anon[(role, p.pid)] = max(self.rank_peak_anon.get((role, p.pid), 0), anon)
             self.samples += 1
             self._stop_event.wait(self.interval)
 
@@ -101,15 +130,52 @@ DRY_RUN_KEYS = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "act
                 "rl_tpu.train_size=8", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=600"]
 
 
+def heap_probe_env(folder: Path) -> dict[str, str]:
+    """Environment that starts the heap probe (``heap_probe/sitecustomize.py``) in every python process, each writing
+    its live heap bytes to ``folder``."""
+    probe = str(Path(__file__).resolve().parent / "heap_probe")
+    path = os.pathsep.join(p for p in (probe, os.environ.get("PYTHONPATH", "")) if p)
+    return {"RL_TPU_BENCH_HEAP_DIR": str(folder), "PYTHONPATH": path}
+
+
+def heap_figures(folder: Path, pids, since: float = 0.0) -> dict[int, tuple[int, int]]:
+    """``{pid: (peak live bytes from ``since`` on, live bytes at the first sample)}`` from the heap probe's files of
+    ``pids`` (``since``: seconds since the epoch)."""
+    figures = {}
+    for pid in pids:
+        f = folder / f"{pid}.json"
+        if f.is_file():
+            series = json.loads(f.read_text())["series"]
+            later = [v for t, v in series if t >= since]
+            if series and later:
+                figures[pid] = (max(later), series[0][1])
+    return figures
+
+
+#: log lines whose first appearance the dry run marks (seconds since the epoch): the first weight sync is the end of
+#: the workers' set-up (models built and loaded, shards placed) and the start of the training loop
+MARKS = {"first_sync": "weight sync to rollout replica"}
+
+
+def _copy_log(stream, fh, marks: dict[str, float]) -> None:
+    """Copy the job's output to ``fh`` line by line, noting when each of :data:`MARKS` first appears."""
+    for line in stream:
+        fh.write(line)
+        for name, text in MARKS.items():
+            if name not in marks and text in line:
+                marks[name] = time.time()
+    fh.flush()
+
+
 def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s: float, run_id: str | None = None,
-            ray_address: str | None = None) -> tuple[WorkerSampler, Path]:
+            ray_address: str | None = None, extra_env: dict[str, str] | None = None) -> tuple[WorkerSampler, Path]:
     """``verl train --backend cpu`` for ``steps`` steps (no validation, no checkpoint) under the sampler; with
     ``ray_address``, on that cluster (whose processes must carry ``MARKER=run_id``)."""
     out = work / "run"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # Ray's unix socket paths must fit 107 bytes
     run_id = run_id or uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp)})
+    env.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp), **(extra_env or {})})
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
@@ -120,12 +186,16 @@ def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s
     log = work / "train.log"
     try:
         with log.open("w") as fh:
-            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, text=True, errors="replace")
+            copier = threading.Thread(target=_copy_log, args=(proc.stdout, fh, sampler.marks), daemon=True)
+            copier.start()
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = None
+            copier.join(timeout=10)
         deadline = time.time() + 30
         while time.time() < deadline and any(True for _ in sampler._mine()):
             time.sleep(1.0)
@@ -203,7 +273,10 @@ def dry_run(work: Path, args) -> None:
     from verl_backend.driver.profiles import PROFILES, tpu_dry_run
 
     run_id, state, saved = uuid.uuid4().hex, work / "cluster.json", dict(os.environ)
-    os.environ.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled"})  # the cluster's workers carry the marker
+    heap_dir = work / "heap"
+    heap_dir.mkdir(exist_ok=True)
+    os.environ.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled",  # the cluster's workers carry the marker
+                       **heap_probe_env(heap_dir)})  # ... and the heap probe (heap_probe/sitecustomize.py)
     try:
         cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
     finally:
@@ -212,27 +285,41 @@ def dry_run(work: Path, args) -> None:
     start = time.time()
     try:
         sampler, out = run_job(work, args.steps, args.interval, ["--tpu-dry-run", *DRY_RUN_KEYS, *args.overrides],
-                               args.timeout, run_id=run_id, ray_address=cluster.address)
+                               args.timeout, run_id=run_id, ray_address=cluster.address,
+                               extra_env=heap_probe_env(heap_dir))
     finally:
         fake_slice.stop(state_file=state)
     wall = time.time() - start
     ranks = {pid: (sampler.rank_peak[(role, pid)], sampler.rank_first[(role, pid)])
              for role, pid in sampler.rank_peak if role == TRAINER_ROLE}
-    (work / "ranks_rss.json").write_text(json.dumps({"wall_s": wall, "ranks": ranks}))  # kept before planning
+    anon = {pid: (sampler.rank_peak_anon[(role, pid)], sampler.rank_first_anon[(role, pid)])
+            for role, pid in sampler.rank_peak_anon if role == TRAINER_ROLE}
+    heap = heap_figures(heap_dir, ranks)
+    # the training loop only: from the first weight sync on (set-up's transients, such as a full fp32 checkpoint read
+    # on the host before its shards or its bf16 copy are placed, happen in host memory on a TPU, not in HBM)
+    loop = heap_figures(heap_dir, ranks, since=sampler.marks.get("first_sync", float("inf")))
+    (work / "ranks_rss.json").write_text(json.dumps({"wall_s": wall, "ranks": ranks, "anon": anon, "heap": heap,
+                                                         "loop": loop, "marks": sampler.marks}))
     plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["cpu"]))
     if not ranks:
         raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples)")
     print(plan.format())
     print(f"\nTPU dry run, {args.steps} step(s), {wall:.0f} s, {sampler.samples} samples every {args.interval} s; "
           f"plan per chip {plan.peak / GIB:.3f} GiB:")
-    print(f"{'rank pid':>9} {'peak RSS':>9} {'floor':>7} {'peak-floor':>10} {'plan/(peak-floor)':>17}")
-    ratios = []
-    for pid, (peak, floor) in sorted(ranks.items()):
-        ratios.append(plan.peak / max(1, peak - floor))
-        print(f"{pid:>9} {peak / GIB:>9.3f} {floor / GIB:>7.3f} {(peak - floor) / GIB:>10.3f} {ratios[-1]:>17.3f}")
-    figures = {"steps": args.steps, "wall_s": wall, "plan_gib": plan.peak / GIB, "ratios": ratios,
-               "terms_gib": {t.name: t.bytes / GIB for t in plan.terms},
-               "ranks_gib": {pid: [p / GIB, f / GIB] for pid, (p, f) in ranks.items()}}
+    measures = {"RSS": ranks, "anon+shmem RSS": anon, "live heap": heap, "live heap, loop": loop}
+    print(f"{'rank pid':>9} {'measure':>15} {'peak GiB':>9} {'floor':>7} {'peak-floor':>10} {'plan/(peak-floor)':>17}")
+    figures = {"steps": args.steps, "wall_s": wall, "plan_gib": plan.peak / GIB,
+               "terms_gib": {t.name: t.bytes / GIB for t in plan.terms}, "ranks": {}}
+    for pid in sorted(ranks):
+        for name, values in measures.items():
+            if pid not in values:
+                continue
+            peak, floor = values[pid]
+            ratio = plan.peak / max(1, peak - floor)
+            figures["ranks"].setdefault(pid, {})[name] = {"peak_gib": peak / GIB, "floor_gib": floor / GIB,
+                                                          "plan_over_peak_minus_floor": ratio}
+            print(f"{pid:>9} {name:>15} {peak / GIB:>9.3f} {floor / GIB:>7.3f} {(peak - floor) / GIB:>10.3f} "
+                  f"{ratio:>17.3f}")
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     if not args.keep:

@@ -3,7 +3,12 @@ trainer's pool is one slice and VeRL's standalone rollout replica is the other, 
 ``ray.util.tpu``; ``separate_async``, the rollout pool's shape and the ``gloo`` checkpoint engine come from the one
 setting, and every step's weights reach the rollout slice through that engine. With 2 mini-batches per sync cycle and
 bypass mode off, VeRL's ``DetachActorWorker`` saves pi_old and restores it for the second mini-batch's old log-probs on
-rl-tpu's engine (the patched save, ``test_patches.py::test_detached_actor_keeps_pi_old_on_cpu_for_sharded_and_plain_modules``)."""
+rl-tpu's engine (the patched save, ``test_patches.py::test_detached_actor_keeps_pi_old_on_cpu_for_sharded_and_plain_modules``).
+
+The sampler is the TPU profile's (``sampler_placement=worker``, bucketed, no CPU fast path): on a TPU a process owns
+its chip, so the rollout slice's ``CheckpointEngineWorker`` (the process holding the chip) samples, and its rollout
+server only forwards batches to it. The server placement of a standalone replica is covered by
+``test_separate_async_e2e.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import pytest
 import yaml
 from e2e_helpers import fake_cluster, train_env, train_rows, write_reward
 from families import build_tiny_model
+
+from verl_backend.driver.profiles import TPU_SAMPLER  # in the worker holding the chip, no CPU fast path
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +50,7 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
            f"trainer.save_freq={STEPS}", f"trainer.test_freq={STEPS}", "trainer.val_before_train=false",
            "rl_tpu.train_size=32", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=180", "data.max_response_length=16",
            "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.rollout_correction.bypass_mode=false",
+           f"+actor_rollout_ref.rollout.engine_kwargs.native={TPU_SAMPLER}",
            *write_reward(tmp_path)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=1500)
     log = proc.stdout + proc.stderr
@@ -75,9 +83,11 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
         assert m["weight_sync/pool_bytes"] == model_bytes
         assert m["weight_sync/pool_seconds"] > 0
         assert m["timing_s/old_log_prob"] > 0  # bypass off: pi_old's log-probs computed, saved/restored in between
-    # the rollout slice's replica (rank 1: the trainer's colocated replica is 0) loads what its engine worker received
-    # (from the worker on its own host: shared memory, copied once)
-    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1: shared memory, \d+ MB",
+    # the rollout slice's replica (rank 1: the trainer's colocated replica is 0) samples in the CheckpointEngineWorker
+    # that holds its chip, which loads what the gloo engine delivered into its own sampler
+    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1: in process, loaded on "
+                     r"the rollout worker's own device, \d+ MB", log), log[-5000:]
+    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*rollout samples in GlooCheckpointEngine's worker process",
                      log), log[-5000:]
     # validation runs in separate_async too (VeRL switches the trainer's replicas to rollout for it)
     rows_all = [json.loads(line)["data"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

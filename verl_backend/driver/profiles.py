@@ -22,7 +22,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 _FP32_MP = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 # The TPU sampler: inside the trainer worker, bucketed and padded (no CPU fast path; see rl_tpu/sampler/engine.py).
-_TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
+TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
 
 COMMON: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "native",
@@ -98,7 +98,7 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         # A worker owns its chip: sample inside it, forwarded by the rollout server (see rollout/inworker.py). The
         # sampler keeps bucketed static shapes: the CPU fast paths (packed prefill, lean decode, oneDNN-packed
         # weights) are off, stated here rather than left to the sampler's per-device default.
-        "+actor_rollout_ref.rollout.engine_kwargs.native": _TPU_SAMPLER,
+        "+actor_rollout_ref.rollout.engine_kwargs.native": TPU_SAMPLER,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": "native",
         # VeRL's own defaults, stated: the trainer recomputes the old log-probs (the bf16 rollout's are not the
         # actor's), and each sequence keeps its own copy of its prompt (no Prefix Grouper).

@@ -41,8 +41,8 @@ def sampler_placement(rollout_config) -> str:
     worker samples on its own device; needed on TPU where each worker owns its chip).
 
     Raises:
-        ValueError: any other value, or ``worker`` without ``checkpoint_engine.backend=native`` (the engine that
-            serves the worker's sampler to the rollout server; without it every generate fails).
+        ValueError: any other value, or ``worker`` with a checkpoint engine that does not serve the worker's sampler
+            to the rollout server (:data:`IN_WORKER_ENGINES`; without one every generate fails).
     """
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     native = kwargs.get("native", None) or {}
@@ -59,20 +59,28 @@ def sampler_placement(rollout_config) -> str:
         )
     engine = getattr(rollout_config, "checkpoint_engine", None)
     backend = engine.get("backend", None) if engine is not None else None
-    if placement == "worker" and backend != "native":
+    if placement == "worker" and backend not in IN_WORKER_ENGINES:
         raise ValueError(
             "actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker needs "
-            f"actor_rollout_ref.rollout.checkpoint_engine.backend=native (it is {backend!r}): the native engine "
-            "serves the worker's sampler to the rollout server; set it, or drop sampler_placement"
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend native or gloo (it is {backend!r}): those engines "
+            "serve the worker's sampler to the rollout server; set native (gloo with a rollout slice), or drop "
+            "sampler_placement"
         )
     return placement
+
+
+# checkpoint engines that serve a worker's own sampler (verl_backend.rollout.inworker.InWorkerGenerate): native in
+# the trainer worker (hybrid), gloo in the trainer worker and in a rollout slice's CheckpointEngineWorkers
+IN_WORKER_ENGINES = ("native", "gloo")
 
 
 MAX_BUCKETS_IN_FLIGHT = 2  # weight-sync buckets sent and not yet loaded: the object store holds at most these
 
 
 class NativeServerAdapter(BaseRollout):
-    """Weight-sync side of the native rollout, living in the trainer worker process."""
+    """Weight-sync side of the native rollout, living in the trainer worker process (hybrid) or in a standalone
+    replica's ``CheckpointEngineWorker`` (a rollout pool of its own). With ``sampler_placement=worker`` it also
+    builds the sampler in that process, on its device, and loads every sync into it."""
 
     def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = -1, **kwargs):
         """``replica_rank``: given by VeRL to a standalone replica's worker (``CheckpointEngineWorker``, created
@@ -83,6 +91,7 @@ class NativeServerAdapter(BaseRollout):
         tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size
         tp *= self.config.pipeline_model_parallel_size
         self.replica_rank = rank // tp if replica_rank < 0 else int(replica_rank)
+        self.colocated = replica_rank < 0  # in a trainer worker; else a standalone replica's CheckpointEngineWorker
         self.is_leader = rank % tp == 0
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self._server = None
@@ -219,7 +228,8 @@ class NativeServerAdapter(BaseRollout):
             if self.is_leader:
                 await self._server_handle().set_global_steps.remote(global_steps)
             report("in_worker", n, n)
-            self._report_first_sync(transport="in process", detail="loaded on the trainer worker's device")
+            where = "the trainer worker's" if self.colocated else "the rollout worker's own"
+            self._report_first_sync(transport="in process", detail=f"loaded on {where} device")
             return
         if not self.is_leader:
             for _ in cpu_full(weights):

@@ -29,9 +29,11 @@ def worker_sampler() -> Any:
     return _SAMPLER
 
 
-@CheckpointEngineRegistry.register("native")
-class NativeCheckpointEngine(ColocatedCheckpointEngine):
-    """VeRL's colocated (``naive``) weight sync, plus ``native_generate`` for the in-worker sampler."""
+class InWorkerGenerate:
+    """``native_generate`` for a checkpoint engine whose worker process holds the sampler: the trainer worker's
+    (:class:`NativeCheckpointEngine`, hybrid) or a standalone rollout worker's (VeRL's ``CheckpointEngineWorker`` on a
+    rollout slice, :class:`verl_backend.rollout.pool_sync.GlooCheckpointEngine`). The rollout server reaches it through
+    the worker's ``execute_checkpoint_engine`` actor method."""
 
     def native_generate(self, prompts: list[list[int]], key) -> list[tuple[list[int], list[float] | None]]:
         """Sample one response per prompt with ``key`` (:class:`rl_tpu.sampler.SamplingParams`, built from VeRL's
@@ -44,7 +46,16 @@ class NativeCheckpointEngine(ColocatedCheckpointEngine):
 
         if _SAMPLER is None:
             raise RuntimeError(
-                "native_generate: this trainer worker has no sampler; set "
+                "native_generate: this worker has no sampler; set "
                 "actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker"
             )
+        if not getattr(self, "_said_where", False):
+            self._said_where = True
+            print(f"[rl-tpu] rollout samples in {type(self).__name__}'s worker process, on {_SAMPLER.device}",
+                  flush=True)
         return run_sampler(_SAMPLER, prompts, key)
+
+
+@CheckpointEngineRegistry.register("native")
+class NativeCheckpointEngine(InWorkerGenerate, ColocatedCheckpointEngine):
+    """VeRL's colocated (``naive``) weight sync, plus ``native_generate`` for the in-worker sampler."""

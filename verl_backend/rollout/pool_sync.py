@@ -41,6 +41,7 @@ from verl.checkpoint_engine.base import (
 )
 
 from verl_backend import weight_sync
+from verl_backend.rollout.inworker import InWorkerGenerate
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,10 @@ def _dtype(name: str) -> torch.dtype:
 
 
 @CheckpointEngineRegistry.register("gloo")
-class GlooCheckpointEngine(CheckpointEngine):
+class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
     """VeRL checkpoint engine ``gloo``: one trainer rank broadcasts bucketed weights to every rollout worker.
+    With ``sampler_placement=worker`` (the TPU profile) its rollout workers also sample, on their own chips
+    (:class:`verl_backend.rollout.inworker.InWorkerGenerate`).
 
     Args:
         bucket_size: bytes per bucket (VeRL's ``checkpoint_engine.update_weights_bucket_megabytes`` << 20).

@@ -21,13 +21,16 @@ def _model_path(model_config) -> str:
 
 
 def _checkpoint_engine_method(worker):
-    """The fused worker's ``<role>_execute_checkpoint_engine`` method (role prefix depends on the roles fused)."""
-    for role in ("actor_rollout_ref", "actor_rollout", "rollout"):
-        method = getattr(worker, f"{role}_execute_checkpoint_engine", None)
+    """The worker's ``execute_checkpoint_engine`` actor method: ``<role>_execute_checkpoint_engine`` on a fused
+    trainer worker (the prefix depends on the roles fused), plain on a standalone replica's ``CheckpointEngineWorker``
+    (a rollout slice)."""
+    for name in ("actor_rollout_ref_execute_checkpoint_engine", "actor_rollout_execute_checkpoint_engine",
+                 "rollout_execute_checkpoint_engine", "execute_checkpoint_engine"):
+        method = getattr(worker, name, None)
         if method is not None:
             return method
-    raise ValueError("the trainer worker exposes no execute_checkpoint_engine method; sampler_placement=worker "
-                     "needs VeRL's ActorRolloutRefWorker")
+    raise ValueError("the rollout's worker exposes no execute_checkpoint_engine method; sampler_placement=worker "
+                     "needs VeRL's ActorRolloutRefWorker or CheckpointEngineWorker")
 
 
 class NativeReplica(RolloutReplica):
@@ -36,6 +39,11 @@ class NativeReplica(RolloutReplica):
     In hybrid mode (VeRL's default: trainer and rollout colocated) the server runs beside the replica's first
     trainer worker, on its node; it holds its own inference copy of the policy, refreshed after every update by
     the trainer's :class:`~verl_backend.rollout.adapter.NativeServerAdapter` through the Ray object store.
+    Standalone (a rollout pool of its own: ``separate_async``, a rollout slice) it runs beside the replica's first
+    ``CheckpointEngineWorker``, whose adapter receives the weights from the checkpoint engine. With
+    ``sampler_placement=worker`` (the TPU profile: a process per chip) the server holds no model and forwards each
+    batch to that worker, which samples on its own device: the trainer worker in hybrid mode, the
+    ``CheckpointEngineWorker`` holding the rollout slice's chip standalone.
     """
 
     def rollout_worker_use_gpu(self) -> bool:
@@ -61,7 +69,8 @@ class NativeReplica(RolloutReplica):
         worker_method = None
         if sampler_placement(self.config) == "worker":
             if not self.workers:
-                raise ValueError("sampler_placement=worker needs VeRL's hybrid engine (trainer and rollout colocated)")
+                raise ValueError("sampler_placement=worker needs workers holding the devices: VeRL's hybrid engine "
+                                 "(trainer and rollout colocated) or a standalone rollout pool")
             worker_method = _checkpoint_engine_method(self.workers[0])
         server = (
             ray.remote(NativeRolloutServer)
