@@ -107,10 +107,27 @@ def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, r
     return request_params(request, max_tokens=response_length)
 
 
+def rollout_threads() -> int:
+    """Torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else ``rl_tpu.num_threads`` (0: leave
+    the process's count as it is)."""
+    from verl_backend.settings import current
+
+    return current().rollout_num_threads or current().num_threads
+
+
 def run_sampler(sampler, prompts: list[list[int]], params) -> list[tuple[list[int], list[float] | None]]:
     """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
-    in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt."""
-    outs = sampler.generate(prompts, params)
+    in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt.
+    Samples with :func:`rollout_threads` torch threads, the calling thread's count put back after (a trainer worker
+    that samples in-process keeps its own count for the update)."""
+    threads, before = rollout_threads(), torch.get_num_threads()
+    if threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        outs = sampler.generate(prompts, params)
+    finally:
+        if threads and threads != before:
+            torch.set_num_threads(before)
     return [(list(o.token_ids), None if o.logprobs is None else [float(x) for x in o.logprobs]) for o in outs]
 
 
@@ -119,6 +136,6 @@ def server_env() -> dict[str, str]:
     process that creates it (Ray merges these into the job's own runtime_env)."""
     from verl_backend.settings import RECORD_ENV
 
-    keep = (RECORD_ENV, "OMP_NUM_THREADS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+    keep = (RECORD_ENV, "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
     return {k: os.environ[k] for k in keep if k in os.environ}
 

@@ -65,8 +65,10 @@ class NativeRolloutServer:
     ):
         from rl_tpu.device import set_num_threads
 
-        if current().num_threads:
-            set_num_threads(current().num_threads)
+        from verl_backend.rollout.sampling import rollout_threads
+
+        if rollout_threads():
+            set_num_threads(rollout_threads())
         self.config = rollout_config
         self.model_path = model_path
         self.device = torch.device(device)

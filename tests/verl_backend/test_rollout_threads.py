@@ -1,0 +1,68 @@
+"""``rl_tpu.rollout_num_threads`` and ``rl_tpu.omp_wait_policy``: the rollout samples with its own thread count (the
+trainer worker's own count put back after), and OpenMP's wait policy reaches this process, the fork server and the
+job's ``runtime_env`` for every worker."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl_backend import settings as S
+
+
+class CountingSampler:
+    """Stands in for the sampler here: records the torch thread count it ran with (the thing under test)."""
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def generate(self, prompts, params):
+        self.threads.append(torch.get_num_threads())
+        return []
+
+
+@pytest.fixture
+def threads_back():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("chosen, expected", [({"rollout_num_threads": 1, "num_threads": 2}, 1),
+                                              ({"num_threads": 1}, 1), ({}, 2)])
+def test_the_rollout_samples_with_its_own_thread_count_and_puts_the_workers_back(monkeypatch, threads_back, chosen,
+                                                                                 expected):
+    from verl_backend.rollout.sampling import run_sampler
+
+    monkeypatch.setenv(S.RECORD_ENV, S.record(S.RlTpuSettings(**chosen)))
+    torch.set_num_threads(2)  # the trainer worker's count (an update with 2 threads)
+    sampler = CountingSampler()
+    run_sampler(sampler, [[1, 2, 3]], None)
+    assert sampler.threads == [expected]
+    assert torch.get_num_threads() == 2
+
+
+def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, tmp_path):
+    from verl_backend.driver.profiles import PROFILES
+    from verl_backend.driver.runner import job_runtime_env
+    from verl_backend.driver.train import _apply_profile
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for key in ("OMP_NUM_THREADS", "VERL_PLATFORM", "TORCH_DEVICE_BACKEND_AUTOLOAD"):
+        monkeypatch.setenv(key, os.environ.get(key, "cpu" if key == "VERL_PLATFORM" else "1"))
+    settings = _apply_profile(PROFILES["cpu"], S.RlTpuSettings(omp_wait_policy="passive"))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # before the fork server starts from this process
+    config = OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 2, "runtime_env": {}}}})  # as VeRL composes it
+    job_runtime_env(config, tmp_path, settings, {})
+    env = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert json.loads(env[S.RECORD_ENV])["omp_wait_policy"] == "passive"  # and recorded with the run
+
+
+def test_an_unknown_wait_policy_is_one_line():
+    with pytest.raises(S.BadInputError, match="omp_wait_policy"):
+        S.resolve({"omp_wait_policy": "spin"}, {})
