@@ -10,7 +10,11 @@ Modes, run in interleaved rounds (round r runs every mode once, in order) and re
   checkpoint engine between the pools. A mode refused before Ray (one ``verl: error:`` line,
   ``verl_backend.driver.preflight_async``) or failing is not retried in later rounds: the table says ``refused`` or
   ``failed`` with the line, and the other modes go on;
-- ``separate_async-2t``: the same with 2 threads per process (not in the default ``--modes``).
+- ``separate_async-2t``: the same with 2 threads per process (not in the default ``--modes``);
+- ``sync-2t-passive`` and ``separate_async-2t1r-passive``: sync with 2 threads, and separate_async with 2 threads for
+  the trainer and 1 for the rollout (``rl_tpu.rollout_num_threads=1``), both with OpenMP's passive wait
+  (``rl_tpu.omp_wait_policy=passive``: a waiting thread sleeps, so a 2-thread process does not spin against the other
+  processes for the two cores). Not in the default ``--modes``.
 
 Every run is the default job of :func:`bench_grpo_step.run_ours` (SmolLM2-135M-Instruct fp32, basic_arithmetic, 4
 prompts x 4 samples, completions <= 64 tokens), pinned with the CPU affinity this script has (``--cpus``, default
@@ -68,6 +72,13 @@ MODES = {  # name -> (torch threads per process, VeRL overrides)
 # separate_async with 2 torch threads per process: the trainer's update uses both cores while the rollout, which
 # needs a fraction of one, runs beside it (oversubscribed while both compute)
 MODES["separate_async-2t"] = (2, MODES["separate_async"][1])
+# OpenMP's passive wait (rl_tpu.omp_wait_policy): a waiting thread sleeps instead of spinning, so a 2-thread process
+# loses little when another process (the rollout, this script's sampler, Ray's own) takes a core for a while
+PASSIVE = ["rl_tpu.omp_wait_policy=passive"]
+MODES["sync-2t-passive"] = (2, MODES["sync-2t"][1] + PASSIVE)
+# the trainer on 2 threads, the rollout on 1 (rl_tpu.rollout_num_threads): the update has both cores while the
+# rollout waits for new weights, and one of them while it samples
+MODES["separate_async-2t1r-passive"] = (2, MODES["separate_async"][1] + PASSIVE + ["rl_tpu.rollout_num_threads=1"])
 
 
 class BusySampler(threading.Thread):

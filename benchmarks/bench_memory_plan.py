@@ -22,7 +22,7 @@ small batch (2 prompts x 2 samples, one per rank, 16-token responses, micro batc
 - ``RSS``: as above (counts shared libraries loaded after the first sample, and freed heap glibc keeps);
 - ``anon+shmem RSS``: resident anonymous and shared-memory pages only (``/proc/<pid>/status``), no file-backed ones;
 - ``live heap``: glibc's bytes in use (``mallinfo2``: every live malloc'd or mmap'd block, tensors included; freed
-  blocks glibc keeps are not counted), sampled every 10 ms inside each process by ``heap_probe/sitecustomize.py``,
+  blocks glibc keeps are not counted), sampled every 50 ms inside each process by ``heap_probe/sitecustomize.py``,
   which this script puts on the cluster's ``PYTHONPATH``: what a device allocator calls "allocated";
 - ``live heap, loop``: the same from the first weight sync on (the training loop). Set-up's transients (a full fp32
   checkpoint read before its shards and its bf16 sampler copy are placed) are host memory on a TPU, not HBM.
