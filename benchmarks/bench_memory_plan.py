@@ -23,8 +23,10 @@ small batch (2 prompts x 2 samples, one per rank, 16-token responses, micro batc
 - ``anon+shmem RSS``: resident anonymous and shared-memory pages only (``/proc/<pid>/status``), no file-backed ones;
 - ``live heap``: glibc's bytes in use (``mallinfo2``: every live malloc'd or mmap'd block, tensors included; freed
   blocks glibc keeps are not counted), sampled every 50 ms inside each process by ``heap_probe/sitecustomize.py``,
-  which this script puts on the cluster's ``PYTHONPATH``: what a device allocator calls "allocated";
-- ``live heap, loop``: the same from the first weight sync on (the training loop). Set-up's transients (a full fp32
+  which this script puts on the cluster's ``PYTHONPATH``: what a device allocator calls "allocated". Its floor is
+  the value when the rank was first seen as ``ray::WorkerDict`` (imports done, no model built), as RSS's is;
+- ``live heap, loop``: the same after the first weight sync (the training loop; the mark is the driver's receipt of
+  the line the first sync prints when done, so the first sync's own peak falls outside). Set-up's transients (a full fp32
   checkpoint read before its shards and its bf16 sampler copy are placed) are host memory on a TPU, not HBM.
 
     python benchmarks/bench_memory_plan.py [--steps 2] [--keep DIR] [--out memory_plan.json] [extra VeRL keys ...]
@@ -77,6 +79,7 @@ class WorkerSampler(threading.Thread):
         self.peak_pss: dict[str, int] = {}
         self.rank_first: dict[tuple[str, int], int] = {}  # (role, pid) -> RSS at its first sample
         self.rank_peak: dict[tuple[str, int], int] = {}
+        self.rank_first_time: dict[tuple[str, int], float] = {}  # when it was first seen with its role's title
         # the same for anonymous + shared-memory pages only (:func:`_anon_bytes`)
         self.rank_first_anon: dict[tuple[str, int], int] = {}
         self.rank_peak_anon: dict[tuple[str, int], int] = {}
@@ -109,6 +112,7 @@ class WorkerSampler(threading.Thread):
                 self.peak_rss[role] = max(self.peak_rss.get(role, 0), mem.rss)
                 self.peak_pss[role] = max(self.peak_pss.get(role, 0), getattr(mem, "pss", mem.rss))
                 self.rank_first.setdefault((role, p.pid), mem.rss)
+                self.rank_first_time.setdefault((role, p.pid), time.time())
                 self.rank_peak[(role, p.pid)] = max(self.rank_peak.get((role, p.pid), 0), mem.rss)
                 anon = _anon_bytes(p.pid)
                 if anon is not None:
@@ -138,17 +142,19 @@ def heap_probe_env(folder: Path) -> dict[str, str]:
     return {"RL_TPU_BENCH_HEAP_DIR": str(folder), "PYTHONPATH": path}
 
 
-def heap_figures(folder: Path, pids, since: float = 0.0) -> dict[int, tuple[int, int]]:
-    """``{pid: (peak live bytes from ``since`` on, live bytes at the first sample)}`` from the heap probe's files of
-    ``pids`` (``since``: seconds since the epoch)."""
+def heap_figures(folder: Path, floor_at: dict[int, float], since: float = 0.0) -> dict[int, tuple[int, int]]:
+    """``{pid: (peak live bytes from ``since`` on, live bytes at ``floor_at[pid]``)}`` from the heap probe's files
+    (times in seconds since the epoch). The floor is taken when the process was first seen with its actor's title:
+    its imports are done (a worker's python heap, ~0.3 GiB, which the plan does not count), no model is built yet."""
     figures = {}
-    for pid in pids:
+    for pid, at in floor_at.items():
         f = folder / f"{pid}.json"
         if f.is_file():
             series = json.loads(f.read_text())["series"]
             later = [v for t, v in series if t >= since]
+            before = [v for t, v in series if t <= at] or [v for _, v in series[:1]]
             if series and later:
-                figures[pid] = (max(later), series[0][1])
+                figures[pid] = (max(later), before[-1])
     return figures
 
 
@@ -294,12 +300,14 @@ def dry_run(work: Path, args) -> None:
              for role, pid in sampler.rank_peak if role == TRAINER_ROLE}
     anon = {pid: (sampler.rank_peak_anon[(role, pid)], sampler.rank_first_anon[(role, pid)])
             for role, pid in sampler.rank_peak_anon if role == TRAINER_ROLE}
-    heap = heap_figures(heap_dir, ranks)
+    seen = {pid: sampler.rank_first_time[(role, pid)] for role, pid in sampler.rank_first_time if role == TRAINER_ROLE}
+    heap = heap_figures(heap_dir, seen)
     # the training loop only: from the first weight sync on (set-up's transients, such as a full fp32 checkpoint read
     # on the host before its shards or its bf16 copy are placed, happen in host memory on a TPU, not in HBM)
-    loop = heap_figures(heap_dir, ranks, since=sampler.marks.get("first_sync", float("inf")))
+    loop = heap_figures(heap_dir, seen, since=sampler.marks.get("first_sync", float("inf")))
     (work / "ranks_rss.json").write_text(json.dumps({"wall_s": wall, "ranks": ranks, "anon": anon, "heap": heap,
-                                                         "loop": loop, "marks": sampler.marks}))
+                                                         "loop": loop, "marks": sampler.marks,
+                                                         "seen": seen}))
     plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["cpu"]))
     if not ranks:
         raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples)")

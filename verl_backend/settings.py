@@ -80,10 +80,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rollout_num_threads", int, 0, "torch threads the rollout samples with (0: rl_tpu.num_threads), in its "
             "server process or, with sampler_placement=worker, while the worker samples; e.g. 1 beside a 2-thread "
             "update in an async mode, so the rollout keeps to one core", minimum=0),
-    Setting("omp_wait_policy", str, "", "OpenMP's OMP_WAIT_POLICY for every process of the job: passive (a waiting "
-            "OpenMP thread sleeps, so processes with more threads than free cores, such as a rollout beside a "
-            "multi-thread update, do not spin against each other) or active; empty: the OpenMP runtime's default",
-            choices=("", "active", "passive"), reader="driver"),
+    Setting("omp_wait_policy", str, "default", "OpenMP's OMP_WAIT_POLICY for every process of the job: passive (a "
+            "waiting OpenMP thread sleeps, so processes with more threads than free cores, such as a rollout beside a "
+            "multi-thread update, do not spin against each other), active, or default (the OpenMP runtime's own, or "
+            "an OMP_WAIT_POLICY already exported)", choices=("default", "active", "passive"), reader="driver"),
     Setting("tpu_eager_mode", str, "strict", "TorchTPU eager mode on --backend tpu: strict (DEFER_NEVER), debug "
             "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)", choices=("strict", "debug", "fused"),
             env="RL_TPU_EAGER_MODE", flag="--tpu-eager-mode"),

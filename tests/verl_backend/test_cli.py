@@ -159,7 +159,7 @@ def test_lengths_past_a_longrope_switch_are_refused(tmp_path, default_model_dir)
     assert "prompt_length + response_length = 192 tokens" in line and "is past 128" in line, line
 
 
-def test_worker_sampler_placement_without_the_native_engine_is_one_line(tmp_path, tiny_model_dir):
+def test_worker_sampler_placement_without_an_engine_serving_it_is_one_line(tmp_path, tiny_model_dir):
     """Without an engine that serves the worker's sampler (native, or gloo with a rollout slice) every generate failed
     with an AttributeError deep in Ray."""
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),

@@ -46,7 +46,17 @@ def test_the_rollout_samples_with_its_own_thread_count_and_puts_the_workers_back
     assert torch.get_num_threads() == 2
 
 
-def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, tmp_path):
+@pytest.fixture
+def environ_back():
+    """``_apply_profile`` and ``job_runtime_env`` set variables in this process for the processes it starts: put the
+    environment back as it was, so no later test inherits them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, tmp_path, environ_back):
     from verl_backend.driver.profiles import PROFILES
     from verl_backend.driver.runner import job_runtime_env
     from verl_backend.driver.train import _apply_profile
@@ -55,6 +65,7 @@ def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, t
     for key in ("OMP_NUM_THREADS", "VERL_PLATFORM", "TORCH_DEVICE_BACKEND_AUTOLOAD"):
         monkeypatch.setenv(key, os.environ.get(key, "cpu" if key == "VERL_PLATFORM" else "1"))
     settings = _apply_profile(PROFILES["cpu"], S.RlTpuSettings(omp_wait_policy="passive"))
+    # (verl train applies the profile before it starts the fork server, whose torch then loads OpenMP with it)
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # before the fork server starts from this process
     config = OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 2, "runtime_env": {}}}})  # as VeRL composes it
     job_runtime_env(config, tmp_path, settings, {})
@@ -64,5 +75,5 @@ def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, t
 
 
 def test_an_unknown_wait_policy_is_one_line():
-    with pytest.raises(S.BadInputError, match="omp_wait_policy"):
+    with pytest.raises(S.BadInputError, match="omp_wait_policy takes one of default, active, passive"):
         S.resolve({"omp_wait_policy": "spin"}, {})

@@ -1,10 +1,12 @@
-"""``sampler_placement=worker``: the sampler runs inside the trainer worker, on the worker's own device.
+"""``sampler_placement=worker``: the sampler runs inside the worker process that owns the device.
 
 On TPU a worker process owns its chip (whole chips; one process per chip), so a separate rollout-server process
 cannot sample on it. In this placement the :class:`~verl_backend.rollout.adapter.NativeServerAdapter` builds the
-sampler in the worker process and registers it here; the rollout server (which VeRL's agent loop talks to) holds
-no model and forwards each batch to the worker through VeRL's own ``execute_checkpoint_engine`` actor method,
-served by :class:`NativeCheckpointEngine`. Weight sync is then an in-process copy on the device.
+sampler in the worker process and registers it here: the trainer worker (hybrid replicas) or, on a rollout slice,
+VeRL's ``CheckpointEngineWorker`` holding the chip (standalone replicas). The rollout server (which VeRL's agent loop
+talks to) holds no model and forwards each batch to that worker through VeRL's own ``execute_checkpoint_engine``
+actor method, served by :class:`InWorkerGenerate` on the worker's engine (:class:`NativeCheckpointEngine`, or
+:class:`verl_backend.rollout.pool_sync.GlooCheckpointEngine` between pools). Weight sync then loads on the device.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ class NativeRolloutServer:
         device: torch device type for the sampler (``"cpu"``, ``"tpu"``, ``"cuda"``).
         replica_rank: rank of the replica this server belongs to.
         batch_window_s: how long (seconds) to wait for more requests after the first one before running a batch.
-        worker_method: ``sampler_placement=worker``: the trainer worker's ``execute_checkpoint_engine`` actor
-            method; batches run there, on the worker's own device (a TPU chip), and this server holds no model.
+        worker_method: ``sampler_placement=worker``: the ``execute_checkpoint_engine`` actor method of the worker
+            that owns the device (the trainer worker, or a rollout slice's ``CheckpointEngineWorker``); batches run
+            there, on its own device (a TPU chip), and this server holds no model.
     """
 
     def __init__(
@@ -195,7 +196,7 @@ class NativeRolloutServer:
         start = time.perf_counter()
         if self.worker_method is None:
             outs = run_sampler(self.sampler, prompts, key)
-        else:  # the sampler lives in the trainer worker (on its chip): forward the batch there
+        else:  # the sampler lives in the worker that owns the chip: forward the batch there
             import ray
 
             outs = ray.get(self.worker_method.remote("native_generate", prompts, key))
