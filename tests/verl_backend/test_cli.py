@@ -159,6 +159,16 @@ def test_lengths_past_a_longrope_switch_are_refused(tmp_path, default_model_dir)
     assert "prompt_length + response_length = 192 tokens" in line and "is past 128" in line, line
 
 
+def test_a_rollout_split_across_chips_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    """The native sampler holds one unsharded model per replica: a tensor-parallel rollout would be silently ignored
+    (every chip of the replica holding a whole copy, one of them sampling)."""
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2: the native rollout runs each replica on one chip" \
+        in line, line
+
+
 def test_worker_sampler_placement_without_an_engine_serving_it_is_one_line(tmp_path, tiny_model_dir):
     """Without an engine that serves the worker's sampler (native, or gloo with a rollout slice) every generate failed
     with an AttributeError deep in Ray."""

@@ -84,6 +84,8 @@ def check_native_rollout(config) -> None:
     - ``actor_rollout_ref.rollout.checkpoint_engine`` must be a mapping (the weight sync reads its bucket size).
     - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`),
       and its fast-path keys true or false (:func:`verl_backend.rollout.sampling.sampler_fast_paths`).
+    - ``tensor_model_parallel_size``, ``data_parallel_size`` and ``pipeline_model_parallel_size`` must be 1: the native
+      sampler holds one unsharded model per replica, on one chip, and would silently ignore a split across several.
     - A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
       call's sequence passes ``original_max_position_embeddings``
       (:func:`rl_tpu.sampler.engine.longrope_switch_length`). The rollout fills its KV cache below the switch, the
@@ -114,6 +116,12 @@ def check_native_rollout(config) -> None:
         sampler_fast_paths(rollout)
     except ValueError as exc:
         raise BadInputError(str(exc)) from None
+    for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
+        if int(rollout.get(key, 1) or 1) != 1:
+            raise BadInputError(
+                f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: the native rollout runs each replica on one chip "
+                f"(one unsharded model, no split across chips); set it to 1 (more chips give more replicas)"
+            )
     model = config.actor_rollout_ref.model
     try:
         hf = AutoConfig.from_pretrained(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
