@@ -21,7 +21,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # rollout's log-probs then match the trainer's.
 _FP32_MP = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
-# The TPU sampler: inside the worker that owns the chip (trainer worker, or a rollout slice's), bucketed and padded (no CPU fast path; see rl_tpu/sampler/engine.py).
+# The TPU sampler: inside the worker that owns the chip (trainer worker, or a rollout slice's), bucketed and padded
+# (no CPU fast path; see rl_tpu/sampler/engine.py).
 TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
 
 COMMON: dict[str, str] = {

@@ -246,8 +246,10 @@ def _apply_profile(backend, settings):
     settings = replace(settings, num_threads=settings.num_threads or backend.default_threads)
     if settings.num_threads:
         os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)  # this process; workers get the record
-    if settings.omp_wait_policy != "default":  # read by OpenMP when torch loads: this process, the fork server, every worker
-        os.environ["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()  # (runner.py puts it in the runtime_env)
+    if settings.omp_wait_policy != "default":
+        # read by OpenMP when torch loads: this process, the fork server started from it, and every worker (runner.py
+        # puts it in the job's runtime_env)
+        os.environ["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
     if not backend.tpu_runtime:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
     return settings
