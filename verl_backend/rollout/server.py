@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from rl_tpu.host_memory import trim_host_heap
-from verl_backend.rollout.sampling import build_sampler, run_sampler, sampling_params_from_request
+from verl_backend.rollout.sampling import (
+    build_sampler,
+    rollout_threads,
+    run_sampler,
+    sampling_params_from_request,
+)
 from verl_backend.settings import current
 
 logger = logging.getLogger(__name__)
@@ -66,10 +71,9 @@ class NativeRolloutServer:
     ):
         from rl_tpu.device import set_num_threads
 
-        from verl_backend.rollout.sampling import rollout_threads
-
-        if rollout_threads():
-            set_num_threads(rollout_threads())
+        threads = rollout_threads()
+        if threads:
+            set_num_threads(threads)
         self.config = rollout_config
         self.model_path = model_path
         self.device = torch.device(device)
