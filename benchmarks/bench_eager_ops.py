@@ -9,14 +9,18 @@ forward, token choice and bookkeeping) for
 
 * ``tpu-eager``: the bucketed sampler with the CPU fast paths off (what the TPU profile runs; on CPU it keeps the
   sampler's grouped-query attention and its read of only the written cache slots, which a TPU run does not);
+* ``tpu-compiled``: ``Sampler(compile=True, packed_weights=False)``: the TPU profile's graphs, on plain weights
+  (inductor on CPU; a step counts as one launch);
 * ``cpu-eager``: today's CPU sampler (lean decode on oneDNN-packed weights);
-* ``compiled``: ``Sampler(compile=True)`` (inductor on CPU; a step counts as one launch);
+* ``cpu-compiled``: ``Sampler(compile=True)`` on the CPU: the graphs' linear layers on oneDNN-packed copies kept
+  outside the graph (:mod:`rl_tpu.sampler.compiled_packed`);
 
 and times their decode steps: (time to generate ``hi`` tokens - time for ``lo``) / (``hi - lo``), prefill and set-up
 cancelled, median of ``--repeats``. Both limits are measured in the same run: memory (a decode step reads every
 weight once: weight bytes / this thread's read bandwidth) and arithmetic (a decode step's FLOPs: 2 per weight per
-row, plus attention over the whole cache, / this thread's measured float32 matmul GFLOP/s); ``% limit`` is of the
-lower of the two.
+row, plus attention over the whole cache, / this thread's best measured float32 matmul GFLOP/s, MKL's or oneDNN's);
+``% limit`` is of the lower of the two. The linear layers alone (packed, at the step's rows) are timed too: what a
+step cannot go below on this thread with these libraries.
 
 The trainer (``rl_tpu.compile_trainer``'s :class:`rl_tpu.compiled_blocks.CompiledBlocks`, inductor) runs one
 training step's shapes on a padded micro batch at its bucket length: a no-grad log-prob forward
@@ -67,11 +71,36 @@ def load_model(tiny: bool):
     return model, "SmolLM2-135M-Instruct, float32"
 
 
-def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> float:
-    """Float32 matmul GFLOP/s of this thread at ``(rows, inner) @ (inner, cols)``, best of 5."""
+def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> dict[str, float]:
+    """Float32 matmul GFLOP/s of this thread at ``(rows, inner) @ (inner, cols)``, best of 5, by library: ``mkl``
+    (``torch.mm``) and ``onednn`` (on a weight packed for oneDNN, where torch has it). The arithmetic limit takes
+    the faster: a limit the sampler's own products can beat is no limit (on AMD EPYC, MKL's sgemm reaches less than
+    half of oneDNN's)."""
     a, b = torch.randn(rows, inner), torch.randn(inner, cols)
     a @ b
-    return 2 * rows * inner * cols / min(_timed(torch.mm, a, b) for _ in range(5)) / 1e9
+    flop = 2 * rows * inner * cols
+    rates = {"mkl": flop / min(_timed(torch.mm, a, b) for _ in range(5)) / 1e9}
+    from rl_tpu.sampler.packed import packed_linear_supported
+
+    if packed_linear_supported():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), rows)
+        rates["onednn"] = flop / min(_timed(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
+                                     for _ in range(6)) / 1e9
+    return rates
+
+
+def linears_alone_s(model, rows: int) -> float:
+    """Seconds one decode step's linear layers take alone at ``rows`` rows, each on a oneDNN-packed copy of its
+    weight (the products a step cannot avoid, at the best rate this thread has for them), best of 5."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in linears]
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+
+    def step():
+        for x, w in zip(inputs, packed):
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    step()
+    return min(_timed(step) for _ in range(5))
 
 
 def decode_flops(model, rows: int, cache_len: int) -> float:
@@ -167,11 +196,13 @@ def main() -> None:
     common = {"pad_token_id": 0, "eos_token_ids": []}  # no EOS: every row runs every step, the batch keeps its size
     paths = {
         "tpu-eager": Sampler(model, **common, packed_weights=False, packed_prefill=False, lean_decode=False),
-        "tpu-compiled": Sampler(model, **common, compile=True),
+        "tpu-compiled": Sampler(model, **common, compile=True, packed_weights=False),
         "cpu-eager": Sampler(model, **common),
+        "cpu-compiled": Sampler(model, **common, compile=True),
     }
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    gbs, gflops = read_bandwidth_gbs(), matmul_gflops()
+    gbs, rates = read_bandwidth_gbs(), matmul_gflops()
+    gflops = max(rates.values())
     cache_len = 1 << (args.prompt_len - 1).bit_length()
     cache_len += 1 << (hi - 1).bit_length()
     flops = decode_flops(model, rows, cache_len)
@@ -180,7 +211,11 @@ def main() -> None:
     print(f"{label}; batch {rows} ({args.prompts} prompts x {args.n}); {args.threads} thread(s); steps {lo}->{hi}\n"
           f"memory limit: {weight_bytes / 1e6:.0f} MB of weights / {gbs:.1f} GB/s read = {mem_s * 1e3:.1f} ms/step = "
           f"{rows / mem_s:.0f} tokens/s\narithmetic limit: {flops / 1e9:.2f} GFLOP/step (cache {cache_len}) / "
-          f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s")
+          f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s "
+          f"(matmul GFLOP/s: {', '.join(f'{k} {v:.1f}' for k, v in rates.items())})")
+    floor_s = linears_alone_s(model, rows) if "onednn" in rates else float("nan")
+    print(f"the linear layers alone at {rows} rows, packed: {floor_s * 1e3:.1f} ms/step = {rows / floor_s:.0f} "
+          f"tokens/s = {100 * max(mem_s, math_s) / floor_s:.0f}% of the lower limit")
     table = []
     for name, sampler in paths.items():
         warm = time.perf_counter()
@@ -217,7 +252,7 @@ def main() -> None:
           f"eager {train['eager_ops']}, compiled {ops + launches} ({ops} outside the blocks + {launches} launches)")
     print("\n(ops/step: aten ops one decode step dispatches, a compiled step counts as one launch; % limit: of the "
           "lower of the memory and arithmetic limits; graphs/rollout: graphs compiled over the warm-up rollout; "
-          "cpu-eager has no compiled variant: compiled steps run the bucketed path)")
+          "compiled steps run the bucketed path, cpu-compiled's linear layers on packed weights)")
 
 
 if __name__ == "__main__":

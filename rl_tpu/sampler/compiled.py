@@ -26,6 +26,7 @@ never a half-compiled step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import types
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from rl_tpu.sampler.compiled_packed import PackCache, pack_linears
 from rl_tpu.sampler.fastpaths import say_once
 
 #: most graphs one step kind (prefill or decode) may compile before dynamo would fall back to eager on its own
@@ -67,6 +69,8 @@ class CompiledSteps:
     Args:
         model: the sampler's Hugging Face causal LM (eval mode).
         backend: a ``torch.compile`` backend name (``"inductor"``, ``"tpu"``, ``"aot_eager"``, ...) or callable.
+        packed_weights: the graphs' float32 CPU linear layers multiply by oneDNN-packed copies of their weights, kept
+            outside the graph (:mod:`rl_tpu.sampler.compiled_packed`); the copies cost the weights' size again.
 
     Attributes:
         graphs: ``{"prefill": n, "decode": n}`` graphs compiled so far (one per shape unless something recompiled).
@@ -74,11 +78,17 @@ class CompiledSteps:
             backend's compile, and that one run).
         active: ``False`` once a compile failed or a step compiled a second graph for a shape it had (said once);
             every step then runs eagerly.
+        packed_linears: ``{"prefill": n, "decode": n}`` linear layers of the last graph of each kind that run on
+            packed weights.
+        packs: the :class:`~rl_tpu.sampler.compiled_packed.PackCache` of the packed copies (``None`` without
+            ``packed_weights``).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str | Callable = "inductor") -> None:
+    def __init__(self, model: torch.nn.Module, backend: str | Callable = "inductor", packed_weights: bool = False) -> None:
         self.model = model
         self.backend = backend
+        self.packs = PackCache() if packed_weights else None
+        self.packed_linears = {"prefill": 0, "decode": 0}
         self.graphs = {"prefill": 0, "decode": 0}
         self.compile_s = {"prefill": 0.0, "decode": 0.0}
         self.active = True
@@ -89,6 +99,8 @@ class CompiledSteps:
     def _compile(self, kind: str):
         def backend(gm: torch.fx.GraphModule, example_inputs):
             self.graphs[kind] += 1
+            if self.packs is not None:
+                self.packed_linears[kind] = pack_linears(gm)
             inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
             return inner(gm, example_inputs)
 
@@ -118,9 +130,10 @@ class CompiledSteps:
         kind = "decode" if ids.shape[1] == 1 else "prefill"
         self._shapes[kind].add((tuple(ids.shape), tuple(mask.shape)))
         before, start = self.graphs[kind], time.perf_counter()
+        packs = self.packs.active() if self.packs is not None else contextlib.nullcontext()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                            accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
+            with packs, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                   accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
                 logits = self._fns[kind](ids, mask, pos, cache)
         except torch._dynamo.exc.RecompileError:
             raise  # the caller asked to be told (set_stance("fail_on_recompile") raises a RuntimeError or this)
@@ -137,6 +150,11 @@ class CompiledSteps:
                 self._off(f"its {kind} step compiled again for the same shape, on a guard that changes each call: "
                           f"{failed[-1].splitlines()[0]}")
         return logits
+
+    def weights_changed(self) -> None:
+        """Drop the packed copies (rebuilt at the next step); see :meth:`PackCache.release`."""
+        if self.packs is not None:
+            self.packs.release()
 
     def _off(self, reason: str) -> None:
         self.active = False

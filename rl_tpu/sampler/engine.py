@@ -84,8 +84,9 @@ class Sampler:
             weights without transformers' per-call overhead) when it computes the model's numbers
             (:mod:`rl_tpu.sampler.fastpaths`); ``None``: on for the CPU. Other models keep their own forward.
         compile: run prefill and decode as compiled graphs (:class:`rl_tpu.sampler.compiled.CompiledSteps`), one
-            per bucket shape; packed weights, packed prefill and lean decode are then off (not static graphs), and
-            asking for one of them as well is refused. ``compile_backend``: ``torch.compile``'s backend (``None``:
+            per bucket shape; packed prefill and lean decode are then off (not static graphs), and asking for one
+            of them as well is refused; ``packed_weights`` then applies inside the graphs, to copies kept outside
+            them (:mod:`rl_tpu.sampler.compiled_packed`). ``compile_backend``: ``torch.compile``'s backend (``None``:
             the device's, :func:`rl_tpu.sampler.compiled.compile_backend_for`).
 
     Log-probs are ``log_softmax(logits / temperature)`` of the chosen token over the full vocabulary, before
@@ -140,13 +141,15 @@ class Sampler:
         self._tensors = model.state_dict(keep_vars=True)
         self.compiled: CompiledSteps | None = None
         if compile:
-            asked = [k for k, v in (("packed_weights", packed_weights), ("packed_prefill", packed_prefill),
-                                    ("lean_decode", lean_decode)) if v]
+            asked = [k for k, v in (("packed_prefill", packed_prefill), ("lean_decode", lean_decode)) if v]
             if asked:
                 raise SamplerError(f"compile=True with {', '.join(asked)}=True: compiled steps run the bucketed "
                                    "static shapes through the model's forward; leave those unset")
+            if packed_weights is None:  # inside the graphs, on copies kept outside them (see compiled_packed)
+                packed_weights = self.device.type == "cpu" and packed_linear_supported()
+            self.compiled = CompiledSteps(model, compile_backend or compile_backend_for(self.device),
+                                          packed_weights=bool(packed_weights))
             packed_weights = packed_prefill = lean_decode = False
-            self.compiled = CompiledSteps(model, compile_backend or compile_backend_for(self.device))
         if packed_weights is None:
             packed_weights = self.device.type == "cpu" and packed_linear_supported()
         self.packed = PackedLinears(model, batch_hint=16) if packed_weights else None
@@ -168,6 +171,8 @@ class Sampler:
         shared memory); an in-place write here is also caught by the tensors' version counters."""
         if self.packed is not None:
             self.packed.release()
+        if self.compiled is not None:
+            self.compiled.weights_changed()
 
     # ----------------------------------------------------------------------------------------------- weights
     @torch.no_grad()

@@ -60,6 +60,8 @@ def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None
     sampler.generate(random_prompts(lengths, seed=10), greedy)  # warm-up: compiles both shapes
     assert sampler.compiled.graphs == {"prefill": 1, "decode": 1}
     assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
+    # float32 on the CPU: every linear layer (2 layers x 7, and the LM head) runs on a oneDNN-packed copy
+    assert sampler.compiled.packed_linears == {"prefill": 15, "decode": 15}
     prompts = random_prompts(lengths, seed=11)
     with torch.compiler.set_stance("fail_on_recompile"):  # a recompile raises instead of running eagerly
         outs = sampler.generate(prompts, greedy)
@@ -113,6 +115,54 @@ def test_parameters_rebound_to_other_storage_are_read_without_recompiling() -> N
     assert [o.token_ids for o in after] == [o.token_ids for o in want] != [o.token_ids for o in before]
 
 
+def test_packed_linears_in_the_graphs_give_the_plain_graphs_numbers_and_follow_weight_writes() -> None:
+    """The compiled CPU graphs' linear layers multiply by packed copies kept outside the graph
+    (:mod:`rl_tpu.sampler.compiled_packed`): the same tokens and log-probs as graphs on the plain weights, before
+    and after weights are written in place (a stale copy would give the old weights' numbers), and after
+    ``weights_changed`` drops the copies."""
+    model = tiny_llama()
+    prompts = random_prompts([5, 19, 40])
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, logprobs=True)
+    packed = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
+    plain = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager",
+                    packed_weights=False)
+
+    def both():
+        got, want = packed.generate(prompts, params), plain.generate(prompts, params)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        return [o.token_ids for o in got]
+
+    before = both()
+    assert packed.compiled.packed_linears == {"prefill": 15, "decode": 15} and packed.compiled.packs.nbytes > 0
+    assert plain.compiled.packed_linears == {"prefill": 0, "decode": 0} and plain.compiled.packs is None
+    with torch.compiler.set_stance("fail_on_recompile"), torch.no_grad():
+        for mine, theirs in zip(model.parameters(), tiny_llama(seed=1).parameters()):
+            mine.copy_(theirs)  # in place, not announced: the version counters moved
+        after = both()
+        packed.weights_changed()
+        assert packed.compiled.packs.nbytes == 0
+        assert both() == after != before
+
+
+def test_the_packed_linear_op_is_plain_linear_outside_compiled_steps() -> None:
+    from rl_tpu.sampler.compiled_packed import PackCache
+
+    x, w, b = torch.randn(5, 3, 8), torch.randn(6, 8), torch.randn(6)
+    want = torch.nn.functional.linear(x, w, b)
+    assert torch.equal(torch.ops.rl_tpu.packed_linear(x, w, b), want)  # no active cache: F.linear itself
+    cache = PackCache()
+    with cache.active():
+        torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x, w, b), want, rtol=1e-5, atol=1e-6)
+        assert cache.nbytes == 6 * 8 * 4
+        with torch.no_grad():
+            w.mul_(2)
+        torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x, w, None), x @ w.T, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.ops.rl_tpu.packed_linear(x.bfloat16(), w.bfloat16(), None),
+                           torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
+
+
 class GraphBreakLlama(LlamaForCausalLM):
     """A Llama whose forward has a graph break (as some remote-code models do): no full graph."""
 
@@ -145,6 +195,7 @@ def test_bfloat16_compiles_as_the_tpu_profile_samples() -> None:
     with torch.compiler.set_stance("fail_on_recompile"):
         outs = sampler.generate(prompts, params)
     assert sampler.compiled.active and sampler.compiled.graphs == {"prefill": 1, "decode": 1}
+    assert sampler.compiled.packed_linears == {"prefill": 0, "decode": 0}  # oneDNN packing is for float32 only
     want = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_prefill=False).generate(prompts, params)
     for got, ref in zip(outs, want):
         assert got.token_ids == ref.token_ids
@@ -228,6 +279,7 @@ def test_the_job_setting_reaches_the_sampler(job_settings_here, tmp_path) -> Non
     sampler = build_sampler(str(path), rollout, "cpu")
     assert sampler.compiled is not None and sampler.compiled.backend == "inductor"
     assert sampler.packed is None and not sampler.lean_decode and not sampler.packed_prefill
+    assert sampler.compiled.packs is not None  # float32 on the CPU: packed weights inside the graphs
 
 
 @pytest.fixture()

@@ -1,0 +1,115 @@
+"""oneDNN-packed linear layers inside the sampler's compiled CPU graphs (``Sampler(compile=True)`` on a float32 model).
+
+Inductor, without ``freezing``, hands a compiled graph's linear layers to ATen's ``mm``/``addmm``, which on this
+project's CPUs is MKL's general ``sgemm`` on the row-major weight: at the decode step's few rows it reaches about
+60 GFLOP/s on one AMD EPYC core, where oneDNN's inner product on a copy of the weight reordered once into its blocked
+layout reaches about 140 (``benchmarks/bench_eager_ops.py`` prints both). ``freezing`` would let inductor pack the
+weights itself, but it bakes them into the graph as constants, so a weight sync would be ignored; and a packed
+(opaque oneDNN) tensor cannot be a graph input.
+
+So the packed copies stay outside the graph. :func:`pack_linears` rewrites the graph dynamo captured, before the
+backend compiles it: each ``linear(x, weight, bias)`` whose weight is a float32 CPU graph input (a parameter: with
+``inline_inbuilt_nn_modules``, dynamo's default, parameters are inputs) becomes ``rl_tpu::packed_linear(x, weight,
+bias)``, a custom op the backend calls as an external kernel, as it calls ``mm``. The op looks the packed copy up in
+the :class:`PackCache` of the compiled steps that are running (:meth:`PackCache.active`), keyed by the weight's
+storage address, shape and version counter, so an in-place copy into a parameter, or a parameter rebound to other
+storage (shared memory), is packed again at its next use and never computed on stale weights; a write by another
+process into shared memory must be announced (:meth:`PackCache.release`, which ``Sampler.weights_changed`` calls).
+Outside an active cache (or for a weight that is not float32) the op is ``torch.nn.functional.linear``.
+
+The numbers are float32 as before, summed in oneDNN's order: they differ from ``F.linear`` by float32 rounding
+(relative ~1e-6), as :mod:`rl_tpu.sampler.packed` does for the eager CPU sampler. The packed copies cost the weights'
+size again while they exist.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["PackCache", "pack_linears"]
+
+_ACTIVE: contextvars.ContextVar[PackCache | None] = contextvars.ContextVar("rl_tpu_pack_cache", default=None)
+
+
+class PackCache:
+    """Packed copies of the weights one :class:`~rl_tpu.sampler.compiled.CompiledSteps` multiplies by.
+
+    Args:
+        batch_hint: the row count oneDNN tunes the packed layout for (the decode batch; other counts give the same
+            result).
+    """
+
+    def __init__(self, batch_hint: int = 16) -> None:
+        self.batch_hint = max(1, int(batch_hint))
+        self._packed: dict[tuple, tuple[int, torch.Tensor]] = {}  # (data_ptr, shape, stride) -> (version, packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed copies hold now (float32, the weights' size; 0 after :meth:`release`)."""
+        return sum(4 * key[1][0] * key[1][1] for key in self._packed)
+
+    def release(self) -> None:
+        """Drop every packed copy (the weights changed where this process cannot see it, or memory is needed)."""
+        self._packed = {}
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` ``(out, in)`` float32, packed now if missing or if the weight was written
+        in this process since (its version counter moved)."""
+        key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
+        version = weight._version
+        entry = self._packed.get(key)
+        if entry is None or entry[0] != version:
+            with torch.inference_mode(False), torch.no_grad():
+                entry = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint))
+            self._packed[key] = entry
+        return entry[1]
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block, ``rl_tpu::packed_linear`` multiplies by this cache's packed copies."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+
+@torch.library.custom_op("rl_tpu::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)``: ``x`` ``(..., in)``, ``weight`` ``(out, in)``, ``bias``
+    ``(out,)`` or ``None`` -> ``(..., out)``, on the active :class:`PackCache`'s packed copy of ``weight`` when
+    there is one and everything is float32 on the CPU."""
+    cache = _ACTIVE.get()
+    if cache is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), cache.packed(weight), bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def pack_linears(gm: torch.fx.GraphModule) -> int:
+    """Rewrite, in place, the linear layers of a dynamo graph whose weight is a float32 CPU graph input into
+    ``rl_tpu::packed_linear``; returns how many were rewritten."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        value = getattr(weight, "meta", {}).get("example_value")
+        if getattr(weight, "op", None) != "placeholder" or value is None or value.dtype != torch.float32 \
+                or value.device.type != "cpu" or value.dim() != 2:
+            continue
+        node.target, node.args, node.kwargs = torch.ops.rl_tpu.packed_linear.default, (x, weight, bias), {}
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
