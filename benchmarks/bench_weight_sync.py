@@ -22,7 +22,10 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
   tensor ``receive_weights`` yields into its preallocated parameters (both stamps from the host's monotonic clock);
   buckets of ``--engine-bucket-mb`` (default ``--bucket-mb``). Its bytes are what the receiver counted (checked
   equal to the payload and to the source's ``weight_sync/pool_bytes``); the source's own figures
-  (``weight_sync/pool_*``, medians) are printed under the table.
+  (``weight_sync/pool_*``, medians) are printed under the table. Two rows: ``shared memory``, the engine's path
+  when source and receiver share a host (the buckets through a shared-memory file, only headers over gloo), and
+  ``broadcast``, its path to a receiver on another host (the bytes over gloo's TCP), forced here by handing the
+  receiver the source's handle with another host's boot id.
 - ``shared memory``: the production path on one host. A real :class:`~verl_backend.rollout.server.NativeRolloutServer`
   actor (SmolLM2 loaded, its parameters in a shared-memory file) and the driver as the trainer: hold generation,
   write every tensor into the server's parameters with :class:`~rl_tpu.shared_weights.SharedWeightsWriter`, resume
@@ -279,8 +282,10 @@ def _engine_side(role: str, named, bucket_bytes: int, threads: int, inbox, outbo
         outbox.put(("error", traceback.format_exc()))
 
 
-def run_engine(named, bucket_bytes, repeats, threads) -> tuple[list[float], list[int], list[dict]]:
-    """``repeats`` syncs source -> receiver: (seconds, receiver bytes, source metrics) per sync."""
+def run_engine(named, bucket_bytes, repeats, threads, other_host: bool = False) -> tuple[list[float], list[int],
+                                                                                      list[dict]]:
+    """``repeats`` syncs source -> receiver: (seconds, receiver bytes, source metrics) per sync. ``other_host``: the
+    receiver gets the source's shared-memory handle with another boot id, as a receiver on another host would."""
     from verl_backend.rollout.pool_sync import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
@@ -303,6 +308,9 @@ def run_engine(named, bucket_bytes, repeats, threads) -> tuple[list[float], list
             for inbox, _ in boxes.values():
                 inbox.put(step)
             actor, rollout = GlooCheckpointEngine.build_topology(1, 1, [reply("trainer"), reply("rollout")])
+            if other_host:
+                master = rollout["master"][0]
+                rollout["master"] = [{**master, "shm": {**master["shm"], "boot_id": "another-host"}}]
             boxes["trainer"][0].put({k: v[0] for k, v in actor.items()})
             boxes["rollout"][0].put({k: v[0] for k, v in rollout.items()})
             (_, start, sent), (_, end, got) = reply("trainer"), reply("rollout")
@@ -366,14 +374,16 @@ def main() -> None:
             ray.shutdown()
     if "gloo" not in args.skip:
         rows["gloo broadcast, 2 processes"] = run_gloo(named, bucket_bytes, args.repeats + 1, args.threads)[1:]
-    engine_metrics: list[dict] = []
+    engine_metrics: dict[str, list[dict]] = {}
     if "engine" not in args.skip:
         engine_mb = args.engine_bucket_mb or args.bucket_mb
-        label = f"gloo checkpoint engine, {engine_mb} MiB"
-        times, received, engine_metrics = run_engine(named, engine_mb << 20, args.repeats + 1, args.threads)
-        sent = {m["weight_sync/pool_bytes"] for m in engine_metrics}
-        assert set(received) == {total} and sent == {total}, f"engine moved {received} / {sent}, payload {total}"
-        rows[label], moved[label], engine_metrics = times[1:], received[-1], engine_metrics[1:]
+        for path, other_host in (("broadcast", True), ("shared memory", False)):
+            label = f"gloo engine {engine_mb} MiB, {path}"
+            times, received, metrics = run_engine(named, engine_mb << 20, args.repeats + 1, args.threads, other_host)
+            sent = {m["weight_sync/pool_bytes"] for m in metrics}
+            assert set(received) == {total} and sent == {total}, f"engine moved {received} / {sent}, payload {total}"
+            assert {m["weight_sync/pool_shared_memory"] for m in metrics} == {float(not other_host)}, metrics
+            rows[label], moved[label], engine_metrics[label] = times[1:], received[-1], metrics[1:]
 
     gb = total / 1e9
     ref = gb / statistics.median(rows["memcpy (reference)"])
@@ -387,9 +397,9 @@ def main() -> None:
         sec, rate = statistics.median(times), moved.get(label, total) / 1e9 / statistics.median(times)
         print(f"{label:<34} {moved.get(label, total):>11} {sec:>8.3f} {rate:>7.2f} {rate / ref:>9.0%} "
               f"{rate / fresh:>9.0%}")
-    if engine_metrics:
-        median = {k: statistics.median(m[k] for m in engine_metrics) for k in sorted(engine_metrics[0])}
-        print("gloo checkpoint engine, the source's metrics (median): " + ", ".join(
+    for label, metrics in engine_metrics.items():
+        median = {k: statistics.median(m[k] for m in metrics) for k in sorted(metrics[0])}
+        print(f"{label}, the source's metrics (median): " + ", ".join(
             f"{k} {v:.3f}" if k.endswith("seconds") else f"{k} {v:.0f}" for k, v in median.items()))
 
 

@@ -6,20 +6,22 @@ rollout reports the version its samples came from). :func:`choose_route` is the 
 facts the caller gathers, and says why; the rollout adapter (``verl_backend.rollout.adapter``) carries it out and
 logs the route and its reason once per replica. The transports, cheapest first:
 
-==================  ===========================================================================================
-``in_worker``        the sampler runs inside the trainer worker (``rollout.sampler_placement=worker``, the TPU
-                     profile): the weights load on its device; nothing crosses a process.
-``trainer_memory``   the actor's parameters live in a shared-memory file (:func:`hand_over` by the engine) and the
-                     rollout server on the same host computes on that file: the optimizer step is the sync, no
-                     bytes are copied (the sync only checks every tensor is in place).
-``shared_memory``    the server keeps its own weights in a shared-memory file on this host: each tensor is written
-                     into it once.
-``object_store``     anything else (another host, ``rl_tpu.shared_weights=false``, a file that cannot be mapped):
-                     buckets of ``bucket_bytes`` through Ray's object store, streamed (a bounded number in flight).
-``pool_broadcast``   the rollout replicas run in a pool of their own (a rollout slice, ``separate_async``): VeRL's
-                     checkpoint engine ``gloo`` (:mod:`verl_backend.rollout.pool_sync`) broadcasts buckets from
-                     trainer rank 0 to every rollout worker over a gloo group of their own.
-==================  ===========================================================================================
+======================  ===========================================================================================
+``in_worker``           the sampler runs inside the trainer worker (``rollout.sampler_placement=worker``, the TPU
+                        profile): the weights load on its device; nothing crosses a process.
+``trainer_memory``      the actor's parameters live in a shared-memory file (:func:`hand_over` by the engine) and the
+                        rollout server on the same host computes on that file: the optimizer step is the sync, no
+                        bytes are copied (the sync only checks every tensor is in place).
+``shared_memory``       the server keeps its own weights in a shared-memory file on this host: each tensor is written
+                        into it once.
+``object_store``        anything else (another host, ``rl_tpu.shared_weights=false``, a file that cannot be mapped):
+                        buckets of ``bucket_bytes`` through Ray's object store, streamed (a bounded number in flight).
+``pool_broadcast``      the rollout replicas run in a pool of their own (a rollout slice, ``separate_async``): VeRL's
+                        checkpoint engine ``gloo`` (:mod:`verl_backend.rollout.pool_sync`) broadcasts buckets from
+                        trainer rank 0 to every rollout worker over a gloo group of their own.
+``pool_shared_memory``  the same engine when every rollout worker is on trainer rank 0's host: the buckets go
+                        through a shared-memory file, only their headers over gloo.
+======================  ===========================================================================================
 
 The trainer hands its weights over explicitly: the engine calls :func:`hand_over` with its
 :class:`rl_tpu.shared_weights.SharedWeights`, and the adapter reads :func:`handed_over` in the same process (VeRL
@@ -30,7 +32,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-TRANSPORTS = ("in_worker", "trainer_memory", "shared_memory", "object_store", "pool_broadcast")
+TRANSPORTS = ("in_worker", "trainer_memory", "shared_memory", "object_store", "pool_broadcast",
+              "pool_shared_memory")
 
 _HANDED_OVER: dict[str, object] = {}  # role -> SharedWeights the trainer's engine handed over in this process
 

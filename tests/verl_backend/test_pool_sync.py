@@ -1,22 +1,30 @@
 """The ``gloo`` checkpoint engine (weight sync between a trainer pool and rollout pools): real processes, a real
 gloo group, VeRL's own topology calls, 1 MiB buckets.
 
-Two trainer ranks (rank 0 sends, rank 1 only walks its generator) and two rollout workers, each a spawned process.
-The weights: a 4 MiB float32 embedding (larger than a bucket: sent in chunks), bf16 and int64 tensors, and enough
-small ones to fill several buckets. Each receiver checks every tensor bit for bit and drops it at once (as the
-native rollout adapter does); peak memory is the process's max RSS over the sync minus before it.
+Two trainer ranks (rank 0 sends, rank 1 only walks its generator) and two rollout workers, each a spawned process
+that runs several syncs (prepare -> init_process_group -> send/receive -> finalize, as VeRL drives them). All four
+are on this host, so the engine takes its shared-memory path; a handle altered to name another host's boot id makes
+it fall back to the byte broadcast. The weights (seeded by the step, so every sync's bytes differ): a 4 MiB float32
+embedding (larger than a bucket: sent in chunks), bf16 and int64 tensors, and enough small ones to fill several
+buckets. Each receiver checks every tensor bit for bit; rollout worker 0 keeps the first layers' tensors to the end
+of the stream (the halves of the shared file are reused many times by then) and checks them again, and consumes
+slowly (the source must not overwrite a half it has not finished copying). Peak memory is the process's max RSS over
+the first sync minus before it.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import resource
+import time
 import traceback
 
 import pytest
 import torch
 
 BUCKET = 1 << 20
+FILE_LABEL = "rl_tpu_pool_sync"  # the shared-memory file's name in /proc/<pid>/fd and /proc/<pid>/maps
 
 
 def model_weights(seed: int = 0):
@@ -27,45 +35,83 @@ def model_weights(seed: int = 0):
         yield f"layers.{i}.w", torch.randn(512, 512, generator=g)  # 1 MiB: a bucket of its own
         yield f"layers.{i}.v", torch.randn(256, 256, generator=g)  # 256 KiB
         yield f"layers.{i}.norm", torch.randn(256, generator=g).to(torch.bfloat16)
-    yield "rope.ids", torch.arange(1000, dtype=torch.int64)
+    yield "rope.ids", torch.arange(1000, dtype=torch.int64) + seed
+
+
+MODEL_BYTES = sum(t.nbytes for _, t in model_weights())
 
 
 def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _held() -> dict[str, int]:
+    """Open descriptors of this process, those naming the engine's shared file, and mappings of it."""
+    fds = os.listdir("/proc/self/fd")
+    links = []
+    for fd in fds:
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum(FILE_LABEL in line for line in f)
+    return {"fds": len(fds), "files": sum(FILE_LABEL in link for link in links), "maps": maps}
+
+
 def _worker(role: str, index: int, inbox, outbox) -> None:
+    """One side across syncs: per ``(step)`` from ``inbox`` (``None`` ends) it answers ``prepare()``, then takes its
+    ``(init kwargs, expected step)`` and puts ``(kind, payload, rss growth, held during the sync, held after)``."""
     try:
         import asyncio
 
-        from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+        from verl_backend.rollout.pool_sync import GlooCheckpointEngine, PoolSyncError
 
         engine = GlooCheckpointEngine(bucket_size=BUCKET, is_master=(role == "trainer" and index == 0), timeout_s=120)
-        outbox.put(engine.prepare())
-        kwargs, steps = inbox.get()
-        engine.init_process_group(**kwargs)
-        expected = dict(model_weights()) if role == "rollout" else None
-        base = _max_rss_bytes()
-        if role == "trainer":
-            result = asyncio.run(engine.send_weights(model_weights(), global_steps=7))
-            outbox.put(("sent", result, _max_rss_bytes() - base))
-        else:
-            got, nbytes = [], 0
-            for name, tensor in engine.receive_weights(global_steps=steps):
-                want = expected.pop(name)
-                assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
-                assert torch.equal(tensor, want), name
-                got.append(name)
-                nbytes += tensor.nbytes
-                del tensor, want
-            outbox.put(("received", {"names": got, "bytes": nbytes, "left": sorted(expected)},
-                        _max_rss_bytes() - base))
-        engine.finalize()
+        first = True
+        while (step := inbox.get()) is not None:
+            outbox.put(engine.prepare())
+            kwargs, expect = inbox.get()
+            engine.init_process_group(**kwargs)
+            expected = dict(model_weights(step)) if role == "rollout" else None
+            base = _max_rss_bytes()
+            if role == "trainer":
+                metrics = asyncio.run(engine.send_weights(model_weights(step), global_steps=step))
+                report = engine.last_report if index == 0 else None
+                kind, payload = "sent", {"metrics": metrics, "transport": report and report.transport}
+            else:
+                kept, got, nbytes = {}, [], 0
+                try:
+                    for name, tensor in engine.receive_weights(global_steps=expect):
+                        want = expected.pop(name)
+                        assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+                        assert torch.equal(tensor, want), name
+                        got.append(name)
+                        nbytes += tensor.nbytes
+                        if index == 0:
+                            time.sleep(0.002)  # a slow consumer: the source runs ahead if it can
+                            if name.startswith(("layers.0.", "layers.1.")):
+                                kept[name] = tensor
+                        del tensor, want
+                    again = dict(model_weights(step)) if kept else {}
+                    changed = [n for n, t in kept.items() if not torch.equal(t, again[n])]
+                    kind, payload = "received", {"names": got, "bytes": nbytes, "left": sorted(expected),
+                                                 "kept": len(kept), "changed": changed}
+                except PoolSyncError as exc:
+                    kind, payload = "refused", str(exc)
+            growth = _max_rss_bytes() - base if first else 0
+            during = _held()
+            engine.finalize()
+            outbox.put((kind, payload, growth, during, _held()))
+            first = False
     except BaseException as exc:  # noqa: BLE001 -- reported to the test, which fails with it
-        outbox.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 0))
+        outbox.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 0, None, None))
 
 
-def _sync(expected_steps: tuple[int, int], timeout: float = 240):
+def _syncs(plan: list[tuple[int, tuple[int, int]]], other_host: tuple[int, ...] = (), timeout: float = 240):
+    """Run ``plan``'s syncs, ``(step sent, (step rollout worker 0 expects, ... worker 1 expects))`` each, on two
+    trainer ranks and two rollout workers; the rollout workers in ``other_host`` get the source's handle with another
+    boot id (as a worker on another host would). Returns per sync the four results, trainer ranks first."""
     from verl_backend.rollout.pool_sync import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
@@ -75,14 +121,27 @@ def _sync(expected_steps: tuple[int, int], timeout: float = 240):
              for (r, i), (inbox, outbox) in zip(roles, boxes, strict=True)]
     for p in procs:
         p.start()
+    results = []
     try:
-        metadata = [outbox.get(timeout=timeout) for _, outbox in boxes]
-        actor, rollout = GlooCheckpointEngine.build_topology(2, 2, metadata)
-        per_rank = [{k: v[i] for k, v in actor.items()} for i in range(2)]
-        per_rank += [{k: v[i] for k, v in rollout.items()} for i in range(2)]
-        for (inbox, _), kwargs, steps in zip(boxes, per_rank, (None, None, *expected_steps), strict=True):
-            inbox.put((kwargs, steps))
-        return [outbox.get(timeout=timeout) for _, outbox in boxes]
+        for step, expected_steps in plan:
+            for inbox, _ in boxes:
+                inbox.put(step)
+            metadata = [outbox.get(timeout=timeout) for _, outbox in boxes]
+            errors = [m[1] for m in metadata if isinstance(m, tuple)]
+            assert not errors, errors
+            actor, rollout = GlooCheckpointEngine.build_topology(2, 2, metadata)
+            per_rank = [{k: v[i] for k, v in actor.items()} for i in range(2)]
+            per_rank += [{k: v[i] for k, v in rollout.items()} for i in range(2)]
+            for i in other_host:
+                master = per_rank[2 + i]["master"]
+                per_rank[2 + i]["master"] = {**master, "shm": {**master["shm"], "boot_id": "another-host"}}
+            for (inbox, _), kwargs, steps in zip(boxes, per_rank, (None, None, *expected_steps), strict=True):
+                inbox.put((kwargs, steps))
+            results.append([outbox.get(timeout=timeout) for _, outbox in boxes])
+            assert not [r[1] for r in results[-1] if r[0] == "error"], [r[1] for r in results[-1] if r[0] == "error"]
+        for inbox, _ in boxes:
+            inbox.put(None)
+        return results
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -90,23 +149,69 @@ def _sync(expected_steps: tuple[int, int], timeout: float = 240):
                 p.kill()
 
 
-def test_every_rollout_worker_gets_every_tensor_bit_for_bit_from_one_source_or_refuses_a_stale_step():
-    """Rollout worker 0 expects the step the trainer sends (7), worker 1 another (8)."""
-    results = _sync(expected_steps=(7, 8))
-    (kind, sent, source_growth), (_, walked, _), (got_kind, got, growth), (refused, why, _) = results
-    assert kind == "sent" and got_kind == "received", [r[1] for r in results if r[0] == "error"]
-    model_bytes = sum(t.nbytes for _, t in model_weights())
-    assert walked == {}  # trainer rank 1 sent nothing
-    assert sent["weight_sync/pool_bytes"] == model_bytes
-    assert sent["weight_sync/pool_buckets"] >= model_bytes / BUCKET
-    assert got["left"] == [] and got["bytes"] == model_bytes
+def _check_delivered(received: tuple) -> None:
+    kind, got, *_ = received
+    assert kind == "received", received
+    assert got["left"] == [] and got["bytes"] == MODEL_BYTES
     assert len(got["names"]) == len(set(got["names"])) == 62
-    # nobody holds the model twice: a receiver holds a bucket or two (and the 4 MiB tensor while it is merged),
-    # the source one bucket beside the tensor its generator made
-    assert growth < model_bytes / 2, f"rollout worker grew {growth / 2**20:.1f} MiB for {model_bytes / 2**20:.1f}"
-    assert source_growth < model_bytes / 2, f"source grew {source_growth / 2**20:.1f} MiB"
-    # the stale worker refuses in one line, after draining the stream (the source above finished)
-    assert refused == "error" and "PoolSyncError: weight sync: the trainer sent step 7's weights" in why, why
+
+
+@pytest.fixture(scope="module")
+def same_host():
+    """Three syncs on this host (steps 7, 8, 9); rollout worker 1 expects step 8 on the first (a stale worker)."""
+    return _syncs([(7, (7, 8)), (8, (8, 8)), (9, (9, 9))])
+
+
+def test_same_host_syncs_go_through_shared_memory_bit_for_bit(same_host):
+    for number, ((kind, sent, *_), (_, walked, *_), first, second) in enumerate(same_host):
+        assert kind == "sent" and walked == {"metrics": {}, "transport": None}  # trainer rank 1 sent nothing
+        assert sent["transport"] == "pool_shared_memory"
+        assert sent["metrics"]["weight_sync/pool_shared_memory"] == 1.0
+        assert sent["metrics"]["weight_sync/pool_bytes"] == MODEL_BYTES
+        assert sent["metrics"]["weight_sync/pool_buckets"] >= MODEL_BYTES / BUCKET
+        _check_delivered(first)
+        # what the consumer kept is its own: not overwritten when the source reused the file's halves
+        assert first[1]["kept"] == 6 and first[1]["changed"] == [], first[1]
+        if number:
+            _check_delivered(second)
+        # during the sync the source holds the file and each receiver maps it
+        assert same_host[number][0][3]["files"] >= 1 and first[3]["maps"] >= 1
+    # nobody holds the model twice: a receiver holds a bucket or two (and the 4 MiB tensor while it is merged, and
+    # the pages of the shared file it read), the source two halves of the file beside the tensor its generator made
+    (_, _, source_growth, *_), _, (_, _, growth, *_), _ = same_host[0]
+    assert growth < MODEL_BYTES / 2, f"rollout worker grew {growth / 2**20:.1f} MiB for {MODEL_BYTES / 2**20:.1f}"
+    assert source_growth < MODEL_BYTES / 2, f"source grew {source_growth / 2**20:.1f} MiB"
+
+
+def test_stale_worker_drains_the_shared_memory_sync_and_refuses_in_one_line(same_host):
+    (kind, *_), _, (got_kind, *_), (refused, why, *_) = same_host[0]
+    assert kind == "sent" and got_kind == "received"  # the source and the other worker finished
+    assert refused == "refused" and why.startswith("weight sync: the trainer sent step 7's weights, this rollout "
+                                                   "worker expected step 8"), why
+    _check_delivered(same_host[1][3])  # and the stale worker takes the next sync whole
+
+
+def test_no_descriptor_or_mapping_outlives_a_sync(same_host):
+    for process in range(4):
+        after = [sync[process][4] for sync in same_host]
+        assert all(h["files"] == 0 and h["maps"] == 0 for h in after), after
+        assert after[0]["fds"] == after[1]["fds"] == after[2]["fds"], after  # 3 syncs, no descriptor gained
+
+
+def test_a_worker_on_another_host_makes_the_whole_sync_a_broadcast_with_the_same_bytes():
+    """Rollout worker 1 gets a handle naming another host; it is stale on the first sync (drained, broadcast)."""
+    syncs = _syncs([(7, (7, 8)), (8, (8, 8))], other_host=(1,))
+    for number, ((kind, sent, *_), _, first, second) in enumerate(syncs):
+        assert kind == "sent" and sent["transport"] == "pool_broadcast"
+        assert sent["metrics"]["weight_sync/pool_shared_memory"] == 0.0
+        assert sent["metrics"]["weight_sync/pool_bytes"] == MODEL_BYTES
+        _check_delivered(first)  # mapped the file, yet took the broadcast with everyone else
+        assert first[3]["maps"] >= 1 and second[3]["maps"] == 0
+        assert first[1]["changed"] == []
+        if number:
+            _check_delivered(second)
+    assert syncs[0][3][0] == "refused" and "the trainer sent step 7's weights" in syncs[0][3][1]
+    assert all(s[p][4]["files"] == 0 and s[p][4]["maps"] == 0 for s in syncs for p in range(4))
 
 
 def test_topology_without_a_source_store_is_one_line():

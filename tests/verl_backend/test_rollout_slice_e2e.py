@@ -82,6 +82,7 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
     for m in rows:
         assert m["weight_sync/pool_bytes"] == model_bytes
         assert m["weight_sync/pool_seconds"] > 0
+        assert m["weight_sync/pool_shared_memory"] == 1.0  # the fake slices share this host: the shared-memory path
         assert m["timing_s/old_log_prob"] > 0  # bypass off: pi_old's log-probs computed, saved/restored in between
     # the rollout slice's replica (rank 1: the trainer's colocated replica is 0) samples in the CheckpointEngineWorker
     # that holds its chip, which loads what the gloo engine delivered into its own sampler

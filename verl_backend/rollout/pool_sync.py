@@ -18,11 +18,26 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
 - versioned: each sync carries the trainer step (``global_steps``), checked on every receiver;
 - the group is made for one sync and destroyed in ``finalize``: a replica restarted between syncs joins the next one.
 
-The source returns the sync's figures (bytes, buckets, seconds), which VeRL merges into the step's metrics.
+Same host (the CPU backend's ``separate_async``, a TPU host that holds both pools): the bytes skip gloo's TCP
+loopback. In ``prepare`` the source makes a shared-memory file of two halves of ``bucket_size``
+(:mod:`verl_backend.rollout.pool_shm`); each rollout worker maps it read-only if it is on the same host (boot id)
+and sees the same file (a nonce). One all-reduce at the start of the sync picks the transport for the whole group:
+shared memory only if every receiver mapped it, else the byte broadcast above, unchanged (never a mix). Then the
+source packs each bucket into the free half and broadcasts only its header; each receiver copies the bucket out into
+a fresh buffer, and a one-number all-reduce per bucket tells the source that half may be reused (packing bucket k+1
+overlaps the copies of bucket k). Cost: a memory copy on each side instead of a socket, and 2 x ``bucket_size``
+of shared memory on the source while the sync runs (a new file per sync: its pages are first touched, and freed in
+``finalize``); the bytes delivered are the same. The gain is the loopback copies (``bench_weight_sync.py``: 256 MiB
+in 64 MiB buckets, 0.32 s broadcast vs 0.27 s on a 2-core host, where fresh pages cost as much as the copies).
+
+The source returns the sync's figures (bytes, buckets, seconds, and ``weight_sync/pool_shared_memory`` 1 or 0),
+which VeRL merges into the step's metrics; its :class:`~verl_backend.weight_sync.SyncReport` names the transport
+(``pool_shared_memory`` or ``pool_broadcast``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -42,10 +57,12 @@ from verl.checkpoint_engine.base import (
 
 from verl_backend import weight_sync
 from verl_backend.rollout.inworker import InWorkerGenerate
+from verl_backend.rollout.pool_shm import BucketFile, BucketMapping, map_bucket_file
 
 logger = logging.getLogger(__name__)
 
 _HEADER = 3  # int64: payload bytes, JSON bytes, 1 on the last bucket
+_TOLD: set[str] = set()  # reasons a receiver could not use shared memory, logged once per process
 
 
 class PoolSyncError(RuntimeError):
@@ -67,8 +84,9 @@ def _dtype(name: str) -> torch.dtype:
 
 @CheckpointEngineRegistry.register("gloo")
 class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
-    """VeRL checkpoint engine ``gloo``: one trainer rank broadcasts bucketed weights to every rollout worker.
-    With ``sampler_placement=worker`` (the TPU profile) its rollout workers also sample, on their own chips
+    """VeRL checkpoint engine ``gloo``: one trainer rank broadcasts bucketed weights to every rollout worker
+    (through a shared-memory file when all of them are on its host: module docstring). With
+    ``sampler_placement=worker`` (the TPU profile) its rollout workers also sample, on their own chips
     (:class:`verl_backend.rollout.inworker.InWorkerGenerate`).
 
     Args:
@@ -84,17 +102,26 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self.rank: int | None = None
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None
+        self._file: BucketFile | None = None  # source: this sync's shared-memory buckets
+        self._mapping: BucketMapping | None = None  # receiver: the source's file, mapped read-only
+        self._shared = False  # this sync's transport: shared memory (True) or the byte broadcast
         self.last_report: weight_sync.SyncReport | None = None
 
     # -- set-up, once per sync ---------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """On trainer rank 0, start the group's store on a free port; returns ``{"host", "port"}`` there, ``{}``
-        elsewhere."""
+        """On trainer rank 0, start the group's store on a free port and make the sync's shared-memory file;
+        returns ``{"host", "port", "shm"}`` there (``shm``: :meth:`BucketFile.handle`, ``None`` if the platform
+        cannot make one), ``{}`` elsewhere."""
         if not self.is_master:
             return {}
+        self._close_shared()  # a sync that failed before finalize
         host = _node_ip()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        return {"host": host, "port": self._store.port}
+        try:
+            self._file = BucketFile(self.bucket_size)
+        except OSError as exc:
+            logger.info("weight sync: no shared-memory file (%s); buckets go over gloo", exc)
+        return {"host": host, "port": self._store.port, "shm": self._file.handle() if self._file else None}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
@@ -115,18 +142,32 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master: dict) -> None:
-        """Join the sync's gloo group (ranks < 0 stay out)."""
+        """Join the sync's gloo group (ranks < 0 stay out); a rollout worker also maps the source's shared-memory
+        file if it can (see :func:`~verl_backend.rollout.pool_shm.map_bucket_file`)."""
         self.rank = rank
         if rank < 0:
             return
+        if rank > 0:
+            self._close_shared()
+            self._mapping, why = map_bucket_file(master.get("shm"))
+            if self._mapping is None and why not in _TOLD:
+                _TOLD.add(why)
+                logger.info("weight sync: buckets come over gloo, not shared memory: %s", why)
         store = self._store if rank == 0 else dist.TCPStore(master["host"], master["port"], is_master=False,
                                                              timeout=self.timeout)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("rl_tpu_pool_sync", store), rank, world_size,
                                            self.timeout)
 
     def finalize(self) -> None:
-        """Drop the group and the store (the next sync builds new ones)."""
+        """Drop the group, the store and the shared-memory file or mapping (the next sync builds new ones)."""
+        self._close_shared()
         self.group, self._store, self.rank = None, None, None
+
+    def _close_shared(self) -> None:
+        for held in (self._file, self._mapping):
+            if held is not None:
+                held.close()
+        self._file, self._mapping, self._shared = None, None, False
 
     # -- the sync -------------------------------------------------------------------------------------------------------
     def _broadcast(self, tensor: torch.Tensor) -> None:
@@ -134,19 +175,42 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
 
-    def _send_bucket(self, buffer: torch.Tensor, length: int, metas: list[dict], last: bool) -> None:
+    def _all_min(self, flag: int) -> int:
+        tensor = torch.tensor([flag], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([tensor], opts).wait()
+        return int(tensor)
+
+    def _choose_transport(self, can_map: bool) -> None:
+        """The one collective that picks shared memory (every rank could use the file) or the byte broadcast."""
+        self._shared = bool(self._all_min(int(can_map)))
+
+    def _send_bucket(self, buffer: torch.Tensor, length: int, metas: list[dict], last: bool, index: int) -> None:
+        """Bucket ``index``: header, JSON, then the bytes (broadcast) or nothing (shared memory: the bytes are in
+        half ``index % 2``; the receivers' copy of bucket ``index - 1`` is awaited, so its half may be reused)."""
         header = json.dumps(metas).encode()
         self._broadcast(torch.tensor([length, len(header), int(last)], dtype=torch.int64))
         self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        if length:
-            self._broadcast(buffer[:length])
+        if not self._shared:
+            if length:
+                self._broadcast(buffer[:length])
+            return
+        if index:
+            self._all_min(1)  # every receiver has copied bucket index - 1
+        if last:
+            self._all_min(1)  # ... and this one: the sync is done when the source returns
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None):
         """Broadcast ``weights`` (``(name, tensor)`` pairs, any device, DTensors gathered) from the source rank.
 
         Every trainer rank must call it with its own generator: producing a tensor is collective over the trainer.
-        Returns the source's figures (``weight_sync/pool_*``: bytes, buckets, seconds) for VeRL's step metrics;
-        ``{}`` on the other ranks.
+        Returns the source's figures (``weight_sync/pool_*``: bytes, buckets, seconds, and ``pool_shared_memory``
+        1.0 if the bytes went through the shared-memory file, 0.0 if broadcast) for VeRL's step metrics; ``{}`` on
+        the other ranks.
+
+        Raises:
+            PoolSyncError: called before :meth:`init_process_group`.
         """
         start = time.perf_counter()
         if self.rank is None:
@@ -160,38 +224,52 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             for _ in gathered():
                 pass
             return {}
-        buffer = torch.empty(self.bucket_size, dtype=torch.uint8)
         self._broadcast(torch.tensor([-1 if global_steps is None else int(global_steps)], dtype=torch.int64))
+        self._choose_transport(self._file is not None)
+        halves = (self._file.half(0), self._file.half(1)) if self._shared else None
+        buffer = halves[0] if halves else torch.empty(self.bucket_size, dtype=torch.uint8)
         metas, offset, total, buckets = [], 0, 0, 0
         async for meta, chunk in split_weight_chunks(gathered(), self.bucket_size):
             if offset + meta.chunk_size > self.bucket_size:
-                self._send_bucket(buffer, offset, metas, last=False)
+                self._send_bucket(buffer, offset, metas, last=False, index=buckets)
                 metas, offset, buckets = [], 0, buckets + 1
+                buffer = halves[buckets % 2] if halves else buffer
             buffer[offset:offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
             metas.append({"name": meta.name, "shape": list(meta.shape), "dtype": str(meta.dtype),
                           "chunk_offset": meta.chunk_offset, "chunk_size": meta.chunk_size, "offset": offset})
             offset += meta.chunk_size
             total += meta.chunk_size
-        self._send_bucket(buffer, offset, metas, last=True)
+        self._send_bucket(buffer, offset, metas, last=True, index=buckets)
+        del buffer, halves  # views of the file: finalize unmaps it
         seconds = time.perf_counter() - start
-        self.last_report = weight_sync.SyncReport(version=global_steps, transport="pool_broadcast", bytes=float(total),
+        transport = "pool_shared_memory" if self._shared else "pool_broadcast"
+        self.last_report = weight_sync.SyncReport(version=global_steps, transport=transport, bytes=float(total),
                                                   copied_bytes=float(total), seconds=seconds, buckets=buckets + 1)
-        logger.info("weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers, %.2f s",
-                    global_steps, total / 2**20, buckets + 1, self.bucket_size >> 20, self.group.size() - 1, seconds)
+        logger.info("weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers by %s, %.2f s",
+                    global_steps, total / 2**20, buckets + 1, self.bucket_size >> 20, self.group.size() - 1,
+                    transport, seconds)
         return {"weight_sync/pool_bytes": float(total), "weight_sync/pool_buckets": float(buckets + 1),
-                "weight_sync/pool_seconds": seconds}
+                "weight_sync/pool_seconds": seconds, "weight_sync/pool_shared_memory": float(self._shared)}
 
-    def _chunks(self) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
-        while True:
+    def _chunks(self, keep: bool = True) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+        """The stream's chunks, bucket by bucket (``keep=False``: drained, the shared buckets not even copied)."""
+        for index in itertools.count():
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._broadcast(header)
             length, meta_len, last = (int(x) for x in header)
             meta_bytes = torch.zeros(meta_len, dtype=torch.uint8)
             self._broadcast(meta_bytes)
-            buffer = torch.empty(length, dtype=torch.uint8)  # fresh per bucket: the consumer may keep its views
-            if length:
-                self._broadcast(buffer)
-            for m in json.loads(meta_bytes.numpy().tobytes()):
+            if not self._shared:
+                buffer = torch.empty(length, dtype=torch.uint8)  # fresh per bucket: the consumer may keep its views
+                if length:
+                    self._broadcast(buffer)
+            else:
+                if index:
+                    self._all_min(1)  # bucket index - 1 was copied out before its chunks were yielded
+                buffer = self._mapping.copy_out(index % 2, length) if keep else torch.empty(0, dtype=torch.uint8)
+                if last:
+                    self._all_min(1)
+            for m in json.loads(meta_bytes.numpy().tobytes()) if keep else ():
                 meta = TensorMeta(name=m["name"], shape=torch.Size(m["shape"]), dtype=_dtype(m["dtype"]),
                                   chunk_offset=m["chunk_offset"], chunk_size=m["chunk_size"], offset=m["offset"])
                 yield meta, buffer[meta.offset:meta.offset + meta.chunk_size]
@@ -200,18 +278,21 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
 
     def receive_weights(self, global_steps: int | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yield ``(name, tensor)`` (CPU) as buckets arrive; a tensor larger than a bucket once all its chunks have.
+        Each bucket is a fresh buffer (broadcast into, or copied out of the shared-memory file), so the consumer may
+        keep what it is given.
 
         Raises:
             PoolSyncError: the source sends another trainer step than ``global_steps`` (raised after the stream is
-                drained, so the source finishes).
+                drained, so the source finishes), or this is not a rollout worker's rank.
         """
         if self.rank is None or self.rank <= 0:
             raise PoolSyncError("checkpoint_engine gloo: receive_weights on a rank that is not a rollout worker")
         version = torch.zeros(1, dtype=torch.int64)
         self._broadcast(version)
+        self._choose_transport(self._mapping is not None)
         sent = None if int(version) < 0 else int(version)
         if global_steps is not None and sent is not None and sent != int(global_steps):
-            for _ in self._chunks():  # drained, so the source is not left waiting on this worker
+            for _ in self._chunks(keep=False):  # drained, so the source is not left waiting on this worker
                 pass
             raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
                                 f"step {global_steps}")
