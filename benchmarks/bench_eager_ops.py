@@ -29,6 +29,8 @@ training step's shapes on a padded micro batch at its bucket length: a no-grad l
 batch (update: forward + loss + backward) are counted by :func:`rl_tpu.train_opcount.micro_batch_ops`, eager and
 with compiled blocks (each block's forward and backward graph one launch).
 
+Inductor's caches are off unless ``--use-compile-cache``: a cached graph would read as a 0-second compile.
+
     python benchmarks/bench_eager_ops.py [--tiny] [--threads 1] [--prompts 4] [--n 4] [--repeats 3] [--train-len 256]
 """
 
@@ -184,8 +186,15 @@ def main() -> None:
     ap.add_argument("--logprob-rows", type=int, default=8, help="log-prob micro batch rows (default job: 8)")
     ap.add_argument("--train-len", type=int, default=256,
                     help="padded micro batch bucket length (default job: 128 + 64 tokens -> 256)")
+    ap.add_argument("--use-compile-cache", action="store_true",
+                    help="let inductor reuse graphs compiled by earlier runs (compile seconds and graph counts then "
+                         "read 0 or less than a fresh compile)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.use_compile_cache:  # a cache hit skips the compile being measured (and the graph counter's hook)
+        from torch._inductor import config as inductor_config
+
+        inductor_config.force_disable_caches = True
 
     model, label = load_model(args.tiny)
     vocab = model.config.vocab_size
