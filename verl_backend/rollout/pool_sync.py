@@ -28,7 +28,8 @@ source packs each bucket into the free half and broadcasts only its header; each
 receiver moves on to the next bucket, tells the source the half may be reused (packing bucket k+1 overlaps the
 consumers' reads of bucket k). Cost: one memory copy on the source and one by each consumer instead of a socket's,
 and 2 x ``bucket_size`` of shared memory on the source while the sync runs (a new file per sync, freed in
-``finalize``); the bytes delivered are the same.
+``finalize``); the bytes delivered are the same. ``benchmarks/bench_weight_sync.py``, SmolLM2's 538 MB in 64 MiB
+buckets on a 2-core host: 0.22 s against 1.28 s by broadcast (a plain memory copy: 0.03 s; into fresh pages: 0.29 s).
 
 What a receiver yields is valid until its consumer asks for a tensor of the next bucket, as with VeRL's own
 ``nccl`` engine (double-buffered: a bucket's views are overwritten two buckets later) and every consumer in rl-tpu
