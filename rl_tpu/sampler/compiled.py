@@ -158,5 +158,6 @@ class CompiledSteps:
 
     def _off(self, reason: str) -> None:
         self.active = False
+        self.weights_changed()  # the eager steps do not read the packed copies: free them
         say_once(f"compiled steps off for {type(self.model).__name__} ({' '.join(reason.split())[:300]}): prefill "
                  "and decode run eagerly")

@@ -12,9 +12,11 @@ backend compiles it: each ``linear(x, weight, bias)`` whose weight is a float32 
 ``inline_inbuilt_nn_modules``, dynamo's default, parameters are inputs) becomes ``rl_tpu::packed_linear(x, weight,
 bias)``, a custom op the backend calls as an external kernel, as it calls ``mm``. The op looks the packed copy up in
 the :class:`PackCache` of the compiled steps that are running (:meth:`PackCache.active`), keyed by the weight's
-storage address, shape and version counter, so an in-place copy into a parameter, or a parameter rebound to other
-storage (shared memory), is packed again at its next use and never computed on stale weights; a write by another
-process into shared memory must be announced (:meth:`PackCache.release`, which ``Sampler.weights_changed`` calls).
+storage address, shape and version counter and checked against the storage itself (a weak reference), so an
+in-place copy into a parameter, or a parameter rebound to other storage (shared memory), is packed again at its next
+use; copies of freed storage are dropped. A write this process's version counters do not see (another process
+through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCache.release`, which
+``Sampler.weights_changed`` calls), as for the eager sampler's packed weights.
 Outside an active cache (or for a weight that is not float32) the op is ``torch.nn.functional.linear``.
 
 The numbers are float32 as before, summed in oneDNN's order: they differ from ``F.linear`` by float32 rounding
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["PackCache", "pack_linears"]
 
@@ -45,7 +48,8 @@ class PackCache:
 
     def __init__(self, batch_hint: int = 16) -> None:
         self.batch_hint = max(1, int(batch_hint))
-        self._packed: dict[tuple, tuple[int, torch.Tensor]] = {}  # (data_ptr, shape, stride) -> (version, packed)
+        # (data_ptr, shape, stride) -> (version, packed copy, weak reference to the weight's storage)
+        self._packed: dict[tuple, tuple[int, torch.Tensor, StorageWeakRef]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -57,14 +61,19 @@ class PackCache:
         self._packed = {}
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` ``(out, in)`` float32, packed now if missing or if the weight was written
-        in this process since (its version counter moved)."""
+        """The packed copy of ``weight`` ``(out, in)`` float32, packed now if missing, if the weight was written in
+        this process since (its version counter moved), or if its storage is not the one packed (freed, and another
+        tensor now at its address)."""
         key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
         version = weight._version
         entry = self._packed.get(key)
-        if entry is None or entry[0] != version:
+        if entry is None or entry[0] != version or entry[2].expired() \
+                or entry[2].cdata != weight.untyped_storage()._cdata:
+            for stale in [k for k, (_, _, ref) in self._packed.items() if ref.expired()]:
+                del self._packed[stale]  # weights freed or rebound: their copies go with them
             with torch.inference_mode(False), torch.no_grad():
-                entry = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint))
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+            entry = (version, packed, StorageWeakRef(weight.untyped_storage()))
             self._packed[key] = entry
         return entry[1]
 
@@ -95,18 +104,19 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def pack_linears(gm: torch.fx.GraphModule) -> int:
-    """Rewrite, in place, the linear layers of a dynamo graph whose weight is a float32 CPU graph input into
-    ``rl_tpu::packed_linear``; returns how many were rewritten."""
+    """Rewrite, in place, the linear layers of a dynamo graph whose weight is a float32 CPU parameter (a graph
+    input) into ``rl_tpu::packed_linear``; returns how many were rewritten."""
     count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
-        x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])
+        bias = node.kwargs.get("bias", args[2])
         value = getattr(weight, "meta", {}).get("example_value")
-        if getattr(weight, "op", None) != "placeholder" or value is None or value.dtype != torch.float32 \
-                or value.device.type != "cpu" or value.dim() != 2:
-            continue
+        if getattr(weight, "op", None) != "placeholder" or not isinstance(value, torch.nn.Parameter) \
+                or value.dtype != torch.float32 or value.device.type != "cpu" or value.dim() != 2:
+            continue  # only a model's own float32 weights: an input that changes each call is not worth packing
         node.target, node.args, node.kwargs = torch.ops.rl_tpu.packed_linear.default, (x, weight, bias), {}
         count += 1
     if count:

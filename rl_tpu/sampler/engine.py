@@ -147,6 +147,9 @@ class Sampler:
                                    "static shapes through the model's forward; leave those unset")
             if packed_weights is None:  # inside the graphs, on copies kept outside them (see compiled_packed)
                 packed_weights = self.device.type == "cpu" and packed_linear_supported()
+            elif packed_weights and not (self.device.type == "cpu" and packed_linear_supported()):
+                raise SamplerError(f"packed_weights=True on {self.device.type}: packed weights are oneDNN's, on a "
+                                   "CPU whose torch has mkldnn; leave it unset")
             self.compiled = CompiledSteps(model, compile_backend or compile_backend_for(self.device),
                                           packed_weights=bool(packed_weights))
             packed_weights = packed_prefill = lean_decode = False

@@ -94,10 +94,9 @@ class BucketMapping:
     def __init__(self, reader: SharedWeightsReader) -> None:
         self._reader = reader
 
-    def view(self, half: int, length: int) -> torch.Tensor:
-        """The first ``length`` bytes of half ``half``: a read-only view of the mapping (uint8), valid until the
-        source reuses the half (see the engine's ``receive_weights``). Read it, never write it (the mapping is
-        read-only).
+    def copy_out(self, half: int, length: int) -> torch.Tensor:
+        """The first ``length`` bytes of half ``half``, copied into a fresh uint8 tensor (the caller may keep it
+        after the source reuses the half).
 
         Raises:
             ValueError: ``half`` is not 0 or 1, or ``length`` exceeds the half.
@@ -106,7 +105,7 @@ class BucketMapping:
         if view is None or not 0 <= length <= view.numel():
             raise ValueError(f"bucket of {length} bytes in half {half}: the shared file has halves 0 and 1 of "
                              f"{self._reader.tensors['half0'].numel()} bytes")
-        return view[:length]
+        return view[:length].clone()
 
     def close(self) -> None:
         """Unmap (the mapping's own descriptor closes with it)."""

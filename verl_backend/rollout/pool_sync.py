@@ -12,8 +12,8 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
 - bucketed and streamed: tensors are cut into chunks of at most ``bucket_size`` bytes
   (:func:`verl.checkpoint_engine.base.split_weight_chunks`) and each full bucket is broadcast as soon as it is
   packed: a JSON header (names, shapes, dtypes, offsets), then the bytes. Memory on the source: one bucket buffer
-  beside the tensor the generator made; on a receiver: the bucket it is reading, and a tensor larger than a bucket
-  while its chunks arrive
+  beside the tensor the generator made; on a receiver: the bucket it is reading (a fresh buffer per bucket, so a
+  consumer may keep the yielded views), and a tensor larger than a bucket while its chunks arrive
   (:func:`~verl.checkpoint_engine.base.merge_weight_chunks`);
 - versioned: each sync carries the trainer step (``global_steps``), checked on every receiver;
 - the group is made for one sync and destroyed in ``finalize``: a replica restarted between syncs joins the next one.
@@ -23,18 +23,16 @@ loopback. In ``prepare`` the source makes a shared-memory file of two halves of 
 (:mod:`verl_backend.rollout.pool_shm`); each rollout worker maps it read-only if it is on the same host (boot id)
 and sees the same file (a nonce). One all-reduce at the start of the sync picks the transport for the whole group:
 shared memory only if every receiver mapped it, else the byte broadcast above, unchanged (never a mix). Then the
-source packs each bucket into the free half and broadcasts only its header; each receiver yields views of that half
-(no copy: its consumer copies each tensor into its own weights), and a one-number all-reduce per bucket, when a
-receiver moves on to the next bucket, tells the source the half may be reused (packing bucket k+1 overlaps the
-consumers' reads of bucket k). Cost: one memory copy on the source and one by each consumer instead of a socket's,
-and 2 x ``bucket_size`` of shared memory on the source while the sync runs (a new file per sync, freed in
-``finalize``); the bytes delivered are the same. ``benchmarks/bench_weight_sync.py``, SmolLM2's 538 MB in 64 MiB
-buckets on a 2-core host: 0.22 s against 1.28 s by broadcast (a plain memory copy: 0.03 s; into fresh pages: 0.29 s).
-
-What a receiver yields is valid until its consumer asks for a tensor of the next bucket, as with VeRL's own
-``nccl`` engine (double-buffered: a bucket's views are overwritten two buckets later) and every consumer in rl-tpu
-(each copies a tensor into its weights as it comes); a tensor larger than a bucket is merged into a buffer of its
-own (:func:`~verl.checkpoint_engine.base.merge_weight_chunks`). The broadcast path yields a fresh buffer per bucket.
+source packs each bucket into the free half and broadcasts only its header; each receiver copies the bucket out into
+a fresh buffer, and a one-number all-reduce per bucket tells the source that half may be reused (packing bucket k+1
+overlaps the copies of bucket k). Cost: a memory copy on each side instead of a socket, and 2 x ``bucket_size`` of
+shared memory on the source while the sync runs (a new file per sync: its pages are first touched, and freed in
+``finalize``); the bytes delivered are the same, and the consumer may keep what it is given, as on the broadcast
+path (some do: the object-store route groups tensors into buckets before copying them, and a device copy may read
+its source after it returns). ``benchmarks/bench_weight_sync.py``, SmolLM2's 538 MB in 64 MiB buckets on a 2-core
+host: 0.94 s against 1.97 s by broadcast (a plain memory copy: 0.035 s; into fresh pages: 0.24 s). Yielding views
+of the half instead of copies measured 0.22 s against 1.28 s in another run, but is not safe for every consumer
+(above); it would need a consumer's opt-in.
 
 The source returns the sync's figures (bytes, buckets, seconds, and ``weight_sync/pool_shared_memory`` 1 or 0),
 which VeRL merges into the step's metrics; its :class:`~verl_backend.weight_sync.SyncReport` names the transport
@@ -258,7 +256,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 "weight_sync/pool_seconds": seconds, "weight_sync/pool_shared_memory": float(self._shared)}
 
     def _chunks(self, keep: bool = True) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
-        """The stream's chunks, bucket by bucket (``keep=False``: drained, the shared buckets not even read)."""
+        """The stream's chunks, bucket by bucket (``keep=False``: drained, the shared buckets not even copied)."""
         for index in itertools.count():
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._broadcast(header)
@@ -271,8 +269,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                     self._broadcast(buffer)
             else:
                 if index:
-                    self._all_min(1)  # the consumer is done with bucket index - 1: the source may reuse its half
-                buffer = self._mapping.view(index % 2, length) if keep else torch.empty(0, dtype=torch.uint8)
+                    self._all_min(1)  # bucket index - 1 was copied out: the source may reuse its half
+                buffer = self._mapping.copy_out(index % 2, length) if keep else torch.empty(0, dtype=torch.uint8)
             for m in json.loads(meta_bytes.numpy().tobytes()) if keep else ():
                 meta = TensorMeta(name=m["name"], shape=torch.Size(m["shape"]), dtype=_dtype(m["dtype"]),
                                   chunk_offset=m["chunk_offset"], chunk_size=m["chunk_size"], offset=m["offset"])
@@ -284,9 +282,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
 
     def receive_weights(self, global_steps: int | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yield ``(name, tensor)`` (CPU) as buckets arrive; a tensor larger than a bucket once all its chunks have.
-        Through shared memory a tensor is a read-only view of the source's file, valid until the consumer asks for
-        a tensor of the next bucket (VeRL's ``nccl`` engine's contract): copy it, do not keep or write it. The
-        broadcast path yields a fresh buffer per bucket.
+        Each bucket is a fresh buffer (broadcast into, or copied out of the shared-memory file), so the consumer may
+        keep what it is given.
 
         Raises:
             PoolSyncError: the source sends another trainer step than ``global_steps`` (raised after the stream is

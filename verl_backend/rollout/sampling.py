@@ -45,7 +45,9 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
         **sampler_fast_paths(rollout_config),
     )
     on = {True: "on", False: "off"}
-    packed = sampler.packed is not None or (sampler.compiled is not None and sampler.compiled.packs is not None)
+    float32 = next(sampler.model.parameters()).dtype == torch.float32  # oneDNN packs float32 weights only
+    packed = float32 and (sampler.packed is not None or (sampler.compiled is not None
+                                                         and sampler.compiled.packs is not None))
     print(f"[rl-tpu] native sampler ({dtype}, {device.type}): packed prefill {on[sampler.packed_prefill]}, lean "
           f"decode {on[sampler.lean_decode]}, packed weights {on[packed]}, compiled "
           f"{on[sampler.compiled is not None]}", flush=True)
