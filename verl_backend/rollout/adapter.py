@@ -224,6 +224,8 @@ class NativeServerAdapter(BaseRollout):
                     n += t.numel() * t.element_size()
                     yield name, t.detach()
 
+            if self.sampler.device.type == "cpu":  # each tensor is copied as it comes: views suffice (gloo engine)
+                _allow_views(weights)
             self.sampler.load_state_dict(counted(weights))
             if self.is_leader:
                 await self._server_handle().set_global_steps.remote(global_steps)
@@ -248,6 +250,7 @@ class NativeServerAdapter(BaseRollout):
                                     f"trainer's parameters, {copied / 1e6:.0f} MB copied")
             return
         if route.transport == "shared_memory":
+            _allow_views(weights)  # the writer copies each tensor into its slot as it comes
             writer = self._writer
             await server.begin_weight_update.remote()
             try:
@@ -284,3 +287,12 @@ class NativeServerAdapter(BaseRollout):
             print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {transport}"
                   f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
                   flush=True)
+
+
+def _allow_views(weights) -> None:
+    """Tell a weight stream that can hand out views of a reused buffer (the ``gloo`` engine's shared-memory path,
+    :class:`verl_backend.rollout.pool_sync.ReceivedWeights`) that this consumer copies each tensor before asking for
+    the next; any other stream is left as it is."""
+    allow = getattr(weights, "allow_views", None)
+    if callable(allow):
+        allow()

@@ -94,9 +94,9 @@ class BucketMapping:
     def __init__(self, reader: SharedWeightsReader) -> None:
         self._reader = reader
 
-    def copy_out(self, half: int, length: int) -> torch.Tensor:
-        """The first ``length`` bytes of half ``half``, copied into a fresh uint8 tensor (the caller may keep it
-        after the source reuses the half).
+    def view(self, half: int, length: int) -> torch.Tensor:
+        """The first ``length`` bytes of half ``half`` as a read-only view of the mapping (uint8): valid until the
+        source reuses the half; never write it.
 
         Raises:
             ValueError: ``half`` is not 0 or 1, or ``length`` exceeds the half.
@@ -105,7 +105,15 @@ class BucketMapping:
         if view is None or not 0 <= length <= view.numel():
             raise ValueError(f"bucket of {length} bytes in half {half}: the shared file has halves 0 and 1 of "
                              f"{self._reader.tensors['half0'].numel()} bytes")
-        return view[:length].clone()
+        return view[:length]
+
+    def copy_out(self, half: int, length: int) -> torch.Tensor:
+        """:meth:`view`, copied into a fresh uint8 tensor (the caller may keep it after the source reuses the half).
+
+        Raises:
+            ValueError: as :meth:`view`.
+        """
+        return self.view(half, length).clone()
 
     def close(self) -> None:
         """Unmap (the mapping's own descriptor closes with it)."""
