@@ -81,6 +81,7 @@ def test_streamed_buckets_hold_a_few_buckets_not_the_export():
     mib = 1 << 20
     assert streamed["same"] and materialised["same"]  # the rollout holds the merged weights after the sync
     assert streamed["largest"] > mib and streamed["adapted"] > 40 * mib  # tensors larger than a bucket
-    # one bucket, its 2 MiB staging buffer, the largest tensor (sent as its own bytes) and 1 MiB of slack
-    assert streamed["extra"] <= 1 * mib + 2 * mib + streamed["largest"] + 1 * mib, streamed
+    # one bucket, its 2 MiB staging buffer, the largest tensor (sent as its own bytes) and 3 MiB of allocator slack
+    # (with 1 MiB it failed at an unchanged commit on 2026-12-03: 7.4 and 8.3 MiB against 7.0; materialised: >= 25)
+    assert streamed["extra"] <= 1 * mib + 2 * mib + streamed["largest"] + 3 * mib, streamed
     assert materialised["extra"] >= 0.5 * streamed["adapted"], materialised  # most merged copies alive at once
