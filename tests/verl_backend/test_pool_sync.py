@@ -36,7 +36,16 @@ def model_weights(seed: int = 0):
         yield f"layers.{i}.w", torch.randn(512, 512, generator=g)  # 1 MiB: a bucket of its own
         yield f"layers.{i}.v", torch.randn(256, 256, generator=g)  # 256 KiB
         yield f"layers.{i}.norm", torch.randn(256, generator=g).to(torch.bfloat16)
+    yield "odd.scale", torch.randn(3, generator=g).to(torch.bfloat16)  # 6 bytes: what follows must start aligned
     yield "rope.ids", torch.arange(1000, dtype=torch.int64) + seed
+
+
+def failing_export(step: int, after: int = 30):
+    """The trainer's export raising after ``after`` tensors (on every trainer rank, as a failed FSDP gather would)."""
+    for i, item in enumerate(model_weights(step)):
+        if i == after:
+            raise RuntimeError("export failed on purpose")
+        yield item
 
 
 MODEL_BYTES = sum(t.nbytes for _, t in model_weights())
@@ -66,6 +75,10 @@ def _file_ranges() -> list[tuple[int, int]]:
         return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if FILE_LABEL in line]
 
 
+class _Done(Exception):
+    """The faulty consumer's way out of the receiving block, its result already set."""
+
+
 def _worker(role: str, index: int, inbox, outbox) -> None:
     """One side across syncs: per ``(step)`` from ``inbox`` (``None`` ends) it answers ``prepare()``, then takes its
     ``(init kwargs, expected step)`` and puts ``(kind, payload, rss growth, held during the sync, held after)``."""
@@ -78,14 +91,18 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
         first = True
         while (step := inbox.get()) is not None:
             outbox.put(engine.prepare())
-            kwargs, expect = inbox.get()
+            kwargs, expect, fault = inbox.get()
             engine.init_process_group(**kwargs)
             expected = dict(model_weights(step)) if role == "rollout" else None
             base = _max_rss_bytes()
             if role == "trainer":
-                metrics = asyncio.run(engine.send_weights(model_weights(step), global_steps=step))
-                report = engine.last_report if index == 0 else None
-                kind, payload = "sent", {"metrics": metrics, "transport": report and report.transport}
+                weights = failing_export(step) if fault == "export" else model_weights(step)
+                try:
+                    metrics = asyncio.run(engine.send_weights(weights, global_steps=step))
+                    report = engine.last_report if index == 0 else None
+                    kind, payload = "sent", {"metrics": metrics, "transport": report and report.transport}
+                except RuntimeError as exc:
+                    kind, payload = "failed", str(exc)
             else:
                 kept, got, nbytes, in_file = {}, [], 0, 0
                 ranges = _file_ranges()  # mapped in init_process_group; read once (not per tensor: RSS is measured)
@@ -93,6 +110,16 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
                     stream = engine.receive_weights(global_steps=expect)
                     if index == 1:
                         stream.allow_views()  # copies each tensor before asking for the next: views of the file
+                    if fault == "consumer" and index == 0:  # raises at its 10th tensor; closed as the adapter does
+                        try:
+                            for i, _ in enumerate(stream):
+                                if i == 9:
+                                    raise ValueError("consumer failed on purpose")
+                        except ValueError as exc:
+                            kind, payload = "raised", str(exc)
+                        finally:
+                            stream.close()
+                        raise _Done
                     for name, tensor in stream:
                         want = expected.pop(name)
                         assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
@@ -112,6 +139,8 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
                                                  "in_file": in_file, "kept": len(kept), "changed": changed}
                 except PoolSyncError as exc:
                     kind, payload = "refused", str(exc)
+                except _Done:
+                    pass
             growth = _max_rss_bytes() - base if first else 0
             during = _held()
             engine.finalize()
@@ -121,10 +150,12 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
         outbox.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 0, None, None))
 
 
-def _syncs(plan: list[tuple[int, tuple[int, int]]], other_host: tuple[int, ...] = (), timeout: float = 240):
-    """Run ``plan``'s syncs, ``(step sent, (step rollout worker 0 expects, ... worker 1 expects))`` each, on two
-    trainer ranks and two rollout workers; the rollout workers in ``other_host`` get the source's handle with another
-    boot id (as a worker on another host would). Returns per sync the four results, trainer ranks first."""
+def _syncs(plan: list[tuple], other_host: tuple[int, ...] = (), timeout: float = 240):
+    """Run ``plan``'s syncs, ``(step sent, (step rollout worker 0 expects, ... worker 1 expects)[, fault])`` each, on
+    two trainer ranks and two rollout workers; the rollout workers in ``other_host`` get the source's handle with
+    another boot id (as a worker on another host would). ``fault``: ``"consumer"`` (rollout worker 0 raises mid-stream)
+    or ``"export"`` (the trainer's weight generator raises mid-stream). Returns per sync the four results, trainer
+    ranks first."""
     from verl_backend.rollout.pool_sync import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
@@ -136,7 +167,7 @@ def _syncs(plan: list[tuple[int, tuple[int, int]]], other_host: tuple[int, ...] 
         p.start()
     results = []
     try:
-        for step, expected_steps in plan:
+        for step, expected_steps, *fault in plan:
             for inbox, _ in boxes:
                 inbox.put(step)
             metadata = [outbox.get(timeout=timeout) for _, outbox in boxes]
@@ -149,7 +180,7 @@ def _syncs(plan: list[tuple[int, tuple[int, int]]], other_host: tuple[int, ...] 
                 master = per_rank[2 + i]["master"]
                 per_rank[2 + i]["master"] = {**master, "shm": {**master["shm"], "boot_id": "another-host"}}
             for (inbox, _), kwargs, steps in zip(boxes, per_rank, (None, None, *expected_steps), strict=True):
-                inbox.put((kwargs, steps))
+                inbox.put((kwargs, steps, fault[0] if fault else None))
             results.append([outbox.get(timeout=timeout) for _, outbox in boxes])
             assert not [r[1] for r in results[-1] if r[0] == "error"], [r[1] for r in results[-1] if r[0] == "error"]
         for inbox, _ in boxes:
@@ -166,7 +197,7 @@ def _check_delivered(received: tuple) -> None:
     kind, got, *_ = received
     assert kind == "received", received
     assert got["left"] == [] and got["bytes"] == MODEL_BYTES
-    assert len(got["names"]) == len(set(got["names"])) == 62
+    assert len(got["names"]) == len(set(got["names"])) == 63
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +277,22 @@ def test_gloo_is_a_registered_verl_checkpoint_engine():
     from verl_backend.rollout.pool_sync import GlooCheckpointEngine
 
     assert CheckpointEngineRegistry.get("gloo") is GlooCheckpointEngine
+
+
+def test_a_consumer_that_raises_mid_stream_or_a_failed_export_leaves_no_one_waiting():
+    """Sync 1: rollout worker 0 raises at its 10th tensor and closes the stream (as the native adapter does): the rest
+    is drained, so the source and worker 1 finish. Sync 2: the trainer's export raises mid-stream: both workers get
+    one line instead of waiting for the group's timeout. Sync 3: everyone takes the next sync whole."""
+    start = time.monotonic()
+    syncs = _syncs([(7, (7, 7), "consumer"), (8, (8, 8), "export"), (9, (9, 9))], timeout=60)
+    assert time.monotonic() - start < 100  # the engine's timeout is 120 s: nobody waited for it
+    (kind, sent, *_), _, raised, second = syncs[0]
+    assert kind == "sent" and sent["transport"] == "pool_shared_memory"
+    assert raised[:2] == ("raised", "consumer failed on purpose")
+    _check_delivered(second)
+    assert [r[:2] for r in syncs[1][:2]] == [("failed", "export failed on purpose")] * 2
+    for kind, why, *_ in syncs[1][2:]:
+        assert kind == "refused" and why.startswith("weight sync: the trainer's weight export stopped after"), why
+    for result in syncs[2][2:]:
+        _check_delivered(result)
+    assert all(s[p][4]["files"] == 0 and s[p][4]["maps"] == 0 for s in syncs for p in range(4))

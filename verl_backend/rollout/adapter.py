@@ -194,9 +194,21 @@ class NativeServerAdapter(BaseRollout):
         Records ``last_sync`` (:meth:`verl_backend.weight_sync.SyncReport.as_metrics`: version, transport, bytes,
         copied bytes, seconds, buckets).
 
+        A stream that can be closed (the ``gloo`` engine's :class:`~verl_backend.rollout.pool_sync.ReceivedWeights`)
+        is closed on the way out, raised or not: what this replica did not read is drained, so the trainer and the
+        other replicas finish the sync instead of waiting for the group's timeout.
+
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
         """
+        try:
+            await self._update_weights(weights, wire_format, **kwargs)
+        finally:
+            close = getattr(weights, "close", None)
+            if callable(close):
+                close()
+
+    async def _update_weights(self, weights, wire_format: str, **kwargs: Any):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")

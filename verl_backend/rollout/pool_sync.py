@@ -16,6 +16,10 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
   consumer may keep the yielded views), and a tensor larger than a bucket while its chunks arrive
   (:func:`~verl.checkpoint_engine.base.merge_weight_chunks`);
 - versioned: each sync carries the trainer step (``global_steps``), checked on every receiver;
+- nobody waits for the timeout on a fault: a receiver whose consumer raises or stops early drains the rest of the
+  stream when it is closed (the native adapter closes it, raised or not), and a source whose weight export raises
+  sends an abort header, so every receiver raises :class:`PoolSyncError` in one line; each chunk starts at a
+  multiple of 64 bytes in its bucket, so a float32 tensor after an odd-length bf16 one is still a legal view;
 - the group is made for one sync and destroyed in ``finalize``: a replica restarted between syncs joins the next one.
 
 Same host (the CPU backend's ``separate_async``, a TPU host that holds both pools): the bytes skip gloo's TCP
@@ -65,7 +69,9 @@ from verl_backend.rollout.pool_shm import BucketFile, BucketMapping, map_bucket_
 
 logger = logging.getLogger(__name__)
 
-_HEADER = 3  # int64: payload bytes, JSON bytes, 1 on the last bucket
+_HEADER = 3  # int64: payload bytes, JSON bytes, 1 on the last bucket (_ABORTED: the source stopped; no bytes follow)
+_ABORTED = -1
+_ALIGN = 64  # bytes: each chunk starts at a multiple, so a receiver's ``.view(dtype)`` of it is legal for any dtype
 _TOLD: set[str] = set()  # reasons a receiver could not use shared memory, logged once per process
 
 
@@ -215,6 +221,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
 
         Raises:
             PoolSyncError: called before :meth:`init_process_group`.
+            Exception: what the weight generator raised (the receivers are told first, and raise PoolSyncError).
         """
         start = time.perf_counter()
         if self.rank is None:
@@ -232,17 +239,24 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self._choose_transport(self._file is not None)
         halves = (self._file.half(0), self._file.half(1)) if self._shared else None
         buffer = halves[0] if halves else torch.empty(self.bucket_size, dtype=torch.uint8)
-        metas, offset, total, buckets = [], 0, 0, 0
-        async for meta, chunk in split_weight_chunks(gathered(), self.bucket_size):
-            if offset + meta.chunk_size > self.bucket_size:
-                self._send_bucket(buffer, offset, metas, last=False, index=buckets)
-                metas, offset, buckets = [], 0, buckets + 1
-                buffer = halves[buckets % 2] if halves else buffer
-            buffer[offset:offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
-            metas.append({"name": meta.name, "shape": list(meta.shape), "dtype": str(meta.dtype),
-                          "chunk_offset": meta.chunk_offset, "chunk_size": meta.chunk_size, "offset": offset})
-            offset += meta.chunk_size
-            total += meta.chunk_size
+        metas, offset, total, buckets, sending = [], 0, 0, 0, False
+        try:
+            async for meta, chunk in split_weight_chunks(gathered(), self.bucket_size):
+                offset = -(-offset // _ALIGN) * _ALIGN  # after an odd-sized bf16 tensor, a float32 one starts aligned
+                if offset + meta.chunk_size > self.bucket_size:
+                    sending = True
+                    self._send_bucket(buffer, offset, metas, last=False, index=buckets)
+                    metas, offset, buckets, sending = [], 0, buckets + 1, False
+                    buffer = halves[buckets % 2] if halves else buffer
+                buffer[offset:offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
+                metas.append({"name": meta.name, "shape": list(meta.shape), "dtype": str(meta.dtype),
+                              "chunk_offset": meta.chunk_offset, "chunk_size": meta.chunk_size, "offset": offset})
+                offset += meta.chunk_size
+                total += meta.chunk_size
+        except Exception:  # the weight export failed: tell the receivers, so they raise instead of waiting timeout_s
+            if not sending:  # (a failed collective leaves the group unusable: nothing more is sent on it)
+                self._broadcast(torch.tensor([0, 0, _ABORTED], dtype=torch.int64))
+            raise
         self._send_bucket(buffer, offset, metas, last=True, index=buckets)
         del buffer, halves  # views of the file: finalize unmaps it
         seconds = time.perf_counter() - start
@@ -255,13 +269,24 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         return {"weight_sync/pool_bytes": float(total), "weight_sync/pool_buckets": float(buckets + 1),
                 "weight_sync/pool_seconds": seconds, "weight_sync/pool_shared_memory": float(self._shared)}
 
-    def _chunks(self, keep: bool = True, views: bool = False) -> Generator[tuple[TensorMeta, torch.Tensor]]:
-        """The stream's chunks, bucket by bucket (``keep=False``: drained, the shared buckets not even copied;
-        ``views``: chunks of the shared file's half itself, not of a copy)."""
+    def _chunks(self, keep: bool = True, views: bool = False,
+                control: dict | None = None) -> Generator[tuple[TensorMeta, torch.Tensor]]:
+        """The stream's chunks, bucket by bucket (``keep=False``, or ``control["keep"]`` set false while iterating:
+        drained, the shared buckets not even copied; ``views``: chunks of the shared file's half itself, not of a
+        copy).
+
+        Raises:
+            PoolSyncError: the source stopped mid-stream (its weight export raised; the cause is in its log).
+        """
+        control = {"keep": keep} if control is None else control
         for index in itertools.count():
+            keep = control["keep"]
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._broadcast(header)
             length, meta_len, last = (int(x) for x in header)
+            if last == _ABORTED:
+                raise PoolSyncError(f"weight sync: the trainer's weight export stopped after {index} buckets (the "
+                                    "cause is in the trainer's log)")
             meta_bytes = torch.zeros(meta_len, dtype=torch.uint8)
             self._broadcast(meta_bytes)
             if not self._shared:
@@ -274,6 +299,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 read = self._mapping.view if views else self._mapping.copy_out
                 buffer = read(index % 2, length) if keep else torch.empty(0, dtype=torch.uint8)
             for m in json.loads(meta_bytes.numpy().tobytes()) if keep else ():
+                if not control["keep"]:  # the consumer stopped mid-bucket: the rest is drained
+                    break
                 meta = TensorMeta(name=m["name"], shape=torch.Size(m["shape"]), dtype=_dtype(m["dtype"]),
                                   chunk_offset=m["chunk_offset"], chunk_size=m["chunk_size"], offset=m["offset"])
                 yield meta, buffer[meta.offset:meta.offset + meta.chunk_size]
@@ -287,9 +314,13 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         its chunks have. Each bucket is a fresh buffer (broadcast into, or copied out of the shared-memory file), so
         the consumer may keep what it is given, unless it called :meth:`ReceivedWeights.allow_views` first.
 
+        A consumer that raises or stops early leaves no one waiting: the rest of the stream is drained when the
+        iterator is closed (:meth:`ReceivedWeights.close`, or when it is garbage-collected).
+
         Raises (while iterated):
             PoolSyncError: the source sends another trainer step than ``global_steps`` (raised after the stream is
-                drained, so the source finishes), or this is not a rollout worker's rank.
+                drained, so the source finishes), the source's export stopped mid-stream, or this is not a rollout
+                worker's rank.
         """
         return ReceivedWeights(self, global_steps)
 
@@ -305,7 +336,14 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 pass
             raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
                                 f"step {global_steps}")
-        yield from _merge(self._chunks(views=views), self.bucket_size)
+        control = {"keep": True}
+        chunks = self._chunks(views=views, control=control)
+        try:
+            yield from _merge(chunks, self.bucket_size)
+        finally:  # the consumer raised or stopped early: drain the rest, so the source and other workers finish
+            control["keep"] = False
+            for _ in chunks:
+                pass
 
 
 class ReceivedWeights:
@@ -319,13 +357,30 @@ class ReceivedWeights:
 
     def __init__(self, engine: GlooCheckpointEngine, global_steps: int | None) -> None:
         self._engine, self._global_steps, self.views = engine, global_steps, False
+        self._stream: Generator | None = None
 
     def allow_views(self) -> None:
         """Promise to copy each tensor before asking for the next one, and never to write it."""
         self.views = True
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._engine._receive(self._global_steps, self.views)
+        if self._stream is not None:
+            raise PoolSyncError("weight sync: the received weights were iterated twice (they stream once)")
+        self._stream = self._engine._receive(self._global_steps, self.views)
+        return self._stream
+
+    def close(self) -> None:
+        """Finish this worker's part of the sync without keeping anything: the rest of a stream the consumer left
+        (it raised, or stopped early), or the whole stream if it never iterated, so the source and the other
+        rollout workers are not left waiting. Idempotent; errors of the drained stream are not raised again."""
+        if self._stream is None:
+            self._stream = self._engine._receive(self._global_steps, views=False)
+            try:
+                for _ in self._stream:
+                    break  # the first tensor: the stream has started; closing drains the rest
+            except PoolSyncError:
+                return
+        self._stream.close()
 
 
 def _merge(chunks, bucket_size: int) -> Generator[tuple[str, torch.Tensor], None, None]:
