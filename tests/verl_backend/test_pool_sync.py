@@ -110,9 +110,12 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
                     stream = engine.receive_weights(global_steps=expect)
                     if index == 1:
                         stream.allow_views()  # copies each tensor before asking for the next: views of the file
-                    if fault == "consumer" and index == 0:  # raises at its 10th tensor; closed as the adapter does
+                    if fault in (f"consumer{index}", f"unstarted{index}"):  # closed as the adapter does
                         try:
-                            for i, _ in enumerate(stream):
+                            if fault.startswith("unstarted"):  # took the iterator, raised before the first tensor
+                                iter(stream)
+                                raise ValueError("consumer failed on purpose")
+                            for i, _ in enumerate(stream):  # raises at its 10th tensor, mid-bucket
                                 if i == 9:
                                     raise ValueError("consumer failed on purpose")
                         except ValueError as exc:
@@ -153,9 +156,9 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
 def _syncs(plan: list[tuple], other_host: tuple[int, ...] = (), timeout: float = 240):
     """Run ``plan``'s syncs, ``(step sent, (step rollout worker 0 expects, ... worker 1 expects)[, fault])`` each, on
     two trainer ranks and two rollout workers; the rollout workers in ``other_host`` get the source's handle with
-    another boot id (as a worker on another host would). ``fault``: ``"consumer"`` (rollout worker 0 raises mid-stream)
-    or ``"export"`` (the trainer's weight generator raises mid-stream). Returns per sync the four results, trainer
-    ranks first."""
+    another boot id (as a worker on another host would). ``fault``: ``"consumer<i>"`` (rollout worker i raises
+    mid-stream), ``"unstarted<i>"`` (it raises before its first tensor) or ``"export"`` (the trainer's weight
+    generator raises mid-stream). Returns per sync the four results, trainer ranks first."""
     from verl_backend.rollout.pool_sync import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
@@ -279,20 +282,34 @@ def test_gloo_is_a_registered_verl_checkpoint_engine():
     assert CheckpointEngineRegistry.get("gloo") is GlooCheckpointEngine
 
 
-def test_a_consumer_that_raises_mid_stream_or_a_failed_export_leaves_no_one_waiting():
-    """Sync 1: rollout worker 0 raises at its 10th tensor and closes the stream (as the native adapter does): the rest
-    is drained, so the source and worker 1 finish. Sync 2: the trainer's export raises mid-stream: both workers get
-    one line instead of waiting for the group's timeout. Sync 3: everyone takes the next sync whole."""
-    start = time.monotonic()
-    syncs = _syncs([(7, (7, 7), "consumer"), (8, (8, 8), "export"), (9, (9, 9))], timeout=60)
-    assert time.monotonic() - start < 100  # the engine's timeout is 120 s: nobody waited for it
-    (kind, sent, *_), _, raised, second = syncs[0]
-    assert kind == "sent" and sent["transport"] == "pool_shared_memory"
-    assert raised[:2] == ("raised", "consumer failed on purpose")
-    _check_delivered(second)
-    assert [r[:2] for r in syncs[1][:2]] == [("failed", "export failed on purpose")] * 2
-    for kind, why, *_ in syncs[1][2:]:
+def _check_faults(syncs: list, transport: str) -> None:
+    """Per sync of :data:`FAULTS`: the faulty worker raised and the others finished whole; the failed export was
+    refused in one line by both workers; the last sync was whole for both."""
+    for (kind, sent, *_), _, first, second in syncs[:3]:
+        assert kind == "sent" and sent["transport"] == transport
+        raised, whole = (first, second) if first[0] == "raised" else (second, first)
+        assert raised[:2] == ("raised", "consumer failed on purpose"), (first, second)
+        _check_delivered(whole)
+    assert [r[:2] for r in syncs[3][:2]] == [("failed", "export failed on purpose")] * 2
+    for kind, why, *_ in syncs[3][2:]:
         assert kind == "refused" and why.startswith("weight sync: the trainer's weight export stopped after"), why
-    for result in syncs[2][2:]:
+    for result in syncs[4][2:]:
         _check_delivered(result)
     assert all(s[p][4]["files"] == 0 and s[p][4]["maps"] == 0 for s in syncs for p in range(4))
+
+
+#: worker 0 (copies) raises mid-bucket, worker 1 (views) raises mid-bucket, worker 0 raises before its first tensor,
+#: the export raises, then a whole sync
+FAULTS = [(7, (7, 7), "consumer0"), (8, (8, 8), "consumer1"), (9, (9, 9), "unstarted0"), (10, (10, 10), "export"),
+          (11, (11, 11))]
+
+
+@pytest.mark.parametrize("other_host", [(), (1,)], ids=["shared_memory", "broadcast"])
+def test_a_consumer_that_raises_or_a_failed_export_leaves_no_one_waiting(other_host):
+    """A rollout worker that raises (mid-bucket, or before its first tensor) and closes the stream, as the native
+    adapter does: the rest is drained, so the source and the other worker finish. The trainer's export raising
+    mid-stream: both workers get one line instead of waiting for the group's timeout. Then a whole sync."""
+    start = time.monotonic()
+    syncs = _syncs(FAULTS, other_host=other_host, timeout=60)
+    assert time.monotonic() - start < 100  # the engine's timeout is 120 s: nobody waited for it
+    _check_faults(syncs, "pool_broadcast" if other_host else "pool_shared_memory")

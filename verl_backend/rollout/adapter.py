@@ -201,12 +201,18 @@ class NativeServerAdapter(BaseRollout):
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
         """
+        close = getattr(weights, "close", None)
         try:
             await self._update_weights(weights, wire_format, **kwargs)
-        finally:
-            close = getattr(weights, "close", None)
+        except BaseException:
             if callable(close):
-                close()
+                try:
+                    close()
+                except Exception as exc:  # the load's own error is the one to see; the drain's is logged
+                    logger.warning("weight sync: draining the rest of the stream after a failed load: %s", exc)
+            raise
+        if callable(close):
+            close()
 
     async def _update_weights(self, weights, wire_format: str, **kwargs: Any):
         if wire_format != "named_tensors":

@@ -45,6 +45,7 @@ which VeRL merges into the step's metrics; its :class:`~verl_backend.weight_sync
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
@@ -242,7 +243,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         metas, offset, total, buckets, sending = [], 0, 0, 0, False
         try:
             async for meta, chunk in split_weight_chunks(gathered(), self.bucket_size):
-                offset = -(-offset // _ALIGN) * _ALIGN  # after an odd-sized bf16 tensor, a float32 one starts aligned
+                # after an odd-sized bf16 tensor, a float32 one starts aligned (never past the bucket's end)
+                offset = min(-(-offset // _ALIGN) * _ALIGN, self.bucket_size)
                 if offset + meta.chunk_size > self.bucket_size:
                     sending = True
                     self._send_bucket(buffer, offset, metas, last=False, index=buckets)
@@ -314,8 +316,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         its chunks have. Each bucket is a fresh buffer (broadcast into, or copied out of the shared-memory file), so
         the consumer may keep what it is given, unless it called :meth:`ReceivedWeights.allow_views` first.
 
-        A consumer that raises or stops early leaves no one waiting: the rest of the stream is drained when the
-        iterator is closed (:meth:`ReceivedWeights.close`, or when it is garbage-collected).
+        A consumer that raises or stops early leaves no one waiting once it calls :meth:`ReceivedWeights.close`:
+        the rest of the stream is drained (the native adapter does this, raised or not).
 
         Raises (while iterated):
             PoolSyncError: the source sends another trainer step than ``global_steps`` (raised after the stream is
@@ -371,16 +373,24 @@ class ReceivedWeights:
 
     def close(self) -> None:
         """Finish this worker's part of the sync without keeping anything: the rest of a stream the consumer left
-        (it raised, or stopped early), or the whole stream if it never iterated, so the source and the other
-        rollout workers are not left waiting. Idempotent; errors of the drained stream are not raised again."""
-        if self._stream is None:
-            self._stream = self._engine._receive(self._global_steps, views=False)
+        (it raised, or stopped early), or the whole stream if it never started, so the source and the other
+        rollout workers are not left waiting. Idempotent.
+
+        Raises:
+            RuntimeError: a gloo error while draining (a :class:`PoolSyncError` of the drained stream, another
+                version or the source's abort, is not raised: nothing of it was to be kept).
+        """
+        if self._stream is None or inspect.getgeneratorstate(self._stream) == inspect.GEN_CREATED:
+            self._stream = self._engine._receive(self._global_steps, views=False)  # closing an unstarted one runs nothing
             try:
                 for _ in self._stream:
                     break  # the first tensor: the stream has started; closing drains the rest
             except PoolSyncError:
                 return
-        self._stream.close()
+        try:
+            self._stream.close()
+        except PoolSyncError:
+            pass
 
 
 def _merge(chunks, bucket_size: int) -> Generator[tuple[str, torch.Tensor], None, None]:
