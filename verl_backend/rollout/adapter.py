@@ -208,7 +208,7 @@ class NativeServerAdapter(BaseRollout):
             if callable(close):
                 try:
                     close()
-                except Exception as exc:  # the load's own error is the one to see; the drain's is logged
+                except Exception as exc:  # noqa: BLE001 -- the load's own error is the one to see; the drain's is logged
                     logger.warning("weight sync: draining the rest of the stream after a failed load: %s", exc)
             raise
         if callable(close):

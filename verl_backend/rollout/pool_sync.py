@@ -45,12 +45,11 @@ which VeRL merges into the step's metrics; its :class:`~verl_backend.weight_sync
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import logging
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -60,13 +59,19 @@ from verl.checkpoint_engine.base import (
     CheckpointEngine,
     CheckpointEngineRegistry,
     TensorMeta,
-    merge_weight_chunks,
     split_weight_chunks,
 )
 
 from verl_backend import weight_sync
 from verl_backend.rollout.inworker import InWorkerGenerate
 from verl_backend.rollout.pool_shm import BucketFile, BucketMapping, map_bucket_file
+from verl_backend.rollout.pool_stream import (
+    PoolSyncError,
+    ReceivedWeights,
+    merge_chunks,
+)
+
+__all__ = ["GlooCheckpointEngine", "PoolSyncError", "ReceivedWeights"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +79,6 @@ _HEADER = 3  # int64: payload bytes, JSON bytes, 1 on the last bucket (_ABORTED:
 _ABORTED = -1
 _ALIGN = 64  # bytes: each chunk starts at a multiple, so a receiver's ``.view(dtype)`` of it is legal for any dtype
 _TOLD: set[str] = set()  # reasons a receiver could not use shared memory, logged once per process
-
-
-class PoolSyncError(RuntimeError):
-    """A receiver got weights it cannot use (another version, or a broken stream); one line saying which."""
 
 
 def _node_ip() -> str:
@@ -341,81 +342,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         control = {"keep": True}
         chunks = self._chunks(views=views, control=control)
         try:
-            yield from _merge(chunks, self.bucket_size)
+            yield from merge_chunks(chunks, self.bucket_size)
         finally:  # the consumer raised or stopped early: drain the rest, so the source and other workers finish
             control["keep"] = False
             for _ in chunks:
                 pass
-
-
-class ReceivedWeights:
-    """What :meth:`GlooCheckpointEngine.receive_weights` returns: iterate it once for ``(name, tensor)`` pairs.
-
-    A consumer that copies each tensor before asking for the next one (the native rollout's in-process CPU load and
-    its shared-memory writer) may call :meth:`allow_views` before iterating: through shared memory it then gets
-    read-only views of the source's file instead of a copy of every bucket (SmolLM2, 538 MB: 0.22 s against 0.94 s
-    a sync, ``benchmarks/bench_weight_sync.py``). Others get fresh buffers they may keep.
-    """
-
-    def __init__(self, engine: GlooCheckpointEngine, global_steps: int | None) -> None:
-        self._engine, self._global_steps, self.views = engine, global_steps, False
-        self._stream: Generator | None = None
-
-    def allow_views(self) -> None:
-        """Promise to copy each tensor before asking for the next one, and never to write it."""
-        self.views = True
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._stream is not None:
-            raise PoolSyncError("weight sync: the received weights were iterated twice (they stream once)")
-        self._stream = self._engine._receive(self._global_steps, self.views)
-        return self._stream
-
-    def close(self) -> None:
-        """Finish this worker's part of the sync without keeping anything: the rest of a stream the consumer left
-        (it raised, or stopped early), or the whole stream if it never started, so the source and the other
-        rollout workers are not left waiting. Idempotent.
-
-        Raises:
-            RuntimeError: a gloo error while draining (a :class:`PoolSyncError` of the drained stream, another
-                version or the source's abort, is not raised: nothing of it was to be kept).
-        """
-        if self._stream is None or inspect.getgeneratorstate(self._stream) == inspect.GEN_CREATED:
-            self._stream = self._engine._receive(self._global_steps, views=False)  # closing an unstarted one runs nothing
-            try:
-                for _ in self._stream:
-                    break  # the first tensor: the stream has started; closing drains the rest
-            except PoolSyncError:
-                return
-        try:
-            self._stream.close()
-        except PoolSyncError:
-            pass
-
-
-def _merge(chunks, bucket_size: int) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """VeRL's :func:`merge_weight_chunks` (an async generator) driven without an event loop: the native rollout
-    adapter iterates weights with a plain ``for`` inside the worker's running loop, and nothing here waits on I/O
-    (the chunks come from blocking gloo calls).
-
-    Raises:
-        RuntimeError: the merge suspended on a real await (a VeRL change this driver cannot follow).
-    """
-
-    async def source():
-        for item in chunks:
-            yield item
-
-    merged = merge_weight_chunks(source(), bucket_size)
-    while True:
-        step = merged.__anext__()
-        try:
-            step.send(None)
-        except StopIteration as done:
-            yield done.value
-        except StopAsyncIteration:
-            return
-        else:
-            step.close()
-            raise RuntimeError("verl.checkpoint_engine.base.merge_weight_chunks awaited I/O; the gloo engine drives "
-                               "it without an event loop (checked with VeRL 0.9.1)")
