@@ -53,12 +53,14 @@ class ReceivedWeights:
                 version or the source's abort, is not raised: nothing of it was to be kept).
         """
         if self._stream is None or inspect.getgeneratorstate(self._stream) == inspect.GEN_CREATED:
-            self._stream = self._engine._receive(self._global_steps, views=False)  # closing an unstarted one runs nothing
+            # (closing an unstarted generator runs nothing): the whole sync, drained
+            self._stream = self._engine._receive(self._global_steps, views=False, keep=False)
             try:
                 for _ in self._stream:
-                    break  # the first tensor: the stream has started; closing drains the rest
+                    pass
             except PoolSyncError:
-                return
+                pass
+            return
         try:
             self._stream.close()
         except PoolSyncError:

@@ -327,7 +327,9 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         """
         return ReceivedWeights(self, global_steps)
 
-    def _receive(self, global_steps: int | None, views: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
+    def _receive(self, global_steps: int | None, views: bool,
+                 keep: bool = True) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The stream a rollout worker iterates (``keep=False``: the whole sync drained, nothing yielded)."""
         if self.rank is None or self.rank <= 0:
             raise PoolSyncError("checkpoint_engine gloo: receive_weights on a rank that is not a rollout worker")
         version = torch.zeros(1, dtype=torch.int64)
@@ -339,7 +341,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 pass
             raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
                                 f"step {global_steps}")
-        control = {"keep": True}
+        control = {"keep": keep}
         chunks = self._chunks(views=views, control=control)
         try:
             yield from merge_chunks(chunks, self.bucket_size)
