@@ -3,14 +3,16 @@ path runs them.
 
 Inductor's CPU decode graph (``Sampler(compile=True)``, no ``freezing``) calls ``extern_kernels.mm(x, weight.t())``
 for every linear layer: the weights are graph inputs (so a weight sync needs no recompile), read in their plain
-``(out, in)`` layout by MKL's sgemm. The lean CPU decode calls oneDNN's ``_linear_pointwise`` on weights packed once
-per generation (``rl_tpu.sampler.packed``). Inductor packs weights the same way only with ``freezing`` (weights baked
+``(out, in)`` layout by MKL's sgemm. The sampler's packed weights (``rl_tpu.sampler.packed``, and inside its compiled
+graphs ``rl_tpu.sampler.compiled_packed``) run on rl-tpu's panel kernel (``rl_tpu.sampler.panel_kernel``: each
+weight streamed from memory while it is multiplied), or on oneDNN's ``_linear_pointwise`` on weights packed once
+per generation where the panel kernel cannot run; both are timed. Inductor packs weights the same way only with ``freezing`` (weights baked
 in as constants: a sync would be ignored), and it refuses a packed (``torch._mkldnn`` layout) tensor as a graph input
 (checked here: ``inductor`` raises, ``aot_eager`` runs it).
 
 Printed: ms per decode step for the model's linear layers (the attention, norms and sampling left out), at the batch
-given, for ``F.linear`` (eager), ``mm(x, w.t())`` (what the compiled graph calls) and oneDNN-packed weights; median of
-``--repeats``.
+given, for ``F.linear`` (eager), ``mm(x, w.t())`` (what a plain compiled graph calls), oneDNN-packed weights and the
+panel kernel's panels; median of ``--repeats``, the paths interleaved.
 
     python benchmarks/bench_decode_linears.py [--rows 16] [--repeats 7]   (SmolLM2-135M's shapes)
 """
@@ -22,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from rl_tpu.sampler import panel_kernel
 
 #: SmolLM2-135M: hidden 576, 9 query / 3 key-value heads of 64, MLP 1536, 30 layers, vocabulary 49152 (tied head)
 HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152
@@ -51,7 +55,14 @@ def main() -> None:
         for w, p in zip(weights, packed):
             torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
 
-    paths = {"F.linear (eager)": linear, "mm(x, w.t()) (inductor graph)": mm_t, "oneDNN packed (lean)": onednn}
+    paths = {"F.linear (eager)": linear, "mm(x, w.t()) (inductor graph)": mm_t, "oneDNN packed": onednn}
+    if panel_kernel.backend() == "panel":
+        panels = [panel_kernel.pack_panels(w) for w in weights]
+
+        def panel():
+            for w, p in zip(weights, panels):
+                panel_kernel.linear(inputs[w.shape[1]], p, None, w.shape[0])
+        paths["rl-tpu panel kernel"] = panel
     times = {name: [] for name in paths}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits every path alike
         for name, fn in paths.items():
@@ -61,7 +72,7 @@ def main() -> None:
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"linear layers of one SmolLM2-135M decode step: {len(weights)} matmuls, {mb:.0f} MB of weights, "
           f"batch {args.rows}, 1 thread")
-    base = statistics.median(times["oneDNN packed (lean)"])
+    base = statistics.median(times["oneDNN packed"])
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"  {name:<30} {med * 1e3:8.1f} ms/step   {med / base:5.2f}x oneDNN   ({mb / 1e3 / med:5.1f} GB/s)")

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from rl_tpu.sampler import panel_kernel
+
 __all__ = ["PackCache", "pack_linears"]
 
 _ACTIVE: contextvars.ContextVar[PackCache | None] = contextvars.ContextVar("rl_tpu_pack_cache", default=None)
@@ -71,8 +73,7 @@ class PackCache:
                 or entry[2].cdata != weight.untyped_storage()._cdata:
             for stale in [k for k, (_, _, ref) in self._packed.items() if ref.expired()]:
                 del self._packed[stale]  # weights freed or rebound: their copies go with them
-            with torch.inference_mode(False), torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+            packed = panel_kernel.pack(weight, self.batch_hint)
             entry = (version, packed, StorageWeakRef(weight.untyped_storage()))
             self._packed[key] = entry
         return entry[1]
@@ -95,7 +96,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cache = _ACTIVE.get()
     if cache is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), cache.packed(weight), bias, "none", [], "")
+    return panel_kernel.linear(x.contiguous(), cache.packed(weight), bias, weight.shape[0])
 
 
 @packed_linear.register_fake

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import torch
 
+from rl_tpu.sampler import panel_kernel
+
 __all__ = ["PackedLinears", "packed_linear_supported"]
 
 
@@ -42,9 +44,9 @@ def packed_linear_supported() -> bool:
         return False
 
 
-def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in_features) -> (..., out_features), float32
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return panel_kernel.linear(x, packed, bias, out_features)
     return forward
 
 
@@ -63,7 +65,7 @@ class PackedLinears:
         self.batch_hint = max(1, int(batch_hint))
         self._packed: list[torch.Tensor] | None = None
         self._key: tuple | None = None
-        self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
+        self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, list[int], int]] = {}
 
     def _eligible(self) -> list[torch.nn.Linear]:
         # looked up again at each pack: the model may have been cast (bfloat16 has no packed path here) or moved
@@ -76,7 +78,7 @@ class PackedLinears:
         if self._packed is None:
             return 0
         own = sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
-        return own + sum(sum(splits) * w.shape[-1] * 4 for w, _, splits in self._fused.values())
+        return own + sum(sum(splits) * inner * 4 for _, _, splits, inner in self._fused.values())
 
     def _weights_key(self) -> tuple:
         # a copy_ in this process bumps _version; the data_ptr catches a rebind (param.data = ...)
@@ -87,8 +89,7 @@ class PackedLinears:
         self.modules = self._eligible()
         self._fused = {}
         with torch.inference_mode(False), torch.no_grad():
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
-                            for m in self.modules]
+            self._packed = [panel_kernel.pack(m.weight, self.batch_hint) for m in self.modules]
         self._key = self._weights_key()
 
     def release(self) -> None:
@@ -108,12 +109,12 @@ class PackedLinears:
                 weight = torch.cat([m.weight.detach() for m in group])  # (sum out, in)
                 biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in group]
                 bias = torch.cat(biases) if any(m.bias is not None for m in group) else None
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
-            self._fused[key] = (packed, bias, [m.out_features for m in group])
-        packed, bias, splits = self._fused[key]
+                packed = panel_kernel.pack(weight, self.batch_hint)
+            self._fused[key] = (packed, bias, [m.out_features for m in group], weight.shape[1])
+        packed, bias, splits, _ = self._fused[key]
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(splits, dim=-1)
+            return panel_kernel.linear(x, packed, bias, sum(splits)).split(splits, dim=-1)
         return forward
 
     @contextmanager
@@ -131,7 +132,7 @@ class PackedLinears:
             yield False
             return
         for m, w in zip(self.modules, self._packed):
-            m.forward = _packed_forward(w, m.bias)
+            m.forward = _packed_forward(w, m.bias, m.out_features)
         try:
             yield True
         finally:

@@ -1,0 +1,131 @@
+"""The CPU sampler's packed linear layers: rl-tpu's weight-streaming AVX-512 kernel, or oneDNN's where it cannot run.
+
+A decode step multiplies a few rows (the batch, one token each) by every weight of the model, so it reads ~540 MB
+of float32 SmolLM2 weights for 16 rows. oneDNN's inner product on a packed weight
+(``torch.ops.mkldnn._linear_pointwise``) barely overlaps that read with its multiply-adds: on one AMD EPYC core
+its 211 products take 91-94% of (the weights' read alone) + (the same products with the weights in cache)
+(``benchmarks/bench_eager_ops.py``). ``panel_kernel.cpp`` streams each weight panel from memory, prefetched a few
+KiB ahead, while it multiplies the one before, with the batch's 16 rows held in registers
+(``benchmarks/bench_decode_linears.py`` times both).
+
+:func:`backend` decides once per process: the panel kernel where the CPU has AVX-512 (``torch.backends.cpu``'s
+capability), a C++ compiler builds ``panel_kernel.cpp`` against this torch (16 s, once per machine: the library is
+kept in torch's extension build folder, written under a temporary name and renamed, so processes building at once
+never read a half-written file), and a self-check on random inputs matches ``F.linear``; otherwise oneDNN's packed
+linear, as before, said in one line. Both compute float32 products summed in their own order: they differ from
+``torch.nn.functional.linear`` by float32 rounding (relative ~1e-6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["backend", "linear", "pack"]
+
+_SOURCE = Path(__file__).with_name("panel_kernel.cpp")
+_LANES = 16  # float32 lanes of an AVX-512 register: the columns of one weight panel
+_STATE: dict[str, str] = {}
+
+
+def _library_path() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__} {sys.version}".encode()).hexdigest()[:16]
+    return Path(get_default_build_root()) / f"rl_tpu_panel_kernel_{key}.so"
+
+
+def _build(target: Path) -> None:
+    """Compile ``panel_kernel.cpp`` into ``target``. Raises ``RuntimeError`` with the compiler's last lines."""
+    from torch.utils.cpp_extension import TORCH_LIB_PATH, get_cxx_compiler, include_paths
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    cmd = [get_cxx_compiler(), "-O3", "-std=gnu++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *[f"-I{p}" for p in include_paths()], str(_SOURCE), "-o", tmp,
+           f"-L{TORCH_LIB_PATH}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{TORCH_LIB_PATH}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed: {' '.join(done.stderr.strip().splitlines()[-3:])[:400]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _self_check() -> str | None:
+    """Why the loaded kernel disagrees with ``F.linear`` on random inputs, or ``None``."""
+    g = torch.Generator().manual_seed(0)
+    for rows, inner, out in ((16, 100, 37), (5, 64, 16), (35, 33, 70)):
+        x, w, b = (torch.randn(*shape, generator=g) for shape in ((rows, inner), (out, inner), (out,)))
+        got = torch.ops.rl_tpu_kernels.panel_linear(x, pack_panels(w), b, out)
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        err = (got.double() - want).abs().max().item()
+        if not err <= 1e-4:
+            return f"self-check at {rows}x{inner}x{out}: max |error| {err:.3g} against F.linear"
+    return None
+
+
+def _choose() -> tuple[str, str]:
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "onednn", f"this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        torch.ops.load_library(str(path))
+        reason = _self_check()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return ("onednn", reason) if reason else ("panel", "")
+
+
+def backend() -> str:
+    """``"panel"`` (rl-tpu's AVX-512 kernel) or ``"onednn"``: which one :func:`pack` and :func:`linear` use in this
+    process. Decided at the first call (building the kernel if this machine has no copy yet); when the panel kernel
+    cannot run, the reason is printed once, in one line."""
+    if "name" not in _STATE:
+        name, reason = _choose()
+        _STATE["name"] = name
+        if reason:
+            print(f"[rl-tpu] sampler: packed linear layers on oneDNN, not the panel kernel ({reason})",
+                  file=sys.stderr, flush=True)
+    return _STATE["name"]
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``(out, in)`` float32 -> its panels ``(ceil(out / 16), in, 16)`` float32, zero past ``out``."""
+    out, inner = weight.shape
+    panels = -(-out // _LANES)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, panels * _LANES - out))
+    return padded.view(panels, _LANES, inner).transpose(1, 2).contiguous()
+
+
+def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
+    """A packed copy of ``weight`` ``(out, in)`` float32 CPU for :func:`linear`, in the layout of :func:`backend`
+    (``batch_hint``: the rows oneDNN tunes its layout for; the panel layout has none). The copy is the weight's size
+    (the panels pad ``out`` to a multiple of 16)."""
+    with torch.inference_mode(False), torch.no_grad():
+        if backend() == "panel":
+            return pack_panels(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, int(batch_hint)))
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on ``packed = pack(weight)``: ``x`` ``(..., in)`` float32 -> ``(..., out)``
+    float32; ``bias`` ``(out,)`` or ``None``."""
+    if packed.dim() == 3:  # panels
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        out = torch.ops.rl_tpu_kernels.panel_linear(flat, packed, bias, out_features)
+        return out.view(*x.shape[:-1], out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

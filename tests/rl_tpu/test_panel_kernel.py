@@ -1,0 +1,62 @@
+"""rl-tpu's panel kernel (:mod:`rl_tpu.sampler.panel_kernel`): the packed linear layers of the CPU sampler equal
+``F.linear`` at every row count, width and bias the sampler meets; a kernel that cannot be built falls back to
+oneDNN, said in one line; the built library is reused, not rebuilt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_tpu.sampler import panel_kernel
+
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                reason="the panel kernel needs an AVX-512 CPU (oneDNN runs elsewhere)")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 33, 64])
+@pytest.mark.parametrize(("inner", "out"), [(64, 97), (576, 192), (33, 16), (7, 5)])
+def test_panels_equal_linear(rows, inner, out) -> None:
+    assert panel_kernel.backend() == "panel", "an AVX-512 machine with a compiler builds the panel kernel"
+    g = torch.Generator().manual_seed(rows * 1000 + inner + out)
+    x = torch.randn(2, rows, inner, generator=g)  # (batch, tokens, in), as a layer sees it
+    weight, bias = torch.randn(out, inner, generator=g) * 0.1, torch.randn(out, generator=g)
+    packed = panel_kernel.pack(weight)
+    assert packed.shape == (-(-out // 16), inner, 16)
+    for b in (None, bias):
+        got = panel_kernel.linear(x, packed, b, out)
+        want = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert got.shape == (2, rows, out) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        # the sum of float32 products, not a shortcut: as close to float64 as F.linear itself is
+        plain = (torch.nn.functional.linear(x, weight, b).double() - want).abs().max().item()
+        assert (got.double() - want).abs().max().item() <= 20 * plain + 1e-6
+
+
+def test_a_non_contiguous_input_and_wrong_panels_are_refused_or_handled() -> None:
+    weight = torch.randn(40, 24)
+    packed = panel_kernel.pack(weight)
+    x = torch.randn(24, 5).t()  # (5, 24), not contiguous: linear() copies it
+    torch.testing.assert_close(panel_kernel.linear(x, packed, None, 40), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="wp must be the contiguous"):
+        torch.ops.rl_tpu_kernels.panel_linear(torch.randn(5, 24), packed, None, 60)  # 60 columns, 48 packed
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.rl_tpu_kernels.panel_linear(torch.randn(5, 24), packed, torch.randn(39), 40)
+
+
+def test_the_library_is_kept_and_a_failed_build_falls_back_in_one_line(tmp_path, monkeypatch, capfd) -> None:
+    assert panel_kernel.backend() == "panel"
+    assert panel_kernel._library_path().exists(), "the built library is kept for the next process"
+    broken = tmp_path / "panel_kernel.cpp"
+    broken.write_text(panel_kernel._SOURCE.read_text() + "\nthis is not C++;\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(panel_kernel, "_SOURCE", broken)
+    monkeypatch.setattr(panel_kernel, "_STATE", {})
+    assert panel_kernel.backend() == "onednn"
+    lines = [line for line in capfd.readouterr().err.splitlines() if "panel kernel" in line]
+    assert len(lines) == 1 and "on oneDNN, not the panel kernel (RuntimeError:" in lines[0], lines
+    assert not list((tmp_path / "build").glob("*.so*")), "no half-written library is left behind"
+    weight = torch.randn(20, 8)
+    packed = panel_kernel.pack(weight)  # oneDNN's layout now, same numbers
+    assert packed.dim() == 2
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(panel_kernel.linear(x, packed, None, 20), x @ weight.t(), rtol=1e-5, atol=1e-5)
