@@ -43,7 +43,11 @@ def _library_path() -> Path:
 
 def _build(target: Path) -> None:
     """Compile ``panel_kernel.cpp`` into ``target``. Raises ``RuntimeError`` with the compiler's last lines."""
-    from torch.utils.cpp_extension import TORCH_LIB_PATH, get_cxx_compiler, include_paths
+    from torch.utils.cpp_extension import (
+        TORCH_LIB_PATH,
+        get_cxx_compiler,
+        include_paths,
+    )
 
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
@@ -53,7 +57,7 @@ def _build(target: Path) -> None:
            *[f"-I{p}" for p in include_paths()], str(_SOURCE), "-o", tmp,
            f"-L{TORCH_LIB_PATH}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{TORCH_LIB_PATH}"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{cmd[0]} failed: {' '.join(done.stderr.strip().splitlines()[-3:])[:400]}")
         os.replace(tmp, target)
