@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from rl_tpu.sampler import panel_kernel
 from rl_tpu.sampler.compiled_packed import PackCache, pack_linears
 from rl_tpu.sampler.fastpaths import say_once
 
@@ -106,8 +107,12 @@ class CompiledSteps:
 
         model = self.model
 
+        # with packed weights (the CPU fast paths) the decode's attention is rl-tpu's kernel, an opaque op in the graph
+        extra = {"rl_tpu_attention_kernel": True} if self.packs is not None and panel_kernel.backend() == "panel" \
+            else {}
+
         def step(ids, mask, pos, cache):
-            return model_logits(model, ids, mask, pos, cache)
+            return model_logits(model, ids, mask, pos, cache, **extra)
 
         # a code object of its own per step kind and sampler: dynamo keeps its graphs, guard failures and recompile
         # limit per code object, so no step checks the guards of another's graphs

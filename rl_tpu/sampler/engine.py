@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import StaticCache
 
+from rl_tpu.sampler import panel_kernel
 from rl_tpu.sampler.attention import gqa_attention
 from rl_tpu.sampler.compiled import CompiledSteps, compile_backend_for, model_logits
 from rl_tpu.sampler.fastpaths import FastPaths
@@ -255,6 +256,8 @@ class Sampler:
         if self.compiled is not None:  # no kv_len: a compiled step reads the whole static cache, masked
             return self.compiled(ids, mask, pos, cache)
         extra = {"rl_tpu_kv_len": kv_len} if kv_len is not None and self.device.type == "cpu" else {}
+        if self.packed is not None and ids.shape[1] == 1 and panel_kernel.backend() == "panel":
+            extra["rl_tpu_attention_kernel"] = True  # a CPU fast path, as the packed weights are
         return model_logits(self.model, ids, mask, pos, cache, **extra)  # (batch, vocab)
 
     def _generate_batch(

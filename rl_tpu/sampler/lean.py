@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
+from rl_tpu.sampler import panel_kernel
 from rl_tpu.sampler.attention import decode_attention
 
 _NORM_IS_RMS: dict[type, bool] = {}  # norm class -> whether F.rms_norm(x, weight, eps) computes its forward
@@ -115,6 +116,8 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        #: attention through rl-tpu's decode attention kernel (built, and the model float32 on the CPU)
+        self.attention_kernel = next(model.parameters()).dtype == torch.float32 and panel_kernel.backend() == "panel"
         inner = model.model
         self.embed, self.layers, self.rotary = inner.embed_tokens, list(inner.layers), inner.rotary_emb
         self.norm, self.head = _norm_fn(inner.norm), model.lm_head
@@ -189,7 +192,8 @@ class LeanDecoder:
             cached.keys.index_copy_(2, where, k)
             cached.values.index_copy_(2, where, v)
             cached.cumulative_length.fill_(kv_len)
-            out = decode_attention(q, cached.keys[:, :, :kv_len], cached.values[:, :, :kv_len], mask, attn.scaling)
+            out = decode_attention(q, cached.keys[:, :, :kv_len], cached.values[:, :, :kv_len], mask, attn.scaling,
+                                   kernel=self.attention_kernel)
             h = h + attn.o_proj(out.reshape(batch, 1, -1))
             h = h + mlp(norm2(h))
         return self.head(self.norm(h)[:, 0])  # (batch, vocab)

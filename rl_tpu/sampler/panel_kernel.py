@@ -29,20 +29,23 @@ import torch
 
 __all__ = ["backend", "linear", "pack"]
 
-_SOURCE = Path(__file__).with_name("panel_kernel.cpp")
+#: compiled into one library: the linear layers' kernel and the decode attention's (:mod:`rl_tpu.sampler.attention`)
+_SOURCES = (Path(__file__).with_name("panel_kernel.cpp"), Path(__file__).with_name("attention_kernel.cpp"))
 _LANES = 16  # float32 lanes of an AVX-512 register: the columns of one weight panel
 _STATE: dict[str, str] = {}
+_FAKES: set[str] = set()
 
 
 def _library_path() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__} {sys.version}".encode()).hexdigest()[:16]
+    code = b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(code + f"{torch.__version__} {sys.version}".encode()).hexdigest()[:16]
     return Path(get_default_build_root()) / f"rl_tpu_panel_kernel_{key}.so"
 
 
 def _build(target: Path) -> None:
-    """Compile ``panel_kernel.cpp`` into ``target``. Raises ``RuntimeError`` with the compiler's last lines."""
+    """Compile the kernels' sources into ``target``. Raises ``RuntimeError`` with the compiler's last lines."""
     from torch.utils.cpp_extension import (
         TORCH_LIB_PATH,
         get_cxx_compiler,
@@ -54,7 +57,7 @@ def _build(target: Path) -> None:
     os.close(fd)
     cmd = [get_cxx_compiler(), "-O3", "-std=gnu++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *[f"-I{p}" for p in include_paths()], str(_SOURCE), "-o", tmp,
+           *[f"-I{p}" for p in include_paths()], *map(str, _SOURCES), "-o", tmp,
            f"-L{TORCH_LIB_PATH}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{TORCH_LIB_PATH}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
@@ -79,6 +82,20 @@ def _self_check() -> str | None:
     return None
 
 
+def _register_fakes() -> None:
+    """Shapes of the kernels' outputs for tracing (``torch.compile``): the attention kernel runs in compiled graphs."""
+    def attention(q, k, v, mask, scale):
+        return q.new_empty(q.shape)
+
+    def panels(x, wp, bias, out_features):
+        return x.new_empty((x.shape[0], out_features))
+
+    for name, fn in (("decode_attention", attention), ("panel_linear", panels)):
+        if name not in _FAKES:  # once per process (the library itself loads once)
+            torch.library.register_fake(f"rl_tpu_kernels::{name}", fn)
+            _FAKES.add(name)
+
+
 def _choose() -> tuple[str, str]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return "onednn", f"this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
@@ -87,6 +104,7 @@ def _choose() -> tuple[str, str]:
         if not path.exists():
             _build(path)
         torch.ops.load_library(str(path))
+        _register_fakes()
         reason = _self_check()
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"

@@ -47,9 +47,9 @@ def test_the_library_is_kept_and_a_failed_build_falls_back_in_one_line(tmp_path,
     assert panel_kernel.backend() == "panel"
     assert panel_kernel._library_path().exists(), "the built library is kept for the next process"
     broken = tmp_path / "panel_kernel.cpp"
-    broken.write_text(panel_kernel._SOURCE.read_text() + "\nthis is not C++;\n")
+    broken.write_text(panel_kernel._SOURCES[0].read_text() + "\nthis is not C++;\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
-    monkeypatch.setattr(panel_kernel, "_SOURCE", broken)
+    monkeypatch.setattr(panel_kernel, "_SOURCES", (broken, *panel_kernel._SOURCES[1:]))
     monkeypatch.setattr(panel_kernel, "_STATE", {})
     assert panel_kernel.backend() == "onednn"
     lines = [line for line in capfd.readouterr().err.splitlines() if "panel kernel" in line]
