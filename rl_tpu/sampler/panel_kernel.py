@@ -9,11 +9,13 @@ KiB ahead, while it multiplies the one before, with the batch's 16 rows held in 
 (``benchmarks/bench_decode_linears.py`` times both).
 
 :func:`backend` decides once per process: the panel kernel where the CPU has AVX-512 (``torch.backends.cpu``'s
-capability), a C++ compiler builds ``panel_kernel.cpp`` against this torch (16 s, once per machine: the library is
-kept in torch's extension build folder, written under a temporary name and renamed, so processes building at once
-never read a half-written file), and a self-check on random inputs matches ``F.linear``; otherwise oneDNN's packed
-linear, as before, said in one line. Both compute float32 products summed in their own order: they differ from
-``torch.nn.functional.linear`` by float32 rounding (relative ~1e-6).
+capability), a C++ compiler builds ``panel_kernel.cpp`` and ``attention_kernel.cpp`` (the decode attention of
+:mod:`rl_tpu.sampler.attention`) into one library against this torch (20-30 s, once per machine: the library is kept
+in torch's extension build folder, written under a temporary name and renamed, so processes building at once never
+read a half-written file), and a self-check on random inputs matches ``F.linear`` and softmax attention in float64;
+otherwise oneDNN's packed linear and the batched attention products, as before, said in one line. Both compute
+float32 products summed in their own order: they differ from ``torch.nn.functional.linear`` by float32 rounding
+(relative ~1e-6).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _build(target: Path) -> None:
 
 
 def _self_check() -> str | None:
-    """Why the loaded kernel disagrees with ``F.linear`` on random inputs, or ``None``."""
+    """Why the loaded kernels disagree with ``F.linear`` or with softmax attention in float64 on random inputs, or
+    ``None``."""
     g = torch.Generator().manual_seed(0)
     for rows, inner, out in ((16, 100, 37), (5, 64, 16), (35, 33, 70)):
         x, w, b = (torch.randn(*shape, generator=g) for shape in ((rows, inner), (out, inner), (out,)))
@@ -79,6 +82,15 @@ def _self_check() -> str | None:
         err = (got.double() - want).abs().max().item()
         if not err <= 1e-4:
             return f"self-check at {rows}x{inner}x{out}: max |error| {err:.3g} against F.linear"
+    for heads, kv_heads, dim in ((6, 2, 64), (2, 2, 128)):
+        q, k, v = (torch.randn(*shape, generator=g) for shape in ((3, heads, dim), *[(3, kv_heads, 11, dim)] * 2))
+        keep = torch.arange(11) >= torch.tensor([[0], [4], [10]])  # (3, 11): left padding
+        got = torch.ops.rl_tpu_kernels.decode_attention(q, k, v, keep, 0.3)
+        k2, v2 = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # (3, heads, 11, dim)
+        scores = (q.double()[:, :, None] * k2).sum(-1).mul(0.3).masked_fill(~keep[:, None], float("-inf"))
+        err = (got.double() - (scores.softmax(-1)[..., None] * v2).sum(-2)).abs().max().item()
+        if not err <= 1e-4:
+            return f"self-check of the decode attention ({heads} heads, dim {dim}): max |error| {err:.3g}"
     return None
 
 
@@ -119,8 +131,8 @@ def backend() -> str:
         name, reason = _choose()
         _STATE["name"] = name
         if reason:
-            print(f"[rl-tpu] sampler: packed linear layers on oneDNN, not the panel kernel ({reason})",
-                  file=sys.stderr, flush=True)
+            print(f"[rl-tpu] sampler: rl-tpu's CPU kernels off ({reason}): packed linear layers on oneDNN, decode "
+                  "attention as batched products", file=sys.stderr, flush=True)
     return _STATE["name"]
 
 

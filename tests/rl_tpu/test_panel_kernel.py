@@ -52,11 +52,54 @@ def test_the_library_is_kept_and_a_failed_build_falls_back_in_one_line(tmp_path,
     monkeypatch.setattr(panel_kernel, "_SOURCES", (broken, *panel_kernel._SOURCES[1:]))
     monkeypatch.setattr(panel_kernel, "_STATE", {})
     assert panel_kernel.backend() == "onednn"
-    lines = [line for line in capfd.readouterr().err.splitlines() if "panel kernel" in line]
-    assert len(lines) == 1 and "on oneDNN, not the panel kernel (RuntimeError:" in lines[0], lines
+    lines = [line for line in capfd.readouterr().err.splitlines() if "CPU kernels off" in line]
+    assert len(lines) == 1 and "rl-tpu's CPU kernels off (RuntimeError:" in lines[0], lines
     assert not list((tmp_path / "build").glob("*.so*")), "no half-written library is left behind"
     weight = torch.randn(20, 8)
     packed = panel_kernel.pack(weight)  # oneDNN's layout now, same numbers
     assert packed.dim() == 2
     x = torch.randn(3, 8)
     torch.testing.assert_close(panel_kernel.linear(x, packed, None, 20), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 256), (6, 1, 64)])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_decode_attention_kernel_equals_the_batched_products(heads, kv_heads, dim, mask_kind) -> None:
+    """The kernel against :func:`decode_attention`'s own products (float64), on a sliced static cache (the lean
+    decode reads the written slots: strided keys and values), with left padding in the mask."""
+    from rl_tpu.sampler.attention import decode_attention
+
+    assert panel_kernel.backend() == "panel"
+    g = torch.Generator().manual_seed(heads * dim)
+    batch, slots, kv_len = 5, 40, 37
+    query = torch.randn(batch, heads, 1, dim, generator=g)
+    cache_k, cache_v = (torch.randn(batch, kv_heads, slots, dim, generator=g) for _ in range(2))
+    key, value = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]
+    keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+    for row in range(batch):
+        keep[row, ..., : 3 * row] = False  # left padding
+    mask = {"bool": keep, "float": torch.where(keep, 0.0, -1e4) - 0.1 * torch.rand(batch, 1, 1, kv_len, generator=g),
+            "none": None}[mask_kind]
+    want = decode_attention(query.double(), key.double(), value.double(),
+                            None if mask is None else (mask if mask.dtype == torch.bool else mask.double()), 0.17)
+    got = decode_attention(query, key, value, mask, 0.17, kernel=True)
+    plain = decode_attention(query, key, value, mask, 0.17)
+    assert got.shape == want.shape == (batch, 1, heads, dim) and got.dtype == torch.float32
+    assert not torch.equal(got, plain), "the kernel ran (its float32 rounding differs from the products')"
+    err, plain_err = ((x.double() - want).abs().max().item() for x in (got, plain))
+    assert err <= 1e-5 and err <= 10 * plain_err + 1e-7, (err, plain_err)
+
+
+def test_decode_attention_kernel_falls_back_where_it_does_not_apply() -> None:
+    from rl_tpu.sampler.attention import decode_attention
+
+    query, key = torch.randn(2, 4, 1, 48), torch.randn(2, 2, 7, 48)  # head dim 48: the products
+    assert torch.equal(decode_attention(query, key, key, None, None, kernel=True),
+                       decode_attention(query, key, key, None, None))
+    query, key = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 7, 64)
+    half = (query.bfloat16(), key.bfloat16())  # bfloat16: the products
+    assert torch.equal(decode_attention(*half, half[1], None, None, kernel=True),
+                       decode_attention(*half, half[1], None, None))
+    nothing = torch.zeros(2, 1, 1, 7, dtype=torch.bool)  # every key masked: NaN, as torch's softmax gives
+    assert decode_attention(query, key, key, nothing, None, kernel=True).isnan().all()
+    assert decode_attention(query, key, key, nothing, None).isnan().all()
