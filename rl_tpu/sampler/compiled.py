@@ -45,6 +45,14 @@ RECOMPILE_LIMIT = 512
 _IDS = itertools.count()
 
 
+def _attention_ops() -> tuple:
+    try:
+        packet = torch.ops.rl_tpu_kernels.decode_attention
+    except (AttributeError, RuntimeError):  # the kernels' library is not loaded: no graph has the op
+        return ()
+    return packet, packet.default
+
+
 def model_logits(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache, **extra
 ) -> torch.Tensor:
@@ -81,6 +89,8 @@ class CompiledSteps:
             every step then runs eagerly.
         packed_linears: ``{"prefill": n, "decode": n}`` linear layers of the last graph of each kind that run on
             packed weights.
+        attention_kernels: ``{"prefill": n, "decode": n}`` attention layers of the last graph of each kind that run
+            rl-tpu's decode attention kernel (with ``packed_weights``, where it is built and applies).
         packs: the :class:`~rl_tpu.sampler.compiled_packed.PackCache` of the packed copies (``None`` without
             ``packed_weights``).
     """
@@ -90,6 +100,7 @@ class CompiledSteps:
         self.backend = backend
         self.packs = PackCache() if packed_weights else None
         self.packed_linears = {"prefill": 0, "decode": 0}
+        self.attention_kernels = {"prefill": 0, "decode": 0}
         self.graphs = {"prefill": 0, "decode": 0}
         self.compile_s = {"prefill": 0.0, "decode": 0.0}
         self.active = True
@@ -102,6 +113,8 @@ class CompiledSteps:
             self.graphs[kind] += 1
             if self.packs is not None:
                 self.packed_linears[kind] = pack_linears(gm)
+            ops = _attention_ops()
+            self.attention_kernels[kind] = sum(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
             inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
             return inner(gm, example_inputs)
 

@@ -21,11 +21,12 @@ torch.set_num_threads(1)
 VOCAB, PAD, EOS = 97, 0, 1
 
 
-def tiny_llama(seed: int = 0, cls=LlamaForCausalLM) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, head_dim: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
+        num_key_value_heads=2, head_dim=head_dim or 16,  # 64: a head width rl-tpu's decode attention kernel takes
+        max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
     )
     cfg._attn_implementation = "sdpa"
@@ -52,7 +53,7 @@ def fallbacks_said_afresh(monkeypatch):
 
 
 def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None:
-    model = tiny_llama()
+    model = tiny_llama(head_dim=64)
     lengths = [5, 19, 40, 11]  # one batch: prompt bucket 64, generation bucket 16
     greedy = SamplingParams(n=2, temperature=0, max_new_tokens=16, logprobs=True)
     sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True)
@@ -62,6 +63,8 @@ def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None
     assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
     # float32 on the CPU: every linear layer (2 layers x 7, and the LM head) runs on a oneDNN-packed copy
     assert sampler.compiled.packed_linears == {"prefill": 15, "decode": 15}
+    # and the decode's attention, in both layers, is rl-tpu's kernel (an opaque op in the graph)
+    assert sampler.compiled.attention_kernels == {"prefill": 0, "decode": 2}
     prompts = random_prompts(lengths, seed=11)
     with torch.compiler.set_stance("fail_on_recompile"):  # a recompile raises instead of running eagerly
         outs = sampler.generate(prompts, greedy)
