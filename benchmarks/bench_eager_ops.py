@@ -11,16 +11,18 @@ forward, token choice and bookkeeping) for
   sampler's grouped-query attention and its read of only the written cache slots, which a TPU run does not);
 * ``tpu-compiled``: ``Sampler(compile=True, packed_weights=False)``: the TPU profile's graphs, on plain weights
   (inductor on CPU; a step counts as one launch);
-* ``cpu-eager``: today's CPU sampler (lean decode on oneDNN-packed weights);
-* ``cpu-compiled``: ``Sampler(compile=True)`` on the CPU: the graphs' linear layers on oneDNN-packed copies kept
-  outside the graph (:mod:`rl_tpu.sampler.compiled_packed`);
+* ``cpu-eager``: today's CPU sampler (lean decode on packed weights: rl-tpu's panel kernel, or oneDNN where it
+  cannot run, :mod:`rl_tpu.sampler.panel_kernel`; rl-tpu's decode attention kernel);
+* ``cpu-compiled``: ``Sampler(compile=True)`` on the CPU: the graphs' linear layers on packed copies kept outside
+  the graph (:mod:`rl_tpu.sampler.compiled_packed`), their decode attention rl-tpu's kernel (an opaque op);
 
 and times their decode steps: (time to generate ``hi`` tokens - time for ``lo``) / (``hi - lo``), prefill and set-up
 cancelled, median of ``--repeats``. Both limits are measured in the same run: memory (a decode step reads every
 weight once: weight bytes / this thread's read bandwidth) and arithmetic (a decode step's FLOPs: 2 per weight per
-row, plus attention over the whole cache, / this thread's best measured float32 matmul GFLOP/s, MKL's or oneDNN's);
-``% limit`` is of the lower of the two. The linear layers alone (packed, at the step's rows) are timed too: what a
-step cannot go below on this thread with these libraries.
+row, plus attention over the whole cache, / this thread's best measured float32 matmul GFLOP/s at 256 rows: MKL's,
+oneDNN's or rl-tpu's panel kernel's);
+``% limit`` is of the lower of the two. The linear layers alone (on the sampler's packed copies, at the step's rows)
+are timed too: what a step cannot go below on this thread with these kernels.
 
 The trainer (``rl_tpu.compile_trainer``'s :class:`rl_tpu.compiled_blocks.CompiledBlocks`, inductor) runs one
 training step's shapes on a padded micro batch at its bucket length: a no-grad log-prob forward
@@ -41,6 +43,8 @@ import statistics
 import time
 
 import torch
+
+from rl_tpu.sampler import panel_kernel
 
 
 def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
@@ -88,19 +92,22 @@ def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> dict[s
         packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), rows)
         rates["onednn"] = flop / min(_timed(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
                                      for _ in range(6)) / 1e9
+    if panel_kernel.backend() == "panel":
+        panels = panel_kernel.pack(b.T.contiguous())
+        rates["panel"] = flop / min(_timed(panel_kernel.linear, a, panels, None, cols) for _ in range(6)) / 1e9
     return rates
 
 
 def linears_alone_s(model, rows: int) -> float:
-    """Seconds one decode step's linear layers take alone at ``rows`` rows, each on a oneDNN-packed copy of its
-    weight (the products a step cannot avoid, at the best rate this thread has for them), best of 5."""
+    """Seconds one decode step's linear layers take alone at ``rows`` rows, each on the sampler's packed copy of its
+    weight (:mod:`rl_tpu.sampler.panel_kernel`: rl-tpu's panel kernel, or oneDNN's where it cannot run), best of 5."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in linears]
+    packed = [panel_kernel.pack(m.weight, rows) for m in linears]
     inputs = [torch.randn(rows, m.in_features) for m in linears]
 
     def step():
-        for x, w in zip(inputs, packed):
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        for x, w, m in zip(inputs, packed, linears):
+            panel_kernel.linear(x, w, None, m.out_features)
     step()
     return min(_timed(step) for _ in range(5))
 
@@ -113,12 +120,12 @@ def linears_in_cache_s(model, rows: int, cols: int = 1536) -> float:
     for m in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
         width = min(m.out_features, cols)
         if (m.in_features, width) not in timed:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()[:width].contiguous(), rows)
+            packed = panel_kernel.pack(m.weight.detach()[:width].contiguous(), rows)
             x = torch.randn(rows, m.in_features)
 
-            def ten(x=x, packed=packed):
+            def ten(x=x, packed=packed, width=width):
                 for _ in range(10):
-                    torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                    panel_kernel.linear(x, packed, None, width)
             ten()
             timed[(m.in_features, width)] = min(_timed(ten) for _ in range(5)) / 10
         total += timed[(m.in_features, width)] * m.out_features / width
@@ -242,10 +249,11 @@ def main() -> None:
           f"{rows / mem_s:.0f} tokens/s\narithmetic limit: {flops / 1e9:.2f} GFLOP/step (cache {cache_len}) / "
           f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s "
           f"(matmul GFLOP/s: {', '.join(f'{k} {v:.1f}' for k, v in rates.items())})")
-    floor_s = linears_alone_s(model, rows) if "onednn" in rates else float("nan")
+    packed = "onednn" in rates or "panel" in rates
+    floor_s = linears_alone_s(model, rows) if packed else float("nan")
     print(f"the linear layers alone at {rows} rows, packed: {floor_s * 1e3:.1f} ms/step = {rows / floor_s:.0f} "
           f"tokens/s = {100 * max(mem_s, math_s) / floor_s:.0f}% of the lower limit")
-    if "onednn" in rates:
+    if packed:
         hot_s = linears_in_cache_s(model, rows)
         print(f"  the same with their weights in cache (products alone at {rows} rows): {hot_s * 1e3:.1f} ms; + the "
               f"weights' read alone ({mem_s * 1e3:.1f} ms) = {(hot_s + mem_s) * 1e3:.1f} ms: the linears take "
