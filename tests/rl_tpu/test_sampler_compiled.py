@@ -63,8 +63,11 @@ def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None
     assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
     # float32 on the CPU: every linear layer (2 layers x 7, and the LM head) runs on a oneDNN-packed copy
     assert sampler.compiled.packed_linears == {"prefill": 15, "decode": 15}
-    # and the decode's attention, in both layers, is rl-tpu's kernel (an opaque op in the graph)
-    assert sampler.compiled.attention_kernels == {"prefill": 0, "decode": 2}
+    # and the decode's attention, in both layers, is rl-tpu's kernel (an opaque op in the graph) where it is built
+    from rl_tpu.sampler import panel_kernel
+
+    kernels = 2 if panel_kernel.backend() == "panel" else 0
+    assert sampler.compiled.attention_kernels == {"prefill": 0, "decode": kernels}
     prompts = random_prompts(lengths, seed=11)
     with torch.compiler.set_stance("fail_on_recompile"):  # a recompile raises instead of running eagerly
         outs = sampler.generate(prompts, greedy)
