@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers inside the sampler's compiled CPU graphs (``Sampler(compile=True)`` on a float32 model).
+"""Packed linear layers inside the sampler's compiled CPU graphs (``Sampler(compile=True)`` on a float32 model).
 
 Inductor, without ``freezing``, hands a compiled graph's linear layers to ATen's ``mm``/``addmm``, which on this
 project's CPUs is MKL's general ``sgemm`` on the row-major weight: at the decode step's few rows it reaches about
@@ -19,7 +19,9 @@ through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCa
 ``Sampler.weights_changed`` calls), as for the eager sampler's packed weights.
 Outside an active cache (or for a weight that is not float32) the op is ``torch.nn.functional.linear``.
 
-The numbers are float32 as before, summed in oneDNN's order: they differ from ``F.linear`` by float32 rounding
+The packed copies and the product are :mod:`rl_tpu.sampler.panel_kernel`'s: rl-tpu's AVX-512 panel kernel (1.5x
+oneDNN at the decode's 16 rows), or oneDNN's inner product where that kernel cannot run. The numbers are float32 as
+before, summed in the kernel's order: they differ from ``F.linear`` by float32 rounding
 (relative ~1e-6), as :mod:`rl_tpu.sampler.packed` does for the eager CPU sampler. The packed copies cost the weights'
 size again while they exist.
 """

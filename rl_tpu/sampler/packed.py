@@ -1,26 +1,27 @@
-"""Decode-time linear layers on pre-packed weights (CPU, oneDNN).
+"""Decode-time linear layers on pre-packed weights (CPU).
 
 At decode time the sampler multiplies a few rows (the batch, one token each) by every weight matrix of the model:
 for SmolLM2-135M at batch 16 that is ``(16, 576) x (576, 1536)``-sized products and a ``(16, 576) x (576, 49152)``
 LM head: every weight is read for only 16 rows, so the time goes to streaming it and to float32 multiply-adds in
-about equal parts (a profile of the sampler shows ~38 GFLOP/s on one core). ``torch.nn.functional.linear``
-on CPU hands them to MKL's general ``sgemm``, which reads the row-major weight as it is. oneDNN's inner-product
-primitive can run on a copy of the weight reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what TorchInductor's CPU weight prepacking uses); on this project's
-2-core AMD EPYC that is about 1.2x faster for the layers and 1.45x for the LM head (``benchmarks/bench_sampler.py``
-shows the end-to-end effect).
+about equal parts. ``torch.nn.functional.linear`` on CPU hands them to MKL's general ``sgemm``, which reads the
+row-major weight as it is. :class:`PackedLinears` keeps a copy of each weight packed once for
+:mod:`rl_tpu.sampler.panel_kernel`: rl-tpu's AVX-512 panel kernel, which streams each weight from memory while it
+multiplies it (1.5x oneDNN's packed inner product over SmolLM2's 211 layers at 16 rows, one thread,
+``benchmarks/bench_decode_linears.py``), or, where that kernel cannot run, oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what TorchInductor's CPU weight prepacking uses; ~1.2x MKL for the
+layers and 1.45x for the LM head on this project's 2-core AMD EPYC).
 
 The result is float32 as before, summed in a different order: it differs from ``F.linear`` by float32 rounding
 (relative ~1e-6), far below anything a sampled token or its log-prob reflects.
 
 Linear layers that read the same input (a layer's query, key and value projections) can also be packed as one
 concatenated matrix (:meth:`PackedLinears.fused`): one product of width ``q + k + v`` instead of three narrow ones
-cut the decode step's query/key/value time by ~10% in a cold-cache measurement (30 layers of SmolLM2-135M); the
+(measured on oneDNN: ~10% less query/key/value time in a cold-cache measurement of SmolLM2-135M's 30 layers); the
 gate and up projections of the MLP, already wide, gained nothing, so the lean decoder fuses only the former.
 
-The packed copies cost the weights' size again while they exist (fused groups once more). :class:`PackedLinears` builds them on first use,
-and they are dropped with :meth:`PackedLinears.release` (the rollout server does so whenever weights change or it
-sleeps) and rebuilt at the next generation.
+The packed copies cost the weights' size again while they exist (fused groups once more). :class:`PackedLinears`
+builds them on first use, and they are dropped with :meth:`PackedLinears.release` (the rollout server does so
+whenever weights change or it sleeps) and rebuilt at the next generation.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_feature
 
 
 class PackedLinears:
-    """oneDNN-packed copies of a CPU float32 model's ``nn.Linear`` weights, swapped in during a ``with`` block.
+    """Packed copies (:func:`rl_tpu.sampler.panel_kernel.pack`) of a CPU float32 model's ``nn.Linear`` weights,
+    swapped in during a ``with`` block.
 
     Args:
         model: the model whose ``torch.nn.Linear`` modules (float32, on the CPU) to pack; others are left alone.

@@ -114,6 +114,8 @@ def _choose() -> tuple[str, str]:
     try:
         path = _library_path()
         if not path.exists():
+            print(f"[rl-tpu] sampler: building rl-tpu's CPU kernels into {path} (once per machine, ~20-60 s)",
+                  file=sys.stderr, flush=True)
             _build(path)
         torch.ops.load_library(str(path))
         _register_fakes()
