@@ -5,7 +5,9 @@
 // the key and value rows are read once per key/value head. The matrix products batched over (row, key/value head)
 // that this replaces are 48 small products per layer for SmolLM2 at 16 rows: ATen's bmm took ~180 us each for
 // 1.2 MB of keys. Exponentials are SLEEF's expf16_u10 (ATen's vectorized exp, exported by libtorch_cpu); a row whose
-// every key is masked gives NaN, as torch's softmax does. Built and loaded with panel_kernel.cpp by
+// every key is masked gives NaN, as torch's softmax does. Where a boolean mask is false, neither the key nor the value
+// row is read (its weight is exactly 0; the static cache's unwritten and padded slots), so a static cache read whole,
+// masked, costs only its attended slots; an additive mask reads every slot. Built and loaded with panel_kernel.cpp by
 // panel_kernel.py; called from attention.py, which checks shapes, dtypes and the mask first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,6 +57,17 @@ void attend(const Args& a, int64_t b, int64_t h, float* probs) {
     // scores: q . k_j * scale, masked (bool: -inf where false) or plus the additive mask
     for (int64_t j = 0; j < a.len; ++j) {
       const float* key = keys + j * a.ks2;
+      if (a.mask_bool && !a.mask_bool[b * a.ms0 + j * a.ms1]) {  // masked: exp(-inf) = 0, its key is not read
+        row[j] = neg_inf;
+        continue;
+      }
+      if (g == 0) {  // the first query head pulls the keys 8 rows ahead, and this row's values, into cache
+#pragma GCC unroll 16
+        for (int c = 0; c < DC; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(key + 8 * a.ks2 + c * kLanes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(values + j * a.vs2 + c * kLanes), _MM_HINT_T0);
+        }
+      }
       __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
       __m512 odd = _mm512_setzero_ps();
 #pragma GCC unroll 16
@@ -63,7 +76,6 @@ void attend(const Args& a, int64_t b, int64_t h, float* probs) {
         else even = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * kLanes), even);
       }
       float s = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) * a.scale;
-      if (a.mask_bool) s = a.mask_bool[b * a.ms0 + j * a.ms1] ? s : neg_inf;
       if (a.mask_add) s += a.mask_add[b * a.ms0 + j * a.ms1];
       row[j] = s;
     }
@@ -71,7 +83,13 @@ void attend(const Args& a, int64_t b, int64_t h, float* probs) {
     __m512 vmax = _mm512_set1_ps(neg_inf);
     for (int64_t j = 0; j < a.len; j += kLanes)
       vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), tail(a.len - j), row + j));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    const float top_s = _mm512_reduce_max_ps(vmax);
+    float* dst = a.out + (b * a.heads + h * a.group + g) * dim;
+    if (top_s == neg_inf) {  // every key masked: NaN, as torch's softmax gives (0 / 0)
+      for (int64_t c = 0; c < dim; ++c) dst[c] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const __m512 top = _mm512_set1_ps(top_s);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < a.len; j += kLanes) {
       const __mmask16 m = tail(a.len - j);
@@ -85,12 +103,12 @@ void attend(const Args& a, int64_t b, int64_t h, float* probs) {
 #pragma GCC unroll 16
     for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < a.len; ++j) {
+      if (a.mask_bool && !a.mask_bool[b * a.ms0 + j * a.ms1]) continue;  // weight 0: its value row is not read
       const __m512 p = _mm512_set1_ps(row[j] * inv);
       const float* value = values + j * a.vs2;
 #pragma GCC unroll 16
       for (int c = 0; c < DC; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + c * kLanes), acc[c]);
     }
-    float* dst = a.out + (b * a.heads + h * a.group + g) * dim;
 #pragma GCC unroll 16
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(dst + c * kLanes, acc[c]);
   }

@@ -110,3 +110,25 @@ def test_decode_attention_kernel_falls_back_where_it_does_not_apply() -> None:
     nothing = torch.zeros(2, 1, 1, 7, dtype=torch.bool)  # every key masked: NaN, as torch's softmax gives
     assert decode_attention(query, key, key, nothing, None, kernel=True).isnan().all()
     assert decode_attention(query, key, key, nothing, None).isnan().all()
+
+
+def test_threads_split_the_work_without_changing_a_bit() -> None:
+    """Panels (linear) and key/value heads (attention) are split among ATen's threads; each output is summed by one
+    thread in the same order, so the numbers are the same at any thread count."""
+    from rl_tpu.sampler.attention import decode_attention
+
+    g = torch.Generator().manual_seed(5)
+    x, weight, bias = torch.randn(16, 576, generator=g), torch.randn(1000, 576, generator=g), torch.randn(1000)
+    packed = panel_kernel.pack(weight)
+    query, key, value = torch.randn(16, 9, 1, 64), torch.randn(16, 3, 96, 64), torch.randn(16, 3, 96, 64)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((panel_kernel.linear(x, packed, bias, 1000),
+                            decode_attention(query, key, value, None, None, kernel=True)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[1][0], torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
