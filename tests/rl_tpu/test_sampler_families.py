@@ -155,3 +155,26 @@ def test_a_window_wider_than_the_prompt_bucket_fills_then_rolls_during_decode(fa
             ref = reference_logprobs(model, ps[i // 2], o.token_ids, params.temperature)
             assert float((torch.tensor(o.logprobs) - ref).abs().max()) <= 1e-4
         assert {c for _, _, c in sampler.shapes_seen} == {64}  # 32 prompt + 32 generation slots > the window
+
+
+@pytest.mark.parametrize("family", list(FAST_PATHS))
+def test_the_decode_attention_kernel_keeps_each_familys_numbers(family, tokenizer_dir, tmp_path_factory) -> None:
+    """At head width 64 (the families' tests above use 16, which the kernel does not take) the CPU sampler's decode
+    attention is rl-tpu's kernel (:mod:`rl_tpu.sampler.panel_kernel`), through the lean step or, for the windowed
+    families, through the model's own forward with their sliding-window masks: log-probs equal a plain forward."""
+    from torch.profiler import profile
+
+    from rl_tpu.sampler import panel_kernel
+
+    if panel_kernel.backend() != "panel":
+        pytest.skip("rl-tpu's CPU kernels are not built here (no AVX-512 CPU or no C++ compiler)")
+    extra = {"query_pre_attn_scalar": 64} if family == "gemma3" else {}
+    path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(f"{family}64"), head_dim=64, **extra)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[])
+    with profile() as prof:
+        err = max_logprob_error(model, sampler, PARAMS["greedy"])
+    calls = sum(e.count for e in prof.key_averages() if e.key == "rl_tpu_kernels::decode_attention")
+    assert calls >= model.config.num_hidden_layers * (PARAMS["greedy"].max_new_tokens - 1), (family, calls)
+    assert err <= 1e-4, (family, err)
+    assert (sampler.lean is not None) == FAST_PATHS[family][0]
