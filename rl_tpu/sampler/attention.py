@@ -111,7 +111,7 @@ def decode_attention(
 def _kernel_applies(query, key, value, mask) -> bool:
     dim = query.shape[-1]
     return (query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and dim in (64, 128, 256) and key.shape[-1] == value.shape[-1] == dim
+            and dim in (64, 128, 256) and key.shape[-1] == value.shape[-1] == dim and key.shape[1] * key.shape[2] > 0
             and key.stride(-1) == 1 and value.stride(-1) == 1
             and (mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                   and mask.dtype in (torch.bool, torch.float32))))

@@ -124,9 +124,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
                   k.size(1) == v.size(1) && k.size(2) == v.size(2) && k.size(3) == dim && v.size(3) == dim &&
-                  q.size(1) % k.size(1) == 0 && (dim == 64 || dim == 128 || dim == 256),
+                  k.size(1) > 0 && k.size(2) > 0 && q.size(1) % k.size(1) == 0 && (dim == 64 || dim == 128 || dim == 256),
               "decode_attention: k, v must be (batch, kv_heads, len, dim) float32 with the last dimension "
-              "contiguous, dim 64, 128 or 256, heads a multiple of kv_heads");
+              "contiguous, dim 64, 128 or 256, len > 0, heads a multiple of kv_heads > 0");
   const int64_t batch = q.size(0), len = k.size(2);
   const bool bool_mask = mask.has_value() && mask->scalar_type() == at::kBool;
   TORCH_CHECK(!mask.has_value() || (mask->dim() == 2 && mask->size(0) == batch && mask->size(1) == len &&

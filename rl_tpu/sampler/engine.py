@@ -222,6 +222,8 @@ class Sampler:
         if not prompts:
             return []
         self.lean = self.fast_paths.lean() if self.lean_decode else None
+        if self.lean is not None:  # a CPU fast path, as the packed weights are
+            self.lean.attention_kernel = self.packed is not None and panel_kernel.backend() == "panel"
         rows = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # prompt-major
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths share a prompt bucket
         step = self.max_batch_size or len(rows)

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
-from rl_tpu.sampler import panel_kernel
 from rl_tpu.sampler.attention import decode_attention
 
 _NORM_IS_RMS: dict[type, bool] = {}  # norm class -> whether F.rms_norm(x, weight, eps) computes its forward
@@ -116,8 +115,9 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        #: attention through rl-tpu's decode attention kernel (built, and the model float32 on the CPU)
-        self.attention_kernel = next(model.parameters()).dtype == torch.float32 and panel_kernel.backend() == "panel"
+        #: attention through rl-tpu's decode attention kernel; the sampler sets it with its packed weights (the CPU fast
+        #: paths), where the kernels are built (``panel_kernel.backend() == "panel"``)
+        self.attention_kernel = False
         inner = model.model
         self.embed, self.layers, self.rotary = inner.embed_tokens, list(inner.layers), inner.rotary_emb
         self.norm, self.head = _norm_fn(inner.norm), model.lm_head

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ _SOURCES = (Path(__file__).with_name("panel_kernel.cpp"), Path(__file__).with_na
 _LANES = 16  # float32 lanes of an AVX-512 register: the columns of one weight panel
 _STATE: dict[str, str] = {}
 _FAKES: set[str] = set()
+_LOCK = threading.Lock()
 
 
 def _library_path() -> Path:
@@ -120,7 +122,7 @@ def _choose() -> tuple[str, str]:
         torch.ops.load_library(str(path))
         _register_fakes()
         reason = _self_check()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+    except (OSError, RuntimeError, ValueError, TypeError, AttributeError, subprocess.SubprocessError) as exc:
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     return ("onednn", reason) if reason else ("panel", "")
 
@@ -129,6 +131,11 @@ def backend() -> str:
     """``"panel"`` (rl-tpu's AVX-512 kernel) or ``"onednn"``: which one :func:`pack` and :func:`linear` use in this
     process. Decided at the first call (building the kernel if this machine has no copy yet); when the panel kernel
     cannot run, the reason is printed once, in one line."""
+    with _LOCK:  # two threads' first calls must not build or register twice
+        return _decide()
+
+
+def _decide() -> str:
     if "name" not in _STATE:
         name, reason = _choose()
         _STATE["name"] = name

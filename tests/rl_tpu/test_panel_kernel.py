@@ -100,6 +100,7 @@ def test_decode_attention_kernel_equals_the_batched_products(heads, kv_heads, di
 def test_decode_attention_kernel_falls_back_where_it_does_not_apply() -> None:
     from rl_tpu.sampler.attention import decode_attention
 
+    assert panel_kernel.backend() == "panel"  # built and self-checked (this test may run first)
     query, key = torch.randn(2, 4, 1, 48), torch.randn(2, 2, 7, 48)  # head dim 48: the products
     assert torch.equal(decode_attention(query, key, key, None, None, kernel=True),
                        decode_attention(query, key, key, None, None))
