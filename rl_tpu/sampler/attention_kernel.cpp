@@ -42,8 +42,9 @@ struct Args {
 };
 
 // One (row, key/value head): its `group` query heads against `len` keys and values of DC x 16 floats each.
+// next_keys, next_values: the next (row, head)'s, pulled into L2 a row at a time meanwhile (nullptr: none).
 template <int DC>
-void attend(const Args& a, int64_t b, int64_t h, float* probs) {
+void attend(const Args& a, int64_t b, int64_t h, float* probs, const float* next_keys, const float* next_values) {
   constexpr int64_t dim = DC * kLanes;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float* keys = a.k + b * a.ks0 + h * a.ks1;
@@ -66,6 +67,13 @@ void attend(const Args& a, int64_t b, int64_t h, float* probs) {
         for (int c = 0; c < DC; ++c) {
           _mm_prefetch(reinterpret_cast<const char*>(key + 8 * a.ks2 + c * kLanes), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(values + j * a.vs2 + c * kLanes), _MM_HINT_T0);
+        }
+        if (next_keys) {  // and the next (row, head)'s row j into L2: its reads overlap this one's arithmetic
+#pragma GCC unroll 16
+          for (int c = 0; c < DC; ++c) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_keys + j * a.ks2 + c * kLanes), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(next_values + j * a.vs2 + c * kLanes), _MM_HINT_T1);
+          }
         }
       }
       __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
@@ -144,10 +152,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(static_cast<size_t>(a.group * a.padded));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / a.kv_heads, h = item % a.kv_heads;
-      if (dim == 64) attend<4>(a, b, h, probs.data());
-      else if (dim == 128) attend<8>(a, b, h, probs.data());
-      else attend<16>(a, b, h, probs.data());
+      const int64_t b = item / a.kv_heads, h = item % a.kv_heads, nb = (item + 1) / a.kv_heads,
+                    nh = (item + 1) % a.kv_heads;
+      const float* nk = item + 1 < end ? a.k + nb * a.ks0 + nh * a.ks1 : nullptr;
+      const float* nv = item + 1 < end ? a.v + nb * a.vs0 + nh * a.vs1 : nullptr;
+      if (dim == 64) attend<4>(a, b, h, probs.data(), nk, nv);
+      else if (dim == 128) attend<8>(a, b, h, probs.data(), nk, nv);
+      else attend<16>(a, b, h, probs.data(), nk, nv);
     }
   });
   return out;

@@ -112,7 +112,7 @@ class CompiledSteps:
         def backend(gm: torch.fx.GraphModule, example_inputs):
             self.graphs[kind] += 1
             if self.packs is not None:
-                self.packed_linears[kind] = pack_linears(gm)
+                self.packed_linears[kind] = pack_linears(gm, self.packs)
             ops = _attention_ops()
             self.attention_kernels[kind] = sum(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
             inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend

@@ -9,12 +9,15 @@ weights itself, but it bakes them into the graph as constants, so a weight sync 
 
 So the packed copies stay outside the graph. :func:`pack_linears` rewrites the graph dynamo captured, before the
 backend compiles it: each ``linear(x, weight, bias)`` whose weight is a float32 CPU graph input (a parameter: with
-``inline_inbuilt_nn_modules``, dynamo's default, parameters are inputs) becomes ``rl_tpu::packed_linear(x, weight,
-bias)``, a custom op the backend calls as an external kernel, as it calls ``mm``. The op looks the packed copy up in
-the :class:`PackCache` of the compiled steps that are running (:meth:`PackCache.active`), keyed by the weight's
-storage address, shape and version counter and checked against the storage itself (a weak reference), so an
-in-place copy into a parameter, or a parameter rebound to other storage (shared memory), is packed again at its next
-use; copies of freed storage are dropped. A write this process's version counters do not see (another process
+``inline_inbuilt_nn_modules``, dynamo's default, parameters are inputs) becomes a custom op the backend calls as an
+external kernel, as it calls ``mm``: ``rl_tpu_kernels::packed_linear(x, weight, bias, cache)`` where rl-tpu's
+kernels are built (C++: the look-up and the product cost ~3 us a call, against ~15 for an op written in Python, 211
+calls per SmolLM2 decode step), else ``rl_tpu::packed_linear(x, weight, bias)`` (Python, oneDNN). Either looks the
+packed copy up in the :class:`PackCache` of the compiled steps (the C++ op by the cache's ``id``, the Python one in
+the cache that is running, :meth:`PackCache.active`), keyed by the weight's storage address, shape and strides,
+and used only while the weight's version counter is the one packed and its storage is the one packed (a weak
+reference), so an in-place copy into a parameter, or a parameter rebound to other storage (shared memory), is packed
+again at its next use; copies of freed storage are dropped. A write this process's version counters do not see (another process
 through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCache.release`, which
 ``Sampler.weights_changed`` calls), as for the eager sampler's packed weights.
 Outside an active cache (or for a weight that is not float32) the op is ``torch.nn.functional.linear``.
@@ -29,6 +32,8 @@ size again while they exist.
 from __future__ import annotations
 
 import contextvars
+import itertools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,6 +45,17 @@ from rl_tpu.sampler import panel_kernel
 __all__ = ["PackCache", "pack_linears"]
 
 _ACTIVE: contextvars.ContextVar[PackCache | None] = contextvars.ContextVar("rl_tpu_pack_cache", default=None)
+_IDS = itertools.count()
+
+
+def _native() -> bool:
+    """Whether the graphs take the C++ op (rl-tpu's kernels are built and pass their self-check)."""
+    return panel_kernel.backend() == "panel"
+
+
+def _release_native(cache_id: int) -> None:
+    if panel_kernel.decided() == "panel":  # nothing to free (nor to build) if the kernels were never loaded
+        torch.ops.rl_tpu_kernels.release_cache(cache_id)
 
 
 class PackCache:
@@ -48,21 +64,29 @@ class PackCache:
     Args:
         batch_hint: the row count oneDNN tunes the packed layout for (the decode batch; other counts give the same
             result).
+
+    Attributes:
+        id: this cache's number in the C++ op's table (its copies there are freed with the cache).
     """
 
     def __init__(self, batch_hint: int = 16) -> None:
         self.batch_hint = max(1, int(batch_hint))
+        self.id = next(_IDS)
         # (data_ptr, shape, stride) -> (version, packed copy, weak reference to the weight's storage)
         self._packed: dict[tuple, tuple[int, torch.Tensor, StorageWeakRef]] = {}
+        weakref.finalize(self, _release_native, self.id)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the packed copies hold now (float32, the weights' size; 0 after :meth:`release`)."""
-        return sum(4 * key[1][0] * key[1][1] for key in self._packed)
+        """Bytes the packed copies hold now (float32, the weights' size, panels padded to 16 rows; 0 after
+        :meth:`release`)."""
+        native = torch.ops.rl_tpu_kernels.cache_bytes(self.id) if _native() else 0
+        return native + sum(4 * key[1][0] * key[1][1] for key in self._packed)
 
     def release(self) -> None:
         """Drop every packed copy (the weights changed where this process cannot see it, or memory is needed)."""
         self._packed = {}
+        _release_native(self.id)
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` ``(out, in)`` float32, packed now if missing, if the weight was written in
@@ -115,9 +139,12 @@ _LIB.impl("packed_linear", packed_linear, "CPU")
 torch.library.register_fake("rl_tpu::packed_linear", _fake_packed_linear, lib=_LIB)
 
 
-def pack_linears(gm: torch.fx.GraphModule) -> int:
+def pack_linears(gm: torch.fx.GraphModule, cache: PackCache | None = None) -> int:
     """Rewrite, in place, the linear layers of a dynamo graph whose weight is a float32 CPU parameter (a graph
-    input) into ``rl_tpu::packed_linear``; returns how many were rewritten."""
+    input) into ``rl_tpu_kernels::packed_linear`` on ``cache`` (where rl-tpu's kernels are built and a cache is
+    given), else ``rl_tpu::packed_linear``; returns how many were rewritten."""
+    native = cache is not None and _native()
+    target = torch.ops.rl_tpu_kernels.packed_linear.default if native else torch.ops.rl_tpu.packed_linear.default
     count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
@@ -129,7 +156,7 @@ def pack_linears(gm: torch.fx.GraphModule) -> int:
         if getattr(weight, "op", None) != "placeholder" or not isinstance(value, torch.nn.Parameter) \
                 or value.dtype != torch.float32 or value.device.type != "cpu" or value.dim() != 2:
             continue  # only a model's own float32 weights: an input that changes each call is not worth packing
-        node.target, node.args, node.kwargs = torch.ops.rl_tpu.packed_linear.default, (x, weight, bias), {}
+        node.target, node.args, node.kwargs = target, (x, weight, bias, *([cache.id] if native else [])), {}
         count += 1
     if count:
         gm.graph.lint()

@@ -301,8 +301,10 @@ class Sampler:
         lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
         procs = LogitsProcessors.build(params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len],
                                        stop_ids, logits.shape[-1])  # None unless requested: nothing to pay
+        fast = self.packed is not None or (self.compiled is not None and self.compiled.packs is not None)
         sample = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                  "generator": generator, "logprobs": params.logprobs and procs is None}
+                  "generator": generator, "logprobs": params.logprobs and procs is None,
+                  "kernel": fast}  # rl-tpu's greedy token kernel: a CPU fast path, as the packed weights are
         for t in range(max_new):
             if procs is None:
                 tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,) or None

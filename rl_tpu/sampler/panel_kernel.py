@@ -9,11 +9,13 @@ KiB ahead, while it multiplies the one before, with the batch's 16 rows held in 
 (``benchmarks/bench_decode_linears.py`` times both).
 
 :func:`backend` decides once per process: the panel kernel where the CPU has AVX-512 (``torch.backends.cpu``'s
-capability), a C++ compiler builds ``panel_kernel.cpp`` and ``attention_kernel.cpp`` (the decode attention of
-:mod:`rl_tpu.sampler.attention`) into one library against this torch (20-30 s, once per machine: the library is kept
+capability), a C++ compiler builds ``panel_kernel.cpp``, ``attention_kernel.cpp`` (the decode attention of
+:mod:`rl_tpu.sampler.attention`) and ``token_kernel.cpp`` (the greedy token choice of
+:mod:`rl_tpu.sampler.processing`) into one library against this torch (20-60 s, once per machine: the library is kept
 in torch's extension build folder, written under a temporary name and renamed, so processes building at once never
-read a half-written file), and a self-check on random inputs matches ``F.linear`` and softmax attention in float64;
-otherwise oneDNN's packed linear and the batched attention products, as before, said in one line. Both compute
+read a half-written file), and a self-check on random inputs matches ``F.linear``, softmax attention in float64, and
+argmax and log_softmax; otherwise oneDNN's packed linear, the batched attention products and ATen's argmax, as before,
+said in one line. Both compute
 float32 products summed in their own order: they differ from ``torch.nn.functional.linear`` by float32 rounding
 (relative ~1e-6).
 """
@@ -32,8 +34,9 @@ import torch
 
 __all__ = ["backend", "linear", "pack"]
 
-#: compiled into one library: the linear layers' kernel and the decode attention's (:mod:`rl_tpu.sampler.attention`)
-_SOURCES = (Path(__file__).with_name("panel_kernel.cpp"), Path(__file__).with_name("attention_kernel.cpp"))
+#: compiled into one library: the linear layers' kernel, the decode attention's (:mod:`rl_tpu.sampler.attention`) and
+#: the greedy token choice's (:mod:`rl_tpu.sampler.processing`)
+_SOURCES = tuple(Path(__file__).with_name(f"{name}_kernel.cpp") for name in ("panel", "attention", "token"))
 _LANES = 16  # float32 lanes of an AVX-512 register: the columns of one weight panel
 _STATE: dict[str, str] = {}
 _FAKES: set[str] = set()
@@ -93,6 +96,12 @@ def _self_check() -> str | None:
         err = (got.double() - (scores.softmax(-1)[..., None] * v2).sum(-2)).abs().max().item()
         if not err <= 1e-4:
             return f"self-check of the decode attention ({heads} heads, dim {dim}): max |error| {err:.3g}"
+    logits = torch.randn(3, 1000, generator=g) * 4
+    tokens, logprobs = torch.ops.rl_tpu_kernels.greedy_choice(logits)
+    want = torch.log_softmax(logits.double(), -1)
+    if not torch.equal(tokens, logits.argmax(-1)) or \
+            not (logprobs.double() - want.gather(-1, tokens[:, None])[:, 0]).abs().max().item() <= 1e-5:
+        return "self-check of the greedy token choice: tokens or log-probs differ from argmax and log_softmax"
     return None
 
 
@@ -104,7 +113,14 @@ def _register_fakes() -> None:
     def panels(x, wp, bias, out_features):
         return x.new_empty((x.shape[0], out_features))
 
-    for name, fn in (("decode_attention", attention), ("panel_linear", panels)):
+    def packed(x, weight, bias, cache):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    def greedy(logits):
+        return logits.new_empty(logits.shape[:1], dtype=torch.long), logits.new_empty(logits.shape[:1])
+
+    for name, fn in (("decode_attention", attention), ("panel_linear", panels), ("packed_linear", packed),
+                     ("greedy_choice", greedy)):
         if name not in _FAKES:  # once per process (the library itself loads once)
             torch.library.register_fake(f"rl_tpu_kernels::{name}", fn)
             _FAKES.add(name)
@@ -133,6 +149,12 @@ def backend() -> str:
     cannot run, the reason is printed once, in one line."""
     with _LOCK:  # two threads' first calls must not build or register twice
         return _decide()
+
+
+def decided() -> str | None:
+    """:func:`backend`'s answer if this process has decided already, else ``None`` (deciding nothing, building
+    nothing)."""
+    return _STATE.get("name")
 
 
 def _decide() -> str:

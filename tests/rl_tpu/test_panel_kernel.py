@@ -50,6 +50,52 @@ def test_a_non_contiguous_input_and_wrong_panels_are_refused_or_handled() -> Non
         torch.ops.rl_tpu_kernels.panel_linear(torch.randn(5, 24), packed, torch.randn(39), 40)
 
 
+def test_the_compiled_graphs_packed_linear_op_follows_its_weights() -> None:
+    """``rl_tpu_kernels::packed_linear`` (the compiled sampler's graphs' linear layers, :mod:`rl_tpu.sampler.
+    compiled_packed`): ``F.linear``'s numbers on a packed copy kept per cache; a weight written in place, or freed
+    and another allocated at its address with the same shape and version, is packed again; not float32 is
+    ``F.linear`` itself; ``release`` (and a cache's end) frees the copies."""
+    import gc
+
+    from rl_tpu.sampler.compiled_packed import PackCache
+
+    assert panel_kernel.backend() == "panel"
+    op = torch.ops.rl_tpu_kernels.packed_linear
+    cache = PackCache()
+    x, w, b = torch.randn(5, 3, 8), torch.randn(6, 8), torch.randn(6)
+    got = op(x, w, b, cache.id)
+    assert got.shape == (5, 3, 6)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == 16 * 8 * 4  # one panel: 6 rows padded to 16
+    with torch.no_grad():
+        w.mul_(2)  # in place: the version counter moves
+    torch.testing.assert_close(op(x.transpose(0, 1), w, None, cache.id), x.transpose(0, 1) @ w.T, rtol=1e-5,
+                               atol=1e-5)  # a non-contiguous input too
+    assert cache.nbytes == 16 * 8 * 4  # the stale copy was replaced, not kept beside the new one
+    assert torch.equal(op(x.bfloat16(), w.bfloat16(), None, cache.id),
+                       torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
+    reused, x2 = 0, torch.randn(4, 64)
+    for _ in range(20):
+        old = torch.randn(32, 64)
+        address = old.data_ptr()
+        op(x2, old, None, cache.id)
+        del old
+        new = torch.randn(32, 64)  # the allocator hands the address straight back
+        reused += new.data_ptr() == address
+        torch.testing.assert_close(op(x2, new, None, cache.id), x2 @ new.T, rtol=1e-5, atol=1e-5)
+        del new
+    assert reused > 0
+    assert cache.nbytes <= (16 + 2 * 32) * 64 * 4 + 16 * 8 * 4  # copies of freed weights are dropped
+    other = PackCache()
+    op(x, w, None, other.id)
+    cache.release()
+    assert cache.nbytes == 0 and other.nbytes == 16 * 8 * 4  # each cache its own copies
+    other_id = other.id
+    del other
+    gc.collect()
+    assert torch.ops.rl_tpu_kernels.cache_bytes(other_id) == 0  # freed with its cache
+
+
 def test_the_library_is_kept_and_a_failed_build_falls_back_in_one_line(tmp_path, monkeypatch, capfd) -> None:
     assert panel_kernel.backend() == "panel"
     assert panel_kernel._library_path().exists(), "the built library is kept for the next process"
@@ -133,3 +179,35 @@ def test_threads_split_the_work_without_changing_a_bit() -> None:
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     torch.testing.assert_close(results[1][0], torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 97, 49152])
+def test_greedy_token_kernel_equals_argmax_and_log_softmax(vocab) -> None:
+    """``rl_tpu_kernels::greedy_choice`` (the CPU sampler's greedy choice, :func:`rl_tpu.sampler.processing.
+    choose_tokens`): ``argmax``'s token (the first of tied largest logits), ``log_softmax``'s log-prob at it; a NaN
+    row gives the first NaN's index and NaN, a row of -inf index 0 and NaN, as torch does."""
+    from rl_tpu.sampler.processing import choose_tokens
+
+    assert panel_kernel.backend() == "panel"
+    g = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(7, vocab + 5, generator=g) * 5
+    logits = wide[:, 2:vocab + 2]  # rows not contiguous with each other: the row stride is read
+    if vocab > 3:
+        logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first wins
+        logits[2, vocab - 1] = float("nan")
+        logits[2, vocab // 2] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("inf")
+    tokens, logprobs = torch.ops.rl_tpu_kernels.greedy_choice(logits)
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32 and tokens.shape == logprobs.shape == (7,)
+    assert torch.equal(tokens, logits.argmax(-1))
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.equal(logprobs.isnan(), want.isnan())
+    torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=1e-5, equal_nan=True)
+    fast = choose_tokens(logits.contiguous(), temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=True)
+    plain = choose_tokens(logits.contiguous(), temperature=0, top_k=-1, top_p=1.0, generator=None)
+    finite = ~logits.isnan().any(-1)  # a NaN row: argmax over log_softmax's all-NaN row is 0, over the logits not
+    assert torch.equal(fast[0][finite], plain[0][finite])
+    torch.testing.assert_close(fast[1], plain[1], rtol=0, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="greedy_choice: logits must be"):
+        torch.ops.rl_tpu_kernels.greedy_choice(logits.t())
