@@ -20,7 +20,9 @@ reference), so an in-place copy into a parameter, or a parameter rebound to othe
 again at its next use; copies of freed storage are dropped. A write this process's version counters do not see (another process
 through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCache.release`, which
 ``Sampler.weights_changed`` calls), as for the eager sampler's packed weights.
-Outside an active cache (or for a weight that is not float32) the op is ``torch.nn.functional.linear``.
+For a weight or input that is not float32 either op is ``torch.nn.functional.linear``; so is the Python op outside
+an active cache (the C++ op always uses the cache its graph names). Copies of freed weights are dropped at the next
+packing in the same cache.
 
 The packed copies and the product are :mod:`rl_tpu.sampler.panel_kernel`'s: rl-tpu's AVX-512 panel kernel (1.5x
 oneDNN at the decode's 16 rows), or oneDNN's inner product where that kernel cannot run. The numbers are float32 as
@@ -80,7 +82,7 @@ class PackCache:
     def nbytes(self) -> int:
         """Bytes the packed copies hold now (float32, the weights' size, panels padded to 16 rows; 0 after
         :meth:`release`)."""
-        native = torch.ops.rl_tpu_kernels.cache_bytes(self.id) if _native() else 0
+        native = torch.ops.rl_tpu_kernels.cache_bytes(self.id) if panel_kernel.decided() == "panel" else 0
         return native + sum(4 * key[1][0] * key[1][1] for key in self._packed)
 
     def release(self) -> None:

@@ -64,7 +64,8 @@ void choose_row(const float* x, int64_t vocab, int64_t* token, float* logprob) {
   const bool finite = std::isfinite(top);  // a row of -inf, or with +inf: log_softmax gives NaN
   *token = 0;
   for (int64_t j = 0; j < vocab; j += kLanes) {
-    const __mmask16 eq = _mm512_mask_cmp_ps_mask(tail_mask(vocab - j), _mm512_loadu_ps(x + j), tops, _CMP_EQ_OQ);
+    const __mmask16 m = tail_mask(vocab - j);  // a masked load: the row's last block may end the allocation
+    const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + j), tops, _CMP_EQ_OQ);
     if (eq) {
       *token = j + __builtin_ctz(eq);
       break;

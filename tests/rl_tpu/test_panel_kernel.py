@@ -198,6 +198,7 @@ def test_greedy_token_kernel_equals_argmax_and_log_softmax(vocab) -> None:
         logits[2, vocab // 2] = float("nan")
     logits[3] = float("-inf")
     logits[4, 0] = float("inf")
+    logits[5, vocab - 1] = logits[5].max() + 1  # the largest in the last, partial block
     tokens, logprobs = torch.ops.rl_tpu_kernels.greedy_choice(logits)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32 and tokens.shape == logprobs.shape == (7,)
     assert torch.equal(tokens, logits.argmax(-1))
@@ -206,8 +207,56 @@ def test_greedy_token_kernel_equals_argmax_and_log_softmax(vocab) -> None:
     torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=1e-5, equal_nan=True)
     fast = choose_tokens(logits.contiguous(), temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=True)
     plain = choose_tokens(logits.contiguous(), temperature=0, top_k=-1, top_p=1.0, generator=None)
-    finite = ~logits.isnan().any(-1)  # a NaN row: argmax over log_softmax's all-NaN row is 0, over the logits not
-    assert torch.equal(fast[0][finite], plain[0][finite])
+    assert torch.equal(fast[0], plain[0])
     torch.testing.assert_close(fast[1], plain[1], rtol=0, atol=1e-5, equal_nan=True)
     with pytest.raises(RuntimeError, match="greedy_choice: logits must be"):
         torch.ops.rl_tpu_kernels.greedy_choice(logits.t())
+    transposed = choose_tokens(logits.t().contiguous().t(), temperature=0, top_k=-1, top_p=1.0, generator=None,
+                               kernel=True)  # columns not contiguous: ATen's path, not a refusal
+    assert torch.equal(transposed[0], plain[0])
+
+
+def test_greedy_tokens_are_the_logits_argmax_on_every_path() -> None:
+    """Two logits one float32 step apart: ``log_softmax``'s rounding merges them, so an argmax over its result would
+    take the first; the greedy token is the larger logit's on the kernel's path and on ATen's."""
+    from rl_tpu.sampler.processing import choose_tokens
+
+    assert panel_kernel.backend() == "panel"
+    logits = torch.ones(2, 49152)
+    logits[:, 20] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    for kernel in (True, False):
+        for logprobs in (True, False):
+            tokens, _ = choose_tokens(logits, temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=kernel,
+                                      logprobs=logprobs)
+            assert tokens.tolist() == [20, 20], (kernel, logprobs)
+
+
+def test_the_greedy_kernel_reads_nothing_past_a_row_that_ends_at_an_unmapped_page() -> None:
+    """A row of 17 logits ending exactly where an inaccessible page starts, its largest logit in the last, partial
+    block of 16: every load of the row's tail is masked (an unmasked one faults). In a child process: a fault
+    would end it, not the test run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import ctypes, mmap, torch
+        from rl_tpu.sampler import panel_kernel
+        assert panel_kernel.backend() == "panel"
+        libc = ctypes.CDLL(None)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        base = libc.mmap(None, 2 * page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        assert libc.mprotect(base + page, page, 0) == 0  # PROT_NONE
+        row = (ctypes.c_float * 17).from_address(base + page - 4 * 17)
+        logits = torch.frombuffer(row, dtype=torch.float32).view(1, 17)
+        logits.copy_(torch.arange(17, dtype=torch.float32)[None])
+        tokens, logprobs = torch.ops.rl_tpu_kernels.greedy_choice(logits)
+        print("token", tokens.item(), round(logprobs.item(), 4))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    want = torch.log_softmax(torch.arange(17, dtype=torch.float64), -1)[16].item()
+    assert done.returncode == 0, (done.returncode, done.stderr[-1000:])
+    assert f"token 16 {round(want, 4)}" in done.stdout, done.stdout
