@@ -24,8 +24,8 @@ For a weight or input that is not float32 either op is ``torch.nn.functional.lin
 an active cache (the C++ op always uses the cache its graph names). Copies of freed weights are dropped at the next
 packing in the same cache.
 
-The packed copies and the product are :mod:`rl_tpu.sampler.panel_kernel`'s: rl-tpu's AVX-512 panel kernel (1.5x
-oneDNN at the decode's 16 rows), or oneDNN's inner product where that kernel cannot run. The numbers are float32 as
+The packed copies and the product are :mod:`rl_tpu.sampler.panel_kernel`'s: rl-tpu's AVX-512 panel kernel (1.35-1.6x
+oneDNN at the decode's 16 rows on this project's AMD EPYC hosts), or oneDNN's inner product where that kernel cannot run. The numbers are float32 as
 before, summed in the kernel's order: they differ from ``F.linear`` by float32 rounding
 (relative ~1e-6), as :mod:`rl_tpu.sampler.packed` does for the eager CPU sampler. The packed copies cost the weights'
 size again while they exist.

@@ -6,7 +6,7 @@ LM head: every weight is read for only 16 rows, so the time goes to streaming it
 about equal parts. ``torch.nn.functional.linear`` on CPU hands them to MKL's general ``sgemm``, which reads the
 row-major weight as it is. :class:`PackedLinears` keeps a copy of each weight packed once for
 :mod:`rl_tpu.sampler.panel_kernel`: rl-tpu's AVX-512 panel kernel, which streams each weight from memory while it
-multiplies it (1.5x oneDNN's packed inner product over SmolLM2's 211 layers at 16 rows, one thread,
+multiplies it (1.35-1.6x oneDNN's packed inner product over SmolLM2's 211 layers at 16 rows, one thread,
 ``benchmarks/bench_decode_linears.py``), or, where that kernel cannot run, oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what TorchInductor's CPU weight prepacking uses; ~1.2x MKL for the
 layers and 1.45x for the LM head on this project's 2-core AMD EPYC).
