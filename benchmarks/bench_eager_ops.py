@@ -12,9 +12,10 @@ forward, token choice and bookkeeping) for
 * ``tpu-compiled``: ``Sampler(compile=True, packed_weights=False)``: the TPU profile's graphs, on plain weights
   (inductor on CPU; a step counts as one launch);
 * ``cpu-eager``: today's CPU sampler (lean decode on packed weights: rl-tpu's panel kernel, or oneDNN where it
-  cannot run, :mod:`rl_tpu.sampler.panel_kernel`; rl-tpu's decode attention kernel);
+  cannot run, :mod:`rl_tpu.sampler.panel_kernel`; rl-tpu's decode attention and greedy token kernels);
 * ``cpu-compiled``: ``Sampler(compile=True)`` on the CPU: the graphs' linear layers on packed copies kept outside
-  the graph (:mod:`rl_tpu.sampler.compiled_packed`), their decode attention rl-tpu's kernel (an opaque op);
+  the graph (:mod:`rl_tpu.sampler.compiled_packed`, a C++ op), their decode attention rl-tpu's kernel (an opaque
+  op), the greedy choice rl-tpu's token kernel;
 
 and times their decode steps: (time to generate ``hi`` tokens - time for ``lo``) / (``hi - lo``), prefill and set-up
 cancelled, median of ``--repeats``. Both limits are measured in the same run: memory (a decode step reads every
