@@ -56,7 +56,7 @@ def _native() -> bool:
 
 
 def _release_native(cache_id: int) -> None:
-    if panel_kernel.decided() == "panel":  # nothing to free (nor to build) if the kernels were never loaded
+    if panel_kernel.ready():  # nothing to free (nor to build) if the kernels were never loaded
         torch.ops.rl_tpu_kernels.release_cache(cache_id)
 
 
@@ -82,7 +82,7 @@ class PackCache:
     def nbytes(self) -> int:
         """Bytes the packed copies hold now (float32, the weights' size, panels padded to 16 rows; 0 after
         :meth:`release`)."""
-        native = torch.ops.rl_tpu_kernels.cache_bytes(self.id) if panel_kernel.decided() == "panel" else 0
+        native = torch.ops.rl_tpu_kernels.cache_bytes(self.id) if panel_kernel.ready() else 0
         return native + sum(4 * key[1][0] * key[1][1] for key in self._packed)
 
     def release(self) -> None:

@@ -102,8 +102,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, const std::op
   return out;
 }
 
-// The weight (out, in) float32 as panels (ceil(out / 16), in, 16), zero past out (panel_kernel.pack_panels's layout).
+// The weight (out, in) float32 as panels (ceil(out / 16), in, 16), zero past out: the layout panel_linear reads.
 at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_panels: weight must be an (out, in) float32 CPU tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k_dim = w.size(1), panels = (n + kLanes - 1) / kLanes;
   at::Tensor wp = at::empty({panels, k_dim, kLanes}, w.options().requires_grad(false));
@@ -191,6 +193,7 @@ int64_t cache_bytes(int64_t cache) {
 
 TORCH_LIBRARY(rl_tpu_kernels, m) {
   m.def("panel_linear(Tensor x, Tensor wp, Tensor? bias, int out_features) -> Tensor");
+  m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int cache) -> Tensor");
   m.def("release_cache(int cache) -> ()", &release_cache);  // no tensor arguments: one kernel for every device
   m.def("cache_bytes(int cache) -> int", &cache_bytes);
@@ -198,6 +201,7 @@ TORCH_LIBRARY(rl_tpu_kernels, m) {
 
 TORCH_LIBRARY_IMPL(rl_tpu_kernels, CPU, m) {
   m.impl("panel_linear", &panel_linear);
+  m.impl("pack_panels", &pack_panels);
   m.impl("packed_linear", &packed_linear);
 }
 

@@ -37,7 +37,6 @@ __all__ = ["backend", "linear", "pack"]
 #: compiled into one library: the linear layers' kernel, the decode attention's (:mod:`rl_tpu.sampler.attention`) and
 #: the greedy token choice's (:mod:`rl_tpu.sampler.processing`)
 _SOURCES = tuple(Path(__file__).with_name(f"{name}_kernel.cpp") for name in ("panel", "attention", "token"))
-_LANES = 16  # float32 lanes of an AVX-512 register: the columns of one weight panel
 _STATE: dict[str, str] = {}
 _FAKES: set[str] = set()
 _LOCK = threading.Lock()
@@ -151,10 +150,10 @@ def backend() -> str:
         return _decide()
 
 
-def decided() -> str | None:
-    """:func:`backend`'s answer if this process has decided already, else ``None`` (deciding nothing, building
-    nothing)."""
-    return _STATE.get("name")
+def ready() -> bool:
+    """Whether this process has loaded rl-tpu's kernels already (:func:`backend` decided ``"panel"``); decides
+    nothing and builds nothing."""
+    return _STATE.get("name") == "panel"
 
 
 def _decide() -> str:
@@ -168,11 +167,10 @@ def _decide() -> str:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``(out, in)`` float32 -> its panels ``(ceil(out / 16), in, 16)`` float32, zero past ``out``."""
-    out, inner = weight.shape
-    panels = -(-out // _LANES)
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, panels * _LANES - out))
-    return padded.view(panels, _LANES, inner).transpose(1, 2).contiguous()
+    """``weight`` ``(out, in)`` float32 -> its panels ``(ceil(out / 16), in, 16)`` float32, zero past ``out``: the
+    layout ``panel_kernel.cpp`` packs its compiled graphs' copies in (its ``pack_panels``; needs :func:`backend`
+    ``"panel"``)."""
+    return torch.ops.rl_tpu_kernels.pack_panels(weight.detach())
 
 
 def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:

@@ -60,7 +60,7 @@ def choose_tokens(
     logits = logits.float()  # (batch, vocab)
     vocab = logits.shape[-1]
     if temperature == 0 and kernel and logits.device.type == "cpu" and logits.dim() == 2 and vocab > 0 \
-            and logits.stride(-1) == 1 and panel_kernel.decided() == "panel":
+            and logits.stride(-1) == 1 and panel_kernel.ready():
         tokens, logp = torch.ops.rl_tpu_kernels.greedy_choice(logits)  # (batch,) int64, (batch,) float32
         return tokens, logp if logprobs else None
     if temperature == 0:

@@ -5,8 +5,8 @@
 // three times from cache and writes two numbers (~0.34 ms). As torch.argmax and log_softmax: a row with a NaN gives
 // the first NaN's index and a NaN log-probability; a row of -inf, or with +inf, gives a NaN log-probability. The
 // exponentials are a polynomial (exp_nonpositive, relative error < 2e-7) and the sum's order differs from
-// log_softmax's, so the log-probabilities differ from it by float32 rounding (~1e-6 relative). Built and loaded with panel_kernel.cpp by panel_kernel.py; called from
-// processing.py.
+// log_softmax's, so the log-probabilities differ from it by float32 rounding (~1e-6 relative). Built and loaded with
+// panel_kernel.cpp by panel_kernel.py; called from processing.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,7 +24,8 @@ constexpr int64_t kLanes = 16;
 
 // exp(x) for x <= 0, x not NaN: 2^n * p(r), n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, Cody and Waite
 // 1980), p the degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error < 2e-7). Below -104 the result is 0, as
-// float32's exp is. Faster here than SLEEF's expf16_u10: the whole 16 x 49152 choice took 0.66 ms with it, 0.34 without.
+// float32's exp is. Faster here than SLEEF's expf16_u10: the whole 16 x 49152 choice took 0.66 ms with it, 0.34
+// without.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
