@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from address_reuse import tensors_at_one_address
 from torch.utils.cpp_extension import get_cxx_compiler
 
 from rl_tpu.sampler import panel_kernel
@@ -74,19 +75,14 @@ def test_the_compiled_graphs_packed_linear_op_follows_its_weights() -> None:
     assert cache.nbytes == 16 * 8 * 4  # the stale copy was replaced, not kept beside the new one
     assert torch.equal(op(x.bfloat16(), w.bfloat16(), None, cache.id),
                        torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
-    reused, x2 = 0, torch.randn(4, 64)
-    for _ in range(400):  # until the allocator has handed a freed address back a few times (not every time does)
-        if reused >= 3:
-            break
-        old = torch.randn(32, 64)
-        address = old.data_ptr()
-        op(x2, old, None, cache.id)
-        del old
-        new = torch.randn(32, 64)  # the allocator hands the address straight back
-        reused += new.data_ptr() == address
-        torch.testing.assert_close(op(x2, new, None, cache.id), x2 @ new.T, rtol=1e-5, atol=1e-5)
-        del new
-    assert reused > 0
+    # a weight freed and another made at its address, with the same shape and version counter (0): the old copy
+    # must not be used
+    x2, addresses = torch.randn(4, 64), set()
+    for weight in tensors_at_one_address(32, 64, count=4):
+        addresses.add(weight.data_ptr())
+        torch.testing.assert_close(op(x2, weight, None, cache.id), x2 @ weight.T, rtol=1e-5, atol=1e-5)
+        del weight
+    assert len(addresses) == 1
     assert cache.nbytes <= (16 + 2 * 32) * 64 * 4 + 16 * 8 * 4  # copies of freed weights are dropped
     other = PackCache()
     op(x, w, None, other.id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from address_reuse import tensors_at_one_address
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rl_tpu.sampler import Sampler, SamplerError, SamplingParams
@@ -167,22 +168,15 @@ def test_the_packed_linear_op_is_plain_linear_outside_compiled_steps() -> None:
         torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x, w, None), x @ w.T, rtol=1e-5, atol=1e-6)
         assert torch.equal(torch.ops.rl_tpu.packed_linear(x.bfloat16(), w.bfloat16(), None),
                            torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
-        # a weight freed and another allocated at its address, with the same shape and version counter (0): the
-        # old copy must not be used (the allocator hands the address straight back)
-        reused = 0
-        for _ in range(400):  # until the allocator has handed a freed address back a few times (not every time)
-            if reused >= 3:
-                break
-            old = torch.randn(32, 64)
-            address = old.data_ptr()
-            cache.packed(old)
-            del old
-            new = torch.randn(32, 64)
-            reused += new.data_ptr() == address
-            torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x[0, :, :8].repeat(1, 8), new, None),
-                                       x[0, :, :8].repeat(1, 8) @ new.T, rtol=1e-5, atol=1e-5)
-            del new
-        assert reused > 0
+        # a weight freed and another made at its address, with the same shape and version counter (0): the old
+        # copy must not be used
+        x2, addresses = x[0, :, :8].repeat(1, 8), set()
+        for weight in tensors_at_one_address(32, 64, count=4):
+            addresses.add(weight.data_ptr())
+            torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x2, weight, None), x2 @ weight.T, rtol=1e-5,
+                                       atol=1e-5)
+            del weight
+        assert len(addresses) == 1
         assert len(cache._packed) <= 3  # copies of freed weights are dropped, not kept for good
 
 
