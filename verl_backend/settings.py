@@ -125,6 +125,10 @@ SETTINGS: tuple[Setting, ...] = (
             choices=EXPORT_RECIPES, flag="--quantize", reader="driver"),
     Setting("export_max_drop", float, 5.0, "accuracy points the exported bundle may lose against PyTorch on the "
             "held-out items before rl_tpu.export fails", minimum=0.0, reader="driver"),
+    Setting("model_cache", str, "", "folder the embedded default model (SmolLM2-135M-Instruct) is converted into, "
+            "on the host verl train runs on and on each other host whose workers read it and do not have it "
+            "(empty: ~/.cache/rl-tpu of the host verl train runs on; recorded as the absolute folder)",
+            env="RL_TPU_CACHE"),
     # --- the built-in data (used when data.train_files is not given)
     Setting("task", str, "basic_arithmetic", "reasoning-gym task of the built-in data", reader="driver"),
     Setting("train_size", int, 256, "built-in training problems", minimum=1, reader="driver"),

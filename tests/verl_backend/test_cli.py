@@ -251,14 +251,14 @@ def test_model_folder_checks_name_the_key_and_the_fix(tmp_path, tiny_model_dir):
     check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
 
 
-def test_unwritable_model_cache_is_one_line(tmp_path, monkeypatch):
+def test_unwritable_model_cache_is_one_line(tmp_path):
     from verl_backend.errors import BadInputError
     from verl_backend.models import ensure_default_model
 
     (tmp_path / "afile").write_text("x")
-    monkeypatch.setenv("RL_TPU_CACHE", str(tmp_path / "afile" / "cache"))
-    with pytest.raises(BadInputError, match=r"RL_TPU_CACHE=.*afile/cache: cannot write the converted default model"):
-        ensure_default_model()
+    with pytest.raises(BadInputError, match=r"rl_tpu.model_cache: .*afile/cache: cannot write the converted default "
+                                            r"model there .*set rl_tpu.model_cache to a writable folder"):
+        ensure_default_model(cache=str(tmp_path / "afile" / "cache"))
 
 
 def test_model_path_with_a_trailing_slash_or_tilde_is_normalised(tmp_path, tiny_model_dir, monkeypatch):

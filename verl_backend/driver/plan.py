@@ -192,7 +192,13 @@ def normalized_path(override: str) -> str:
     return f"{key}={path}"
 
 
-def model_path_overrides(keys: dict[str, str]) -> list[str]:
+def model_path_overrides(keys: dict[str, str], model_cache: str = "") -> list[str]:
+    """The model-path keys the job gets: none where the user named a model (checked here), else the embedded default
+    model, converted into ``model_cache`` (``rl_tpu.model_cache``) first if it is not there.
+
+    Raises:
+        BadInputError: a named model folder that is not one, or a model cache that cannot be written.
+    """
     from verl_backend.models import ensure_default_model
 
     for role in ("actor_rollout_ref.model", "critic.model"):
@@ -201,7 +207,7 @@ def model_path_overrides(keys: dict[str, str]) -> list[str]:
             check_model_folder(f"{role}.path", Path(os.path.expanduser(raw)), keys.get(f"{role}.tokenizer_path"))
     if "actor_rollout_ref.model.path" in keys:
         return []
-    path = ensure_default_model()
+    path = ensure_default_model(cache=model_cache)
     extra = [f"actor_rollout_ref.model.path={path}"]
     if "critic.model.path" not in keys:
         extra.append(f"critic.model.path={path}")

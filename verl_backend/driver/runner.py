@@ -192,7 +192,7 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
     for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY",
-              "RL_TPU_CACHE", *HOST_MALLOC_ENV):
+              *HOST_MALLOC_ENV):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)

@@ -44,6 +44,7 @@ from verl_backend.driver.runner import (
     run_with_restarts,
 )
 from verl_backend.errors import BadInputError
+from verl_backend.models import cache_root
 
 
 def run_train(args) -> int:
@@ -86,6 +87,8 @@ def _run_train(args, fork_server: dict) -> int:
         "--rollout-slice": getattr(args, "rollout_slice", None)})
     backend, settings = _tpu_dry_run(backend, settings, args)
     settings = _apply_profile(backend, settings)
+    # the folder as this host sees it: workers on other hosts convert the default model to this very path
+    settings = replace(settings, model_cache=str(cache_root(settings.model_cache)))
 
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
     defaults = dict(backend.overrides)
@@ -114,7 +117,7 @@ def _run_train(args, fork_server: dict) -> int:
     if not args.print_config:
         fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
         lock_run_folder(out)
-    extra = model_path_overrides(keys) + prepare_data(keys, settings, out)
+    extra = model_path_overrides(keys, settings.model_cache) + prepare_data(keys, settings, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     config = compose_config(merged + extra)

@@ -289,6 +289,19 @@ def _resolve(module: ModuleType, path: str):
     return obj
 
 
+def _default_model_here(original):
+    def copy_local_path_from_hdfs(src, *args, **kwargs):
+        """Patched ``verl.utils.fs.copy_local_path_from_hdfs`` (VeRL 0.9.1), which every ``copy_to_local`` of a
+        model path calls (``HFModelConfig``, the engine, the reward loop): the job's default model folder, missing on
+        this host, is converted here first (:func:`verl_backend.models.convert_default_model_here`)."""
+        from verl_backend.models import convert_default_model_here
+
+        convert_default_model_here(src)
+        return original(src, *args, **kwargs)
+
+    return copy_local_path_from_hdfs
+
+
 _INIT_PG = "verl.utils.distributed.initialize_global_process_group_ray"
 _TRACKING_OPEN = "verl.utils.tracking.open"
 _ROLLOUT = "verl.workers.rollout.base._ROLLOUT_REGISTRY"
@@ -338,6 +351,9 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.utils.distributed", "initialize_global_process_group_ray", _init_pg_ray,
               "VeRL's backend string is 'cpu:gloo,cpu:gloo' on CPU, which torch rejects (duplicate device type)",
               "https://github.com/verl-project/verl/issues/6237"),
+    _wrapping("verl.utils.fs", "copy_local_path_from_hdfs", _default_model_here,
+              "the default model's folder is converted on the driver's host only: a worker on another host converts "
+              "it where VeRL makes a model path local (rl-tpu feature, no upstream issue)"),
     _rebinding("verl.workers.engine_workers"),
     _rebinding("verl.checkpoint_engine.base"),
     _wrapping("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", _cpu_offload_policy_without_pinning,
