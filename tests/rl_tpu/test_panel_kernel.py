@@ -83,7 +83,13 @@ def test_the_compiled_graphs_packed_linear_op_follows_its_weights() -> None:
         torch.testing.assert_close(op(x2, weight, None, cache.id), x2 @ weight.T, rtol=1e-5, atol=1e-5)
         del weight
     assert len(addresses) == 1
-    assert cache.nbytes <= (16 + 2 * 32) * 64 * 4 + 16 * 8 * 4  # copies of freed weights are dropped
+    kept = [torch.randn(32, 64) for _ in range(2)]  # live weights at their own addresses: a copy each
+    for weight in kept:
+        op(x2, weight, None, cache.id)
+    assert cache.nbytes >= 16 * 8 * 4 + 2 * 32 * 64 * 4
+    del kept, weight
+    op(x2, torch.randn(48, 64), None, cache.id)  # the next packing drops the copies of every freed weight
+    assert cache.nbytes == 16 * 8 * 4 + 48 * 64 * 4  # w's and the new weight's: the freed ones' went
     other = PackCache()
     op(x, w, None, other.id)
     cache.release()

@@ -177,7 +177,13 @@ def test_the_packed_linear_op_is_plain_linear_outside_compiled_steps() -> None:
                                        atol=1e-5)
             del weight
         assert len(addresses) == 1
-        assert len(cache._packed) <= 3  # copies of freed weights are dropped, not kept for good
+        kept = [torch.randn(32, 64) for _ in range(2)]  # live weights at their own addresses: a copy each
+        for weight in kept:
+            cache.packed(weight)
+        assert len(cache._packed) >= 3
+        del kept, weight
+        cache.packed(torch.randn(48, 64))  # the next packing drops the copies of every freed weight
+        assert len(cache._packed) == 2  # w's and the new weight's: the freed ones' went
 
 
 class GraphBreakLlama(LlamaForCausalLM):
