@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from address_reuse import tensors_at_one_address
+from families import FAMILIES, build_tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rl_tpu.sampler import Sampler, SamplerError, SamplingParams
@@ -232,13 +233,15 @@ def test_compile_with_a_cpu_fast_path_asked_for_is_refused() -> None:
         Sampler(tiny_llama(), pad_token_id=PAD, eos_token_ids=[EOS], compile=True, lean_decode=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_families_compile_with_their_own_numbers(family, tmp_path_factory, capfd) -> None:
-    """Qwen3 (query/key norms) compiles; Gemma3's sliding-window layers count their static cache's length in a Python
-    int (transformers' ``StaticSlidingWindowLayer``), which would compile a decode graph per step: it runs eagerly,
-    said in one line. Either way the log-probs are the model's."""
-    from families import build_tiny_model
+SLIDING = ("qwen2_sliding", "mistral", "gemma3")  # a sliding-window layer: transformers' StaticSlidingWindowLayer
 
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_compile_with_their_own_numbers(family, tmp_path_factory, capfd) -> None:
+    """Every family's compiled steps give a plain HF forward's log-probs (within 1e-4), their float32 linear layers on
+    packed copies of the weights (rl-tpu's op in the graph). Llama, Qwen2, Qwen3 (query/key norms) and Qwen3-MoE
+    compile; a family with sliding-window layers counts its static cache's length in a Python int (transformers'
+    ``StaticSlidingWindowLayer``), which would compile a decode graph per step: it runs eagerly, said in one line."""
     from verl_backend.models import ensure_default_model
 
     path = build_tiny_model(family, ensure_default_model(), tmp_path_factory.mktemp(family))
@@ -251,11 +254,13 @@ def test_families_compile_with_their_own_numbers(family, tmp_path_factory, capfd
     with torch.compiler.set_stance("fail_on_recompile"):
         outs = sampler.generate(prompts, params)
     lines = [line for line in capfd.readouterr().err.splitlines() if "compiled steps off" in line]
-    if family == "gemma3":
+    sliding = family in SLIDING
+    if sliding:
         assert not sampler.compiled.active and len(lines) == 1 and "cumulative_length_int" in lines[0], lines
     else:
         assert sampler.compiled.active and not lines
-    assert sampler.compiled.total_graphs <= len(sampler.shapes_seen) + (family == "gemma3")
+        assert sampler.compiled.packed_linears["decode"] > 0  # the graph's linear layers are the packed op
+    assert sampler.compiled.total_graphs <= len(sampler.shapes_seen) + sliding
     for i, out in enumerate(outs):
         ref = reference_logprobs(model, prompts[i // 2], out.token_ids)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
