@@ -294,8 +294,6 @@ def test_ops_per_decode_step_bucketed_lean_and_compiled() -> None:
 def test_the_job_setting_reaches_the_sampler(job_settings_here, tmp_path) -> None:
     from types import SimpleNamespace
 
-    from families import build_tiny_model
-
     from verl_backend.models import ensure_default_model
     from verl_backend.rollout.sampling import build_sampler
 
