@@ -38,8 +38,21 @@ _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
 
 
+class _DefaultModelHere:
+    """Engine mixin: the job's default model is converted on this host before the module is built from it, if this
+    host lacks it (:func:`verl_backend.models.convert_default_model_here`). The critic's model config is resolved
+    in the TaskRunner and reaches its worker pickled, so no ``copy_to_local`` (where the other readers convert it)
+    runs on the critic's host."""
+
+    def _build_module(self):
+        from verl_backend.models import convert_default_model_here
+
+        convert_default_model_here(self.model_config.local_path)
+        return super()._build_module()
+
+
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithLMHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
+class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank.
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
@@ -275,7 +288,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithValueHead(_SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
+class RlTpuFSDPEngineWithValueHead(_DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
     """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank."""
 
 

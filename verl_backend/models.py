@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -78,13 +79,15 @@ def ensure_default_model(target: str | os.PathLike | None = None, cache: str = "
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = open(dest.parent / f".{dest.name}.lock", "a")  # noqa: SIM115  (held until the conversion ends)
     except OSError as exc:
-        where = "rl_tpu.model_cache: " if target is None else "default model folder "
-        raise BadInputError(f"{where}{dest.parent}: cannot write the converted default model there ({exc.strerror}); "
-                            "set rl_tpu.model_cache to a writable folder") from None
+        raise _unwritable(dest, target, exc) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not _converted(dest):  # another process may have converted it while this one waited
-            _convert(gguf, dest)
+            try:
+                tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+            except OSError as exc:
+                raise _unwritable(dest, target, exc) from None
+            _convert(gguf, tmp, dest)
     return dest
 
 
@@ -92,11 +95,18 @@ def _converted(dest: Path) -> bool:
     return is_hf_model_dir(dest) and (dest / "tokenizer.json").is_file() and (dest / CONVERSION_MARK).is_file()
 
 
-def _convert(gguf: Path, dest: Path) -> None:
+def _unwritable(dest: Path, target: object, exc: OSError) -> BadInputError:
+    where = "rl_tpu.model_cache: " if target is None else "default model folder "
+    return BadInputError(f"{where}{dest.parent} on host {socket.gethostname()}: cannot write the converted default "
+                         f"model there ({exc.strerror}); set rl_tpu.model_cache to a folder every host of the job can "
+                         "write")
+
+
+def _convert(gguf: Path, tmp: Path, dest: Path) -> None:
+    """The GGUF as an HF folder written into ``tmp``, then renamed to ``dest`` (replacing it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -125,8 +135,8 @@ def _convert(gguf: Path, dest: Path) -> None:
 def convert_default_model_here(src: object) -> None:
     """In a process of a ``verl train`` job, about to read model folder ``src``: when ``src`` is the job's default
     model folder (``rl_tpu.model_cache``/SmolLM2-135M-Instruct, the absolute path the driver converted it to) and
-    this host has no such folder (a host other than the driver's, without a shared filesystem), convert it here
-    first, once per host (:func:`ensure_default_model`). Anything else, or no job settings record, is left alone.
+    this host has no finished conversion there (a host other than the driver's, without a shared filesystem),
+    convert it here first, once per host (:func:`ensure_default_model`). Anything else, or no job settings record, is left alone.
 
     Raises:
         BadInputError: the folder cannot be written on this host (the fix: ``rl_tpu.model_cache``).
@@ -137,6 +147,6 @@ def convert_default_model_here(src: object) -> None:
         return
     cache = job_settings.current().model_cache
     dest = Path(cache) / DEFAULT_MODEL_NAME
-    if cache and Path(src) == dest and not dest.exists():
+    if cache and Path(src) == dest and not _converted(dest):
         print(f"[rl-tpu] {dest}: the default model is not on this host; converting it here", flush=True)
         ensure_default_model(cache=cache)

@@ -256,8 +256,8 @@ def test_unwritable_model_cache_is_one_line(tmp_path):
     from verl_backend.models import ensure_default_model
 
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(BadInputError, match=r"rl_tpu.model_cache: .*afile/cache: cannot write the converted default "
-                                            r"model there .*set rl_tpu.model_cache to a writable folder"):
+    with pytest.raises(BadInputError, match=r"rl_tpu.model_cache: .*afile/cache on host .+: cannot write the "
+                                            r"converted default model there .*set rl_tpu.model_cache to a folder"):
         ensure_default_model(cache=str(tmp_path / "afile" / "cache"))
 
 

@@ -52,3 +52,31 @@ def test_processes_converting_at_once_take_turns(tmp_path):
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == ["converted True", "found True"]  # one conversion; the other waited and found it done
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [DEFAULT_MODEL_NAME]
+
+
+def test_the_engines_convert_it_before_building_the_module(tmp_path, monkeypatch):
+    """The critic's model config reaches its worker pickled (no ``copy_to_local`` on that host): rl-tpu's engines
+    convert the default model before VeRL builds the module from it."""
+    from types import SimpleNamespace
+
+    from verl_backend.engine import (
+        RlTpuFSDPEngineWithLMHead,
+        RlTpuFSDPEngineWithValueHead,
+        _DefaultModelHere,
+    )
+
+    for engine in (RlTpuFSDPEngineWithLMHead, RlTpuFSDPEngineWithValueHead):
+        assert engine._build_module is _DefaultModelHere._build_module  # first in the order: before VeRL's
+
+    class VerlEngine:  # stands in for VeRL's engine, which would read the folder here
+        def _build_module(self):
+            return is_hf_model_dir(self.model_config.local_path)
+
+    class Engine(_DefaultModelHere, VerlEngine):
+        pass
+
+    folder = tmp_path / "cache" / DEFAULT_MODEL_NAME
+    monkeypatch.setenv(S.RECORD_ENV, S.record(S.RlTpuSettings(model_cache=str(folder.parent))))
+    engine = Engine()
+    engine.model_config = SimpleNamespace(local_path=str(folder))
+    assert engine._build_module() is True

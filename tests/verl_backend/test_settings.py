@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -97,7 +98,7 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     env.pop("VERL_PLATFORM", None)
     proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--config",
                            str(job), "--output-dir", str(tmp_path / "o"), "--print-config", "--num-threads", "3",
-                           "rl_tpu.plain_module=false", "data.train_files=x.parquet"],
+                           "rl_tpu.plain_module=false", "data.train_files=x.parquet", "rl_tpu.model_cache=~/.cache/rl-tpu"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):]) if "actor_rollout_ref:" in \
@@ -107,6 +108,9 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     assert ours["plain_module"] is False and ours["trim_backward"] is True and ours["response_only_logits"] is False
     assert ours["shared_weights"] is False and ours["num_threads"] == 3 and ours["shared_prefix"] is False
     assert config["actor_rollout_ref"]["actor"]["use_prefix_grouper"] is False
+    # recorded as the driver's absolute folder: the path workers on other hosts convert the default model to
+    assert ours["model_cache"] == str(Path.home() / ".cache" / "rl-tpu")
+    assert config["actor_rollout_ref"]["model"]["path"] == ours["model_cache"] + "/SmolLM2-135M-Instruct"
     assert "RL_TPU_SHARED_WEIGHTS is deprecated" in proc.stderr and "RL_TPU_TRIM_BACKWARD" not in proc.stderr
     helped = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--help"], capture_output=True,
                             text=True, env=env, timeout=120).stdout
