@@ -1,0 +1,81 @@
+"""The compile subprocess: libtpu compiles lowered StableHLO for a TPU topology, with no chip (deviceless).
+
+Run as ``python -m verl_backend.driver.aot.compile LOWERED.json TOPOLOGY OUT.json`` (``TOPOLOGY`` as JAX names it,
+e.g. ``v6e:2x4``) by the interpreter that has libtpu, with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch is not
+imported here). JAX's compile-only client (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``)
+compiles each module for one device of the topology (one chip's program: the trainer's FSDP gathers a block before
+it runs, so a block graph holds its whole weights). Writes ``OUT.json``: ``{"topology", "device_kind", "error",
+"graphs": [{"graph", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
+"generated_code_bytes", "flops", "bytes_accessed", "transcendentals", "error"}]}``; sizes in bytes, FLOPs as XLA's
+cost analysis counts them (a Mosaic ``tpu_custom_call`` counts as nothing there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:240]
+
+
+def compile_all(lowered: list[dict], topology: str) -> dict:
+    """Compile every lowered graph of ``lowered`` (records of :mod:`.lower`) for ``topology``; see the module
+    docstring for the result. A topology libtpu does not know is ``error`` (one line) with no graphs."""
+    try:
+        from jax.experimental import topologies
+
+        topo = topologies.get_topology_desc(topology, "tpu")
+    except Exception as exc:  # an unknown chip or shape: libtpu's own message
+        return {"topology": topology, "device_kind": None, "graphs": [],
+                "error": f"libtpu cannot compile for {topology}: {_first_line(exc)}"}
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+
+    device = topo.devices[0]
+    devices = xc.DeviceList((device,))
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
+    out = []
+    for record in lowered:
+        if record.get("error") or not record.get("file"):
+            continue
+        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None}
+        start = time.perf_counter()
+        try:
+            with mlir.make_ir_context():
+                module = ir.Module.parse(Path(record["file"]).read_text())
+                exe = device.client.compile(module, executable_devices=devices, compile_options=options)
+            row["compile_s"] = time.perf_counter() - start
+            mem = exe.get_compiled_memory_stats()
+            row.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+                       temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+                       generated_code_bytes=mem.generated_code_size_in_bytes)
+            cost = exe.cost_analysis() or {}
+            if isinstance(cost, list):
+                cost = cost[0] if cost else {}
+            row.update(flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                       transcendentals=float(cost.get("transcendentals", 0.0)))
+        except Exception as exc:
+            row["error"] = f"libtpu could not compile {record['graph']} for {topology}: {_first_line(exc)}"
+        out.append(row)
+    return {"topology": topology, "device_kind": device.device_kind, "error": None, "graphs": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    lowered = json.loads(Path(argv[0]).read_text())
+    result = compile_all(lowered, argv[1])
+    Path(argv[2]).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Which graphs a TPU job compiles, with their shapes: the input of ``verl train --aot-only`` (no torch import).
+
+A :class:`GraphRequest` is one graph kind at one shape:
+
+- ``block``: one transformer block of the trainer, forward and backward (two graphs, ``…fwd`` and ``…bwd``), on a
+  padded micro batch ``(batch, seq)`` with ``seq`` a power of two (``rl_tpu.compile_trainer`` pads to one);
+- ``lm_head``: the final norm, LM head and the log-probs of the labels, ``(batch, seq)``, forward and backward;
+- ``prefill``: the sampler's whole-model forward over ``(batch, prompt)`` tokens against a static KV cache of
+  ``cache`` slots (``rl_tpu.sampler``'s buckets), last-position logits;
+- ``decode``: the same with ``(batch, 1)`` tokens.
+
+:func:`job_graphs` reads them off a composed VeRL config the way the trainer and the sampler pick their shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: the sampler's default buckets (rl_tpu.sampler.engine.Sampler)
+PROMPT_BUCKETS = (32, 64, 128, 256, 512)
+GEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRequest:
+    """One graph kind at one shape (see the module docstring); sizes are token counts."""
+
+    kind: str
+    batch: int
+    seq: int = 0  # block / lm_head: padded sequence length; prefill: prompt bucket; decode: 1
+    cache: int = 0  # prefill / decode: KV cache slots (prompt bucket + generation bucket)
+
+    @property
+    def name(self) -> str:
+        """A stable name, e.g. ``trainer.block[4x1024]`` or ``sampler.decode[64x1|cache 1536]``."""
+        where = "trainer" if self.kind in ("block", "lm_head") else "sampler"
+        cache = f"|cache {self.cache}" if self.cache else ""
+        return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}]"
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def bucket(buckets, length: int) -> int:
+    """The smallest of ``buckets`` >= ``length``; the largest when none is (the sampler refuses longer prompts)."""
+    return next((b for b in buckets if b >= length), buckets[-1])
+
+
+def job_graphs(config, workers: int) -> list[GraphRequest]:
+    """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers.
+
+    Trainer: the actor's micro batch (``ppo_micro_batch_size_per_gpu``, else 1) by the padded length of prompt plus
+    response, a power of two. Sampler (in the worker): this worker's share of ``train_batch_size × rollout.n``
+    (at most ``rollout.max_num_seqs``, a power of two), the prompt bucket of ``data.max_prompt_length``, the cache of
+    that plus the generation bucket of ``data.max_response_length``; decode also at every halved batch bucket
+    (the sampler drops finished rows), down to 1.
+    """
+
+    def get(key, default):
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+            if node is None:
+                return default
+        return node
+
+    prompt, response = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
+    micro = int(get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 0) or 1)
+    seq = pow2(prompt + response)
+    rows = int(get("data.train_batch_size", 1)) * int(get("actor_rollout_ref.rollout.n", 1))
+    share = max(1, -(-rows // max(1, workers)))
+    batch = pow2(min(share, int(get("actor_rollout_ref.rollout.max_num_seqs", share) or share)))
+    p = bucket(PROMPT_BUCKETS, prompt)
+    cache = p + bucket(GEN_BUCKETS, response)
+    out = [GraphRequest("block", micro, seq), GraphRequest("lm_head", micro, seq),
+           GraphRequest("prefill", batch, p, cache)]
+    b = batch
+    while b >= 1:
+        out.append(GraphRequest("decode", b, 1, cache))
+        b //= 2
+    return out

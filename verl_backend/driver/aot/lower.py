@@ -1,0 +1,226 @@
+"""The lowering subprocess: a TPU job's graphs to StableHLO through TorchTPU, on a machine without a chip.
+
+Run as ``python -m verl_backend.driver.aot.lower SPEC.json`` by the interpreter that has torch-tpu
+(:func:`verl_backend.driver.aot.run.aot_python`), never imported by the driver: TorchTPU's import takes 5-20 s and
+an eager TPU op outside compile mode aborts the whole process.
+
+``SPEC.json``: ``{"out": folder, "jobs": [{"label", "config" (a config.json dict), "model_type", "dtype"
+("bfloat16"|"float32"), "attention" ("sdpa"|"eager"), "graphs": [GraphRequest fields…]}]}``. Each graph is traced on
+the meta device (no weights: the model is built from its config on meta), through aot_autograd with TorchTPU's
+decompositions and min-cut partitioning (forward and backward graphs), then every ``device=meta`` in it is pointed
+at ``tpu`` and it is lowered on metadata-only TPU placeholders by TorchTPU's kernels
+(:mod:`verl_backend.patches.torch_tpu_aot`). Writes ``<out>/<label>/<n>.mlir`` per graph and ``<out>/lowered.json``:
+one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs", "error"}``; ``error`` is one line
+(op, module, graph) or ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def build_model(config: dict, model_type: str, dtype, attention: str, device: str = "meta"):
+    """A causal LM of ``config`` (a config.json dict) on ``device`` with ``attention`` as attention implementation."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    cfg._attn_implementation = attention
+    for sub in ("text_config",):
+        if hasattr(cfg, sub):
+            getattr(cfg, sub)._attn_implementation = attention
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+class Recorder:
+    """A torch.compile backend that records aot_autograd's forward and backward graphs and runs them as they are."""
+
+    def __init__(self):
+        from functorch.compile import min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        from verl_backend.patches.torch_tpu_aot import decompositions
+
+        self.graphs: list[tuple[str, object, list]] = []
+        self.backend = aot_autograd(fw_compiler=self._record("fwd"), bw_compiler=self._record("bwd"),
+                                    inference_compiler=self._record("fwd"), decompositions=decompositions(),
+                                    partition_fn=min_cut_rematerialization_partition)
+
+    def _record(self, part):
+        def compiler(gm, example_inputs):
+            self.graphs.append((part, gm, list(example_inputs)))
+            return gm
+
+        return compiler
+
+
+def _causal_mask(batch, seq, dtype, device):
+    import torch
+
+    mask = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask[None, None].expand(batch, 1, seq, seq).contiguous()  # (batch, 1, seq, seq) additive
+
+
+def trace(model, request: dict, device: str = "meta") -> list[tuple[str, object, list]]:
+    """The FX graphs of one :class:`~verl_backend.driver.aot.graphs.GraphRequest` (dict form) of ``model``:
+    ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``."""
+    import torch
+
+    kind, batch, seq, cache_len = request["kind"], request["batch"], request["seq"], request["cache"]
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    rec = Recorder()
+    inner = model.model
+    hidden = config.hidden_size
+    if kind == "block":
+        layer = inner.layers[0]
+        x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(True)
+        pos = torch.arange(seq, device=device)[None].expand(batch, seq)
+        rotary = inner.rotary_emb
+        cos, sin = rotary(x, pos)
+        mask = _causal_mask(batch, seq, dtype, device)
+
+        def block(x, cos, sin, mask):
+            out = layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=pos)
+            return out[0] if isinstance(out, tuple) else out
+
+        out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(x, cos, sin, mask)
+        out.float().sum().backward()
+    elif kind == "lm_head":
+        norm, head = inner.norm, model.lm_head
+        h = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(True)
+        labels = torch.zeros(batch, seq, dtype=torch.long, device=device)
+
+        def logprob(h, labels):
+            logits = head(norm(h)).float()  # (batch, seq, vocab) fp32
+            return torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (batch, seq)
+
+        out = torch.compile(logprob, backend=rec.backend, fullgraph=True, dynamic=False)(h, labels)
+        out.sum().backward()
+    elif kind in ("prefill", "decode"):
+        from transformers import StaticCache
+
+        from rl_tpu.sampler.compiled import model_logits
+
+        q = seq if kind == "prefill" else 1
+        ids = torch.zeros(batch, q, dtype=torch.long, device=device)
+        mask = torch.ones(batch, cache_len, dtype=torch.long, device=device)
+        pos = torch.arange(q, device=device)[None].expand(batch, q).contiguous()
+        cache = StaticCache(config=config, max_cache_len=cache_len)
+        # the cache's tensors are made at the first update, on the keys' device: make them now, outside the graph
+        with torch.no_grad():
+            head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+            probe = torch.zeros(batch, config.num_key_value_heads, 1, head_dim, dtype=dtype, device=device)
+            for layer in cache.layers:
+                layer.lazy_initialization(probe, probe)
+
+        def step(ids, mask, pos, cache):
+            return model_logits(model, ids, mask, pos, cache)
+
+        with torch.no_grad():
+            torch.compile(step, backend=rec.backend, fullgraph=True, dynamic=False)(ids, mask, pos, cache)
+    else:
+        raise ValueError(f"unknown graph kind {kind!r}")
+    return rec.graphs
+
+
+def retarget(gm) -> None:
+    """Point every ``device=meta|cpu`` keyword in ``gm`` (factory calls, ``.to``) at the ``tpu`` device."""
+    import torch
+
+    tpu = torch.device("tpu", 0)
+    for node in gm.graph.nodes:
+        dev = node.kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type in ("meta", "cpu"):
+            node.kwargs = {**node.kwargs, "device": tpu}
+    gm.recompile()
+
+
+def lower(gm, example_inputs) -> str:
+    """StableHLO text of ``gm`` on TPU placeholders shaped like ``example_inputs``."""
+    import torch
+
+    from verl_backend.patches.torch_tpu_aot import lower_fx_to_mlir, placeholder
+
+    retarget(gm)
+    args = [placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    return lower_fx_to_mlir(gm, args)
+
+
+def graph_name(request: dict, part: str, index: int, parts: int) -> str:
+    from verl_backend.driver.aot.graphs import GraphRequest
+
+    base = GraphRequest(**request).name
+    if request["kind"] in ("block", "lm_head"):
+        return f"{base}.{part}" if parts == 2 else f"{base}.{part}{index}"
+    return base
+
+
+def run(spec: dict) -> list[dict]:
+    """Lower every graph of ``spec`` (see the module docstring); returns the records written to lowered.json."""
+    import torch
+
+    from verl_backend.patches.torch_tpu_aot import LoweringError, apply
+
+    apply()
+    torch.manual_seed(0)
+    out = Path(spec["out"])
+    records = []
+    for job in spec["jobs"]:
+        folder = out / job["label"]
+        folder.mkdir(parents=True, exist_ok=True)
+        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"])
+        for request in job["graphs"]:
+            start = time.perf_counter()
+            base = {"label": job["label"], "kind": request["kind"], "request": request}
+            try:
+                graphs = trace(model, request)
+            except Exception as exc:  # dynamo / aot tracing on meta
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                from verl_backend.driver.aot.graphs import GraphRequest
+
+                records.append({**base, "graph": GraphRequest(**request).name, "file": None, "seconds": None,
+                                "mosaic": None, "error": f"tracing failed: {type(exc).__name__}: {first}"})
+                continue
+            for index, (part, gm, example) in enumerate(graphs):
+                name = graph_name(request, part, index, len(graphs))
+                t0 = time.perf_counter()
+                try:
+                    text = lower(gm, example)
+                except LoweringError as exc:
+                    where = f" in {exc.module}" if exc.module else ""
+                    records.append({**base, "graph": name, "file": None, "seconds": None, "mosaic": None,
+                                    "op": exc.op, "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of "
+                                                          f"graph {name}: {exc}"})
+                    continue
+                path = folder / f"{len(records)}.mlir"
+                path.write_text(text)
+                records.append({**base, "graph": name, "file": str(path), "seconds": time.perf_counter() - t0,
+                                "trace_seconds": t0 - start, "mosaic": "tpu_custom_call" in text,
+                                "inputs": len(example), "error": None})
+    (out / "lowered.json").write_text(json.dumps(records, indent=1))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    spec = json.loads(Path(argv[0]).read_text())
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
