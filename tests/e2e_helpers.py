@@ -36,12 +36,15 @@ def train_env() -> dict[str, str]:
 
 
 def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = None,
-               backend: str = "cpu") -> subprocess.CompletedProcess:
+               backend: str = "cpu", default_console: bool = False) -> subprocess.CompletedProcess:
     """Run ``verl train --backend BACKEND --output-dir OUT ARGS...`` to the end (``args``: CLI flags and Hydra
-    overrides); returns the finished process with text stdout/stderr."""
+    overrides); returns the finished process with text stdout/stderr. ``default_console``: the console a user gets
+    (the rest in ``OUT/train.log``), not the whole output the tests' ``VERL_TRAIN_VERBOSE=1`` asks for."""
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", backend, "--output-dir", str(out), *args]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=train_env(), timeout=timeout,
-                          cwd=cwd)
+    env = train_env()
+    if default_console:
+        env.pop("VERL_TRAIN_VERBOSE", None)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
 
 def train_rows(out: Path, key: str = "actor/pg_loss") -> list[dict]:

@@ -69,9 +69,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=1,
                    help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
                    "set trainer.save_freq so there is a checkpoint to resume)")
+    t.add_argument("--verbose", action="store_true",
+                   help="show everything on the console (VeRL's config, Ray's and the workers' lines, progress "
+                   "redraws); by default it shows the settings line, a line per step, rl-tpu's warnings once and the "
+                   "summary, and all the rest goes to <run folder>/train.log; VERL_TRAIN_VERBOSE=1 does the same)")
     t.add_argument("--print-config", action="store_true",
                    help="print the composed VeRL config and exit (a dry run; works for tpu without a chip; "
                    "batch sizes that do not split over the workers are refused here too)")
+    t.add_argument("--aot-only", action="store_true",
+                   help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
+                   "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
+                   "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
     t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(s for a in t._actions for s in a.option_strings)
     return p
@@ -146,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             from verl_backend.driver.train import run_train
+
+            if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
+                if args.backend != "tpu":
+                    raise BadInputError(f"--aot-only compiles a TPU job's graphs: use --backend tpu, not "
+                                        f"{args.backend}")
+                args.print_config = True
 
             return run_train(args)
     except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 
@@ -85,9 +86,105 @@ def latest_hf_checkpoint(out: Path) -> Path | None:
     return best[1] if best else None
 
 
-def write_report(out: Path, wall_s: float) -> str:
-    """Write ``summary.json`` and ``reward_curve.png`` into ``out``; return the text printed to the user."""
+def _validation_items(path: Path) -> list[dict]:
+    """The items of one of VeRL's validation dumps (``trainer.validation_data_dir/<step>.jsonl``: ``input``,
+    ``output``, ``score``, ...), in file order; unreadable lines left out."""
+    items = []
+    for line in path.read_text().splitlines():
+        try:
+            items.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return items
+
+
+def _strict(item: dict) -> float:
+    """The item's score if its answer is inside ``<answer>`` tags, else 0 (the reward also takes a bare last
+    number: that is the lenient score)."""
+    output = str(item.get("output", ""))
+    return float(item.get("score") or 0.0) if re.search(r"<answer>.*?</answer>", output, re.S) else 0.0
+
+
+def _t975(df: int) -> float:
+    """The 97.5% point of Student's t with ``df`` degrees of freedom."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, df))
+    except ImportError:  # the normal's, a little narrow below 30 items
+        return 1.96
+
+
+def paired_difference(before: list[float], after: list[float]) -> dict:
+    """Mean of ``after - before`` over the same items, with its 95% interval (Student's t on the per-item
+    differences; for scores in {0, 1} these are -1, 0, 1)."""
+    diffs = [a - b for a, b in zip(after, before)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else float("nan")
+    half = _t975(n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
+    return {"n": n, "before": sum(before) / n, "after": sum(after) / n, "diff": mean, "low": mean - half,
+            "high": mean + half}
+
+
+def validation_change(folder: Path | None) -> dict | None:
+    """Accuracy before (the first validation dump) and after (the last) over the same items, paired by prompt:
+    ``{"lenient": paired_difference(...), "strict": ..., "before_step", "after_step"}``; ``None`` without two dumps
+    that share items. Accuracy is the share of full-score items (score >= 1)."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    dumps = sorted((int(p.stem), p) for p in Path(folder).glob("*.jsonl") if p.stem.isdigit())
+    if len(dumps) < 2:
+        return None
+    (first, first_path), (last, last_path) = dumps[0], dumps[-1]
+
+    def by_input(items):
+        keyed: dict[str, list[dict]] = {}
+        for item in items:
+            keyed.setdefault(str(item.get("input")), []).append(item)
+        return keyed
+
+    before, after = by_input(_validation_items(first_path)), by_input(_validation_items(last_path))
+    pairs = [(b, a) for key in before if key in after for b, a in zip(before[key], after[key])]
+    if not pairs:
+        return None
+    result = {"before_step": first, "after_step": last}
+    for name, value in (("lenient", lambda i: float(float(i.get("score") or 0.0) >= 1.0)),
+                        ("strict", lambda i: float(_strict(i) >= 1.0))):
+        result[name] = paired_difference([value(b) for b, _ in pairs], [value(a) for _, a in pairs])
+    return result
+
+
+def accuracy_lines(summary: dict) -> list[str]:
+    """The summary's validation lines: before -> after with the paired 95% interval, then strict and lenient."""
+    change = summary.get("val_change")
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    if not change:
+        return [f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after "
+                f"{pct(summary['val_accuracy_after'])} (no per-item validation dumps to pair, so no interval)"]
+    lenient, strict = change["lenient"], change["strict"]
+
+    def points(d):
+        return (f"{100 * d['diff']:+.1f} points, 95% CI {100 * d['low']:+.1f} to {100 * d['high']:+.1f}"
+                if math.isfinite(d["low"]) else f"{100 * d['diff']:+.1f} points")
+
+    return [
+        f"[rl-tpu] validation accuracy: before {pct(lenient['before'])} -> after {pct(lenient['after'])} "
+        f"({points(lenient)}; paired over the same {lenient['n']} items)",
+        f"[rl-tpu]   strict (answer in <answer> tags): {pct(strict['before'])} -> {pct(strict['after'])} "
+        f"({points(strict)}); lenient (last number also counts): the line above",
+    ]
+
+
+def write_report(out: Path, wall_s: float, validation_dir: Path | None = None) -> str:
+    """Write ``summary.json`` and ``reward_curve.png`` into ``out``; return the text printed to the user.
+    ``validation_dir``: VeRL's per-item validation dumps (``trainer.validation_data_dir``) for the paired
+    interval; default ``out/validation``."""
     summary = summarize(read_metrics(out / "metrics.jsonl"))
+    summary["val_change"] = validation_change(validation_dir or out / "validation")
     png = plot_reward_curve(summary, out / "reward_curve.png")
     ckpt = latest_hf_checkpoint(out)
     summary.update({"wall_s": wall_s, "checkpoint": str(ckpt) if ckpt else None, "output_dir": str(out)})
@@ -99,7 +196,7 @@ def write_report(out: Path, wall_s: float) -> str:
     lines = [
         f"[rl-tpu] run finished in {wall_s / 60:.1f} min: {summary['training_steps']} "
         f"step{'' if summary['training_steps'] == 1 else 's'}",
-        f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after {pct(summary['val_accuracy_after'])}",
+        *accuracy_lines(summary),
         f"[rl-tpu] output folder: {out}",
         f"[rl-tpu]   metrics:     {out / 'metrics.jsonl'}  (TensorBoard: {out / 'tensorboard'})",
         f"[rl-tpu]   reward curve: {png if png else 'n/a (no training steps logged)'}",

@@ -151,8 +151,9 @@ def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
     r = jobs.wait(job_id, timeout_s=1500, poll_s=1.0)
     assert r.status == "SUCCEEDED", r.message[-3000:]
     assert "run finished" in r.logs
+    logs = r.logs + (out / "train.log").read_text()  # the console shows less; train.log has every line
     assert re.search(r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
-                     r"4 workers, host of each: \[0, 0, 0, 0\]", r.logs), r.logs[-3000:]
+                     r"4 workers, host of each: \[0, 0, 0, 0\]", logs), logs[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step1 = [row["data"] for row in rows if row.get("step") == 1]
     assert step1 and math.isfinite(step1[-1]["actor/pg_loss"])

@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# `verl train` runs in these tests show everything on the console (as --verbose), as the tests' assertions on
+# worker lines expect; test_train_e2e's main run takes it away to check the default console
+os.environ.setdefault("VERL_TRAIN_VERBOSE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,14 @@ def run(tmp_path_factory, tiny_model_dir):
         "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out),
+        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out), default_console=True,
     )
     return out, proc
+
+
+def everything(out, proc) -> str:
+    """All the run printed: its console and ``train.log`` (where the default console leaves the rest)."""
+    return proc.stdout + proc.stderr + (out / "train.log").read_text()
 
 
 def test_run_exits_cleanly_and_reports(run):
@@ -48,8 +53,31 @@ def test_run_exits_cleanly_and_reports(run):
     assert runtime_env["env_vars"]["RAY_num_workers_soft_limit"] == "0"  # idle workers end (~0.1 GiB each)
 
 
+def test_console_is_short_and_quiet_and_train_log_has_the_rest(run):
+    """The default console (issue #30): the settings line, a line per step, the summary with the paired
+    interval; at most 60 lines (split on \\n and \\r), none error-looking, none twice. The rest is in train.log."""
+    from verl_backend.driver.console import console_lines, console_problems
+
+    out, proc = run
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    console = proc.stdout + proc.stderr
+    assert console_problems(console) == [], console
+    lines = console_lines(console)
+    assert lines[0].startswith("[rl-tpu] GRPO on ") and "train.log" in lines[0], lines[0]
+    assert sum(line.startswith("[rl-tpu] step ") for line in lines) == 2, lines
+    assert re.search(r"validation accuracy: before [\d.]+% -> after [\d.]+% \([+-][\d.]+ points, 95% CI "
+                     r"[+-][\d.]+ to [+-][\d.]+; paired over the same 8 items\)", console), console
+    assert "strict (answer in <answer> tags)" in console
+    log = (out / "train.log").read_text()
+    for quiet in ("engine is not available", "Started a local Ray instance", "Training Progress",
+                  "(WorkerDict pid="):
+        assert quiet in log and quiet not in console, quiet
+    assert sorted(p.name for p in (out / "validation").glob("*.jsonl")) == ["0.jsonl", "2.jsonl"]
+
+
 def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     out, proc = run
+    log = everything(out, proc)
     train = train_rows(out)
     assert len(train) == 2
     for m in train:
@@ -63,19 +91,19 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # shared memory, nothing is copied (step 2's log-probs above were sampled from the weights the optimizer
     # updated in place)
     assert re.search(r"weight sync to rollout replica 0: shared memory, in place: the rollout computes on the "
-                     r"trainer's parameters, 0 MB copied", proc.stdout + proc.stderr)
+                     r"trainer's parameters, 0 MB copied", log)
     # GRPO's 4 samples per prompt share one copy of it in the trainer's packed rows (the log-probs checked above
     # came through that path)
     assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens",
-                     proc.stdout + proc.stderr)
+                     log)
     # rl_tpu.trim_backward is off by default (bench_host_memory.py: no lower peak beside plain_module)
-    assert "heap pages handed back" not in proc.stdout + proc.stderr
+    assert "heap pages handed back" not in log
     # one CPU rank: the actor and the reference policy (both float32) run their modules unwrapped (no FSDP2 copies)
-    unwrapped = re.findall(r"\[rl-tpu\] ([a-z ]+): one CPU rank, so the model runs unwrapped", proc.stdout + proc.stderr)
+    unwrapped = re.findall(r"\[rl-tpu\] ([a-z ]+): one CPU rank, so the model runs unwrapped", log)
     assert sorted(unwrapped) == ["actor", "reference policy"], unwrapped
     # TransferQueue's copy threads are capped at the cores in every process, the driver's TaskRunner included
     # (it warned on every put and get: hundreds of lines per run)
-    assert "should not exceed total physical CPU cores" not in proc.stdout + proc.stderr
+    assert "should not exceed total physical CPU cores" not in log
 
 
 def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):

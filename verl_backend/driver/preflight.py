@@ -359,3 +359,45 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
                 f"(data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} / {workers} workers): set it to a "
                 f"divisor of {per_rank}"
             )
+
+
+# VeRL 0.9.1's registered advantage estimators (verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY) that its V1
+# trainer, the one rl-tpu runs (verl/trainer/ppo/v1/trainer_base.py, PPOTrainer._compute_advantage), cannot feed:
+# it hands the estimator only uid, response_mask, rm_scores, the log-probs and values; nothing else.
+V1_UNFED_ESTIMATORS = {
+    "remax": "ReMax subtracts the reward of a greedy rollout (reward_baselines), which VeRL 0.9.1's V1 trainer never "
+             "samples (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); use rloo or "
+             "grpo (a baseline from the group's other samples) instead",
+    "optimal_token_baseline": "the optimal token baseline needs the actor's sum of squared token probabilities "
+                              "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the actor "
+                              "for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); "
+                              "use grpo or rloo instead",
+    "tir_optimal_token_baseline": "the optimal token baseline needs the actor's sum of squared token probabilities "
+                                  "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the "
+                                  "actor for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not "
+                                  "run, does); use grpo or rloo instead",
+    "gdpo": "GDPO normalizes each reward component named in algorithm.gdpo_reward_keys apart, but VeRL 0.9.1's V1 "
+            "trainer passes the estimator none of the reward's extra keys (only its legacy trainer, "
+            "trainer.use_v1=false, which rl-tpu does not run, does); with one reward, use grpo",
+}
+
+
+def check_adv_estimator(config, registered_only: bool = False) -> None:
+    """Refuse an ``algorithm.adv_estimator`` that VeRL 0.9.1's V1 trainer cannot feed
+    (:data:`V1_UNFED_ESTIMATORS`; each failed inside Ray after the first rollout, ReMax with a ``TypeError``
+    traceback, the optimal token baselines and GDPO on an assertion), and with ``registered_only`` one not registered
+    in this process (call it so after the user's reward file is imported, where a ``register_adv_est`` may be). Every other registered estimator runs on the
+    CPU backend (``benchmarks/bench_estimators.py``, ``docs/estimators.md``); GAE brings VeRL's critic itself.
+
+    Raises:
+        BadInputError: one line naming the estimator, why, and what to use instead.
+    """
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    name = str(getattr(config.algorithm.adv_estimator, "value", config.algorithm.adv_estimator))
+    if name in V1_UNFED_ESTIMATORS:
+        raise BadInputError(f"algorithm.adv_estimator={name}: {V1_UNFED_ESTIMATORS[name]}")
+    if name not in ADV_ESTIMATOR_REGISTRY and registered_only:
+        usable = sorted(set(ADV_ESTIMATOR_REGISTRY) - set(V1_UNFED_ESTIMATORS))
+        raise BadInputError(f"algorithm.adv_estimator={name}: VeRL 0.9.1 registers no such estimator; give one of "
+                            f"{', '.join(usable)} (or register yours with core_algos.register_adv_est)")

@@ -23,7 +23,7 @@ def last_checkpoint_step(ckpts: Path) -> int | None:
         return None
 
 
-RUN_ARTIFACTS = ("metrics.jsonl", "tensorboard", "reward_curve.png", "summary.json")
+RUN_ARTIFACTS = ("metrics.jsonl", "tensorboard", "reward_curve.png", "summary.json", "validation", "rollouts")
 
 
 _RUN_LOCK_FD: int | None = None  # held open (and locked) for this process's life

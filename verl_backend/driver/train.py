@@ -9,6 +9,7 @@ from pathlib import Path
 
 from verl_backend import settings as job_settings
 from verl_backend.driver.bypass_guard import guard_bypass
+from verl_backend.driver.console import StepLines, capture, job_line
 from verl_backend.driver.data_prep import prepare_data, validate_data_files
 from verl_backend.driver.export_step import check_export
 from verl_backend.driver.memory_plan import check_memory_fits, show_memory_plan
@@ -24,6 +25,7 @@ from verl_backend.driver.plan import (
     split_rl_tpu,
 )
 from verl_backend.driver.preflight import (
+    check_adv_estimator,
     check_batch_sizes,
     check_native_rollout,
     check_prompt_lengths,
@@ -49,9 +51,12 @@ from verl_backend.models import cache_root
 
 def run_train(args) -> int:
     """``verl train``: check and compose the config, then run VeRL's trainer (see the README)."""
+    from contextlib import ExitStack
+
     fork_server: dict = {}  # the fork server started for this run (verl_backend.zygote), stopped whatever happens
     try:
-        return _run_train(args, fork_server)
+        with ExitStack() as console_capture:  # the run's console and train.log (driver/console.py)
+            return _run_train(args, fork_server, console_capture)
     finally:
         if fork_server.get("pid"):
             from verl_backend import zygote
@@ -63,7 +68,7 @@ def _keys(overrides: list[str]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-def _run_train(args, fork_server: dict) -> int:
+def _run_train(args, fork_server: dict, console_capture) -> int:
     from verl_backend.patches import check_versions
 
     check_versions()  # one line for a VeRL (or TransferQueue) outside the range rl-tpu's patches were tested with
@@ -114,14 +119,24 @@ def _run_train(args, fork_server: dict) -> int:
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
     out = _run_folder(args, keys)
+    console = None
     if not args.print_config:
+        # from here on the terminal shows what driver/console.py lets through; everything goes to train.log
+        verbose = bool(getattr(args, "verbose", False)) or os.environ.get("VERL_TRAIN_VERBOSE") == "1"
+        console = console_capture.enter_context(capture(out / "train.log", verbose=verbose))
+        console_capture.callback(_stop_ray)  # before the capture ends: Ray forwards workers' lines until it stops
         fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
+        console.pump()
         lock_run_folder(out)
     extra = model_path_overrides(keys, settings.model_cache) + prepare_data(keys, settings, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
+    for key, folder in (("trainer.validation_data_dir", "validation"), ("trainer.rollout_data_dir", "rollouts")):
+        if key not in keys:  # per-item scores: the accuracy interval (report.py) and the step lines' accuracy
+            extra.append(f"{key}={out / folder}")
     config = compose_config(merged + extra)
     check_whole_numbers(config)
+    check_adv_estimator(config)  # registered by VeRL 0.9.1 and fed by its V1 trainer, or one line
     if config_path == backend.default_config:
         fit_default_micro_batches(config, _keys(cli_overrides))
     guard_bypass(config, _keys(file_overrides + cli_overrides))
@@ -134,6 +149,10 @@ def _run_train(args, fork_server: dict) -> int:
     settings = job_settings.mirror_from_config(settings, config)
     with open_dict(config):
         config.rl_tpu = job_settings.as_dict(settings)  # printed, saved in config.yaml; workers get the record
+    if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
+        from verl_backend.driver.aot.job import run_aot_only
+
+        return run_aot_only(config, settings.slice)
     if args.print_config:
         print(OmegaConf.to_yaml(config))
         show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_plan.py)
@@ -143,6 +162,7 @@ def _run_train(args, fork_server: dict) -> int:
     validate_data_files(config, keys)
     check_prompt_lengths(config)
     check_user_reward(config)
+    check_adv_estimator(config, registered_only=True)  # after the user's file: it may register its own
     check_native_rollout(config)
     if settings.compile_trainer:  # bounded graphs need one shape of micro batch
         from rl_tpu.compiled_blocks import refusal
@@ -163,20 +183,34 @@ def _run_train(args, fork_server: dict) -> int:
 
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
     trim_host_heap()
+    console.say(job_line(config, backend.name, settings.num_threads, out))
     start = time.time()
-    run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0),
-                      task_runner=settings.task_runner)
-    summary = write_report(out, wall_s=time.time() - start)
-    print(summary)
+    rollouts = config.trainer.get("rollout_data_dir")
+    with StepLines(out / "metrics.jsonl", config.trainer.total_training_steps, console.say,
+                   rollouts=Path(rollouts) if rollouts else None):
+        run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0),
+                          task_runner=settings.task_runner)
+    validation = config.trainer.get("validation_data_dir")
+    summary = write_report(out, wall_s=time.time() - start, validation_dir=Path(validation) if validation else None)
+    console.say(summary)
     if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
-        return _export(config, out, settings)
+        return _export(config, out, settings, console)
     return 0
 
 
-def _export(config, out: Path, settings) -> int:
+def _stop_ray() -> None:
+    """End this job's Ray (started by VeRL's ``run_ppo``), if it did start, so that no worker line Ray still forwards
+    reaches the terminal after the console's capture (it would at exit otherwise)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def _export(config, out: Path, settings, console) -> int:
     """Export the final checkpoint (``rl_tpu.export``), record it in ``summary.json``; 0, or 3 when it failed."""
     import json
-    import sys
 
     from verl_backend.driver.export_step import (
         EXPORT_FAILED,
@@ -192,8 +226,10 @@ def _export(config, out: Path, settings) -> int:
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, path)
     for line in export_lines(entry):
-        print(line if entry["status"] == "written" else f"verl: error: {line}",
-              file=sys.stdout if entry["status"] == "written" else sys.stderr, flush=True)
+        if entry["status"] == "written":
+            console.say(line)
+        else:  # the terminal's stderr, not the captured one
+            console.error(f"verl: error: {line}")
     return 0 if entry["status"] == "written" else EXPORT_FAILED
 
 
