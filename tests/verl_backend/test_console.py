@@ -50,6 +50,8 @@ def test_filter_shows_each_rl_tpu_warning_once_without_rays_prefix():
                   "Failed to load /x/torchao/_C_mxfp8.so", "[rl-tpu] actor: one CPU rank", "Training Progress: 50%"):
         assert f.show(noise) is None, noise
     assert ConsoleFilter(verbose=True).show("anything") == "anything"
+    resumed = "[rl-tpu] resuming from the checkpoint of step 6 in /x (VeRL's trainer.resume_mode=auto); ..."
+    assert f.show(resumed) == resumed
 
 
 def test_step_line():
@@ -119,3 +121,18 @@ def test_no_dumps_says_there_is_no_interval(tmp_path):
     assert validation_change(tmp_path) is None
     line = accuracy_lines({"val_accuracy_before": 0.1, "val_accuracy_after": 0.2})[0]
     assert "before 10.0% -> after 20.0%" in line and "no interval" in line
+
+
+def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
+    from omegaconf import OmegaConf
+
+    from verl_backend.driver.console import job_line
+
+    config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "grpo"}, "data": {"train_files": "/o/data/basic_arithmetic_train.parquet",
+                                                         "train_batch_size": 4},
+        "actor_rollout_ref": {"model": {"path": "/c/SmolLM2-135M-Instruct"}, "rollout": {"n": 4}},
+        "trainer": {"total_training_steps": 12}})
+    assert job_line(config, "cpu", 1, tmp_path) == (
+        "[rl-tpu] GRPO on SmolLM2-135M-Instruct, basic_arithmetic: 12 steps of 4 prompts x 4 samples, cpu backend, "
+        f"1 thread; full log: {tmp_path / 'train.log'}")

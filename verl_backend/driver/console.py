@@ -6,7 +6,8 @@ worker output Ray forwards to the driver, C libraries' prints and tqdm's redraws
 
 - the driver's own lines, written with :meth:`Console.say` (the job's settings line, one line per training step,
   the summary),
-- rl-tpu's warnings (``[rl-tpu] warning: ...``), each once however many workers print it,
+- rl-tpu's warnings (``[rl-tpu] warning: ...``), each once however many workers print it, and its notices
+  (:data:`NOTICES`: a resumed or moved-aside run folder, a restart after a dead actor),
 
 or everything with ``--verbose``. Errors reach the terminal after the capture ends: ``verl`` prints a bad input as
 one ``verl: error:`` line, and a failure it cannot name with its traceback (the fds are back by then).
@@ -26,6 +27,9 @@ from pathlib import Path
 MAX_LINES = 60  # what the default job may print when nothing fails
 ERROR_LOOKING = re.compile(r"(?i)error|fail|traceback|exception")
 _WARNING = re.compile(r"\[rl-tpu\] warning: (.*)$")
+# rl-tpu's own lines a person should see although they are no warning: the run folder's resume or start-over, and
+# a restart after a dead Ray actor (verl_backend/driver/run_folder.py, runner.py)
+NOTICES = re.compile(r"\[rl-tpu\] (resuming from the checkpoint|a Ray actor failed|.* held an earlier run)")
 _RAY_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*\([^)]*pid=\d+[^)]*\)(\x1b\[[0-9;]*m)*\s*")
 
 
@@ -64,6 +68,8 @@ class ConsoleFilter:
         if self.verbose:
             return line
         text = _RAY_PREFIX.sub("", line)
+        if NOTICES.match(text):
+            return text
         match = _WARNING.search(text)
         if match is None:
             return None
@@ -293,7 +299,10 @@ def step_line(step: int, data: dict, total: int, accuracy: float | None = None) 
 def job_line(config, backend: str, threads: int, out: Path) -> str:
     """The job's settings in one line: algorithm, model, data, steps, batch, backend, where the full log is."""
     model = Path(str(config.actor_rollout_ref.model.path)).name
-    task = (config.get("rl_tpu") or {}).get("task") or Path(str(config.data.train_files)).name
+    from verl_backend.driver.data_prep import data_files
+
+    files = data_files(config.data.get("train_files"))
+    task = Path(str(files[0])).stem.removesuffix("_train") if files else "?"  # the built-in data: <task>_train
     prompts, n = int(config.data.train_batch_size), int(config.actor_rollout_ref.rollout.n)
     return (f"[rl-tpu] {str(config.algorithm.adv_estimator).upper()} on {model}, {task}: "
             f"{config.trainer.total_training_steps or 'all'} steps of {prompts} prompts x {n} samples, {backend} backend, "
