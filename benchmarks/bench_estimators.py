@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # what VeRL 0.9.1 requires beside algorithm.adv_estimator (the refused ones are refused whatever is added)
 COMPANIONS: dict[str, list[str]] = {
-    "gae": ["algorithm.lam=0.95"],  # the critic: VeRL's need_critic() turns it on for GAE
+    # the critic: VeRL's need_critic() turns it on for GAE; its micro batch VeRL requires (pre-flight says so)
+    "gae": ["algorithm.lam=0.95", "critic.ppo_micro_batch_size_per_gpu=4"],
     "gdpo": ["+algorithm.gdpo_reward_keys=[score]"],
     "optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
     "tir_optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],

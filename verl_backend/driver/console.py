@@ -198,6 +198,12 @@ def capture(log_path: Path, verbose: bool = False):
             os.dup2(log.fileno(), fd)
     try:
         yield console
+    except BaseException as exc:  # the log keeps the whole story; verl prints its one line (or traceback) after
+        import traceback
+
+        _flush_std()
+        log.write("".join(traceback.format_exception(exc)).encode())
+        raise
     finally:
         _flush_std()
         for fd in (1, 2):

@@ -397,6 +397,12 @@ def check_adv_estimator(config, registered_only: bool = False) -> None:
     name = str(getattr(config.algorithm.adv_estimator, "value", config.algorithm.adv_estimator))
     if name in V1_UNFED_ESTIMATORS:
         raise BadInputError(f"algorithm.adv_estimator={name}: {V1_UNFED_ESTIMATORS[name]}")
+    critic = config.get("critic") or {}
+    if name == "gae" and critic.get("enable") is not False and not critic.get("use_dynamic_bsz") and \
+            not critic.get("ppo_micro_batch_size_per_gpu") and not critic.get("ppo_micro_batch_size"):
+        # VeRL's validate_config refused it with a hydra InstantiationException traceback naming other keys
+        raise BadInputError("algorithm.adv_estimator=gae trains VeRL's critic, which needs a micro batch size: set "
+                            "critic.ppo_micro_batch_size_per_gpu (e.g. 4), or start from examples/ppo_cpu.yaml")
     if name not in ADV_ESTIMATOR_REGISTRY and registered_only:
         usable = sorted(set(ADV_ESTIMATOR_REGISTRY) - set(V1_UNFED_ESTIMATORS))
         raise BadInputError(f"algorithm.adv_estimator={name}: VeRL 0.9.1 registers no such estimator; give one of "
