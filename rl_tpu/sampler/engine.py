@@ -43,6 +43,7 @@ from rl_tpu.sampler.params import (
 from rl_tpu.sampler.params import longrope_switch_length as longrope_switch_length  # noqa: PLC0414 (old home)
 from rl_tpu.sampler.prefill import packed_prefill
 from rl_tpu.sampler.processing import LogitsProcessors, choose_tokens, token_logprobs
+from rl_tpu.sampler.seeds import row_uniforms, sample_seed
 
 
 def _next_pow2(x: int) -> int:
@@ -204,12 +205,21 @@ class Sampler:
         self.weights_changed()
 
     # ------------------------------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[SampleOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[SampleOutput]:
         """Sample ``params.n`` completions for each prompt.
+
+        Each sampled completion draws from a random stream of its own (:mod:`rl_tpu.sampler.seeds`): sample ``j`` of
+        prompt ``i`` from ``sample_seed(seeds[i], j)``, or without ``seeds`` from ``sample_seed(params.seed, i, j)``.
+        So a completion does not depend on how the prompts are cut into batches (``max_batch_size``), on their
+        order within one, or on the other prompts of the call; only on its seed, prompt and the model's numbers.
+        With neither ``seeds`` nor ``params.seed`` the draws come from torch's global generator.
 
         Args:
             prompts: token-id lists, unpadded, each non-empty and at most ``max(prompt_buckets)`` long.
             params: sampling settings.
+            seeds: one seed per prompt (any int), e.g. a rollout server's per-request seed; overrides
+                ``params.seed``.
 
         Returns:
             ``len(prompts) * params.n`` outputs in prompt-major order (prompt 0's samples, then prompt 1's, ...).
@@ -227,9 +237,12 @@ class Sampler:
         rows = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # prompt-major
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths share a prompt bucket
         step = self.max_batch_size or len(rows)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(int(params.seed))  # CPU: see choose_tokens
+        if seeds is not None and len(seeds) != len(prompts):
+            raise SamplerError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
+        row_seeds: list[int] | None = None  # prompt-major, as rows
+        if not params.greedy and (seeds is not None or params.seed is not None):
+            row_seeds = [sample_seed(seeds[i], j) if seeds is not None else sample_seed(params.seed, i, j)
+                         for i in range(len(prompts)) for j in range(params.n)]
         outputs: list[SampleOutput | None] = [None] * len(rows)
         # enable_gqa is only measured on CPU here; other devices keep transformers' sdpa
         fast_gqa = gqa_attention(self.model) if self.device.type == "cpu" else contextlib.nullcontext()
@@ -239,7 +252,8 @@ class Sampler:
                 self.lean.use_packed(self.packed)
             for start in range(0, len(rows), step):
                 idx = order[start : start + step]
-                for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
+                batch_seeds = None if row_seeds is None else [row_seeds[i] for i in idx]
+                for i, out in zip(idx, self._generate_batch([rows[i] for i in idx], params, batch_seeds)):
                     outputs[i] = out
         return outputs  # type: ignore[return-value]
 
@@ -263,7 +277,7 @@ class Sampler:
         return model_logits(self.model, ids, mask, pos, cache, **extra)  # (batch, vocab)
 
     def _generate_batch(
-        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+        self, rows: list[list[int]], params: SamplingParams, row_seeds: list[int] | None
     ) -> list[SampleOutput]:
         dev = self.device
         n_real = len(rows)
@@ -303,9 +317,15 @@ class Sampler:
                                        stop_ids, logits.shape[-1])  # None unless requested: nothing to pay
         fast = self.packed is not None or (self.compiled is not None and self.compiled.packs is not None)
         sample = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                  "generator": generator, "logprobs": params.logprobs and procs is None,
+                  "generator": None, "logprobs": params.logprobs and procs is None,
                   "kernel": fast}  # rl-tpu's greedy token kernel: a CPU fast path, as the packed weights are
+        uniforms = None  # (batch, new): each output row's own draws (rl_tpu.sampler.seeds); None: global generator
+        if row_seeds is not None:
+            acc = torch.float64 if dev.type == "cpu" else torch.float32  # as processing._draw sums
+            uniforms = row_uniforms(row_seeds + [0] * (batch - n_real), max_new, dev, acc)
         for t in range(max_new):
+            if uniforms is not None:
+                sample["uniforms"] = uniforms[row_ids, t]  # (batch,): the rows still in the batch
             if procs is None:
                 tok, logp = choose_tokens(logits, **sample)  # (batch,), (batch,) or None
             else:  # chosen from the processed logits; the log-prob stays the model's (processing module doc)

@@ -11,7 +11,8 @@ decoding (``temperature == 0``) the temperature is taken as 1.
 
 Order, as HF's ``generate`` and vLLM's sampler apply them: repetition penalty and min tokens on the raw logits
 (:class:`LogitsProcessors`), then temperature, top-k, then top-p on the renormalised top-k distribution. Draws are
-inverse-CDF (see :func:`_draw`).
+inverse-CDF (see :func:`_draw`): one uniform per row, which the caller may give (``uniforms``: each row's own stream,
+:mod:`rl_tpu.sampler.seeds`, so a row's token does not depend on the other rows of its batch).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def choose_tokens(
     generator: torch.Generator | None,
     logprobs: bool = True,
     kernel: bool = False,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row.
 
@@ -43,8 +45,8 @@ def choose_tokens(
         temperature: ``0`` for greedy, else the divisor of the logits.
         top_k: keep the ``top_k`` largest; ``-1``/``0`` keeps all.
         top_p: nucleus mass in ``(0, 1]``; ``1`` keeps all.
-        generator: a CPU ``torch.Generator`` (``None``: torch's global CPU generator); the few uniforms drawn
-            per step are moved to ``logits.device``.
+        generator: a CPU ``torch.Generator`` (``None``: torch's global CPU generator) the step's one uniform per
+            row is drawn from when ``uniforms`` is not given; moved to ``logits.device``.
         logprobs: return the chosen tokens' log-probs; ``False`` returns ``None`` for them (greedy then needs no
             log-softmax).
         kernel: greedy rows of float32 CPU logits go through rl-tpu's token kernel (``token_kernel.cpp``: three
@@ -52,6 +54,8 @@ def choose_tokens(
             core, against 1.2 for ATen's log_softmax and argmax) where it is built (a CPU fast path: the sampler
             passes it with its packed weights). The same token (the first largest logit); its log-prob differs from
             ``log_softmax``'s by float32 rounding.
+        uniforms: ``(batch,)`` uniforms in ``[0, 1)``, row ``i``'s draw for this step (float64 on CPU): the token
+            is the first whose cumulative probability exceeds it. Not read when greedy.
 
     Returns:
         ``(token_ids, logprobs)``: ``(batch,)`` int64 and ``(batch,)`` float32 (or ``None``), the log-prob of
@@ -71,16 +75,19 @@ def choose_tokens(
         logp = torch.log_softmax(logits, dim=-1)  # (batch, vocab)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
+    if uniforms is None:  # one per row, drawn before any partial draw below so each row keeps its own
+        uniforms = torch.rand((logits.shape[0],), dtype=torch.float64, generator=generator)
+    uniforms = uniforms.to(logits.device, torch.float64 if logits.device.type == "cpu" else torch.float32)
     logp = torch.log_softmax(logits / temperature, dim=-1)  # (batch, vocab)
     if 0 < top_k < vocab:
         cand_logp, cand_ids = logp.topk(top_k, dim=-1)  # (batch, k), sorted
         if top_p < 1.0:
             cand_logp = _nucleus(torch.log_softmax(cand_logp, dim=-1), top_p)  # renormalised, as HF/vLLM do
-        tokens = cand_ids.gather(-1, _draw(cand_logp.exp(), generator)[:, None]).squeeze(-1)
+        tokens = cand_ids.gather(-1, _draw(cand_logp.exp(), uniforms)[:, None]).squeeze(-1)
     elif top_p < 1.0:
-        tokens = _draw_top_p(logp, top_p, generator)
+        tokens = _draw_top_p(logp, top_p, uniforms)
     else:
-        tokens = _draw(logp.exp(), generator)  # (batch,)
+        tokens = _draw(logp.exp(), uniforms)  # (batch,)
     return tokens, (logp.gather(-1, tokens[:, None]).squeeze(-1) if logprobs else None)
 
 
@@ -156,8 +163,9 @@ class LogitsProcessors:
 DRAW_BLOCK = 1024
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``(batch, k)`` non-negative weights -> ``(batch,)`` index drawn with probability proportional to weight.
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``(batch, k)`` non-negative weights and ``(batch,)`` uniforms in ``[0, 1)`` -> ``(batch,)`` index drawn with
+    probability proportional to weight: the first whose running sum exceeds ``uniform * total``.
 
     Inverse-CDF sampling: one uniform per row against the running sum, accumulated in float64 on CPU so rounding
     over a 50k-token vocabulary stays far below any token's probability; several times cheaper on CPU than
@@ -169,8 +177,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     """
     acc = torch.float64 if weights.device.type == "cpu" else torch.float32  # TPUs have no fast float64
     batch, k = weights.shape
-    # uniforms come from a CPU generator (any device can use it) and are moved: (batch, 1)
-    u = torch.rand((batch, 1), dtype=torch.float64, generator=generator).to(weights.device, acc)
+    u = uniforms.to(weights.device, acc)[:, None]  # (batch, 1)
     if k <= 2 * DRAW_BLOCK:
         cdf = weights.to(acc).cumsum(dim=-1)  # (batch, k)
         idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # first cdf > u: zero weights skipped
@@ -203,8 +210,9 @@ def _nucleus(sorted_logp: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_logp.masked_fill(mass_before >= top_p, float("-inf"))
 
 
-def _draw_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Top-p draw from full-vocabulary log-probs ``(batch, vocab)`` without sorting the whole vocabulary.
+def _draw_top_p(logp: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """Top-p draw from full-vocabulary log-probs ``(batch, vocab)`` with each row's uniform ``(batch,)``, without
+    sorting the whole vocabulary.
 
     Looks for each row's nucleus among its ``TOP_P_CANDIDATES[0]`` most likely tokens, widening to the next
     count (finally a full sort) only for rows whose nucleus is wider. Exact: a row is settled once its candidates
@@ -219,7 +227,7 @@ def _draw_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator | N
         settled = cand_logp.exp().sum(-1) >= top_p if k < vocab else torch.ones_like(rows, dtype=torch.bool)
         if bool(settled.any()):
             s_logp = _nucleus(cand_logp[settled], top_p)  # (settled, k)
-            pick = _draw(s_logp.exp(), generator)
+            pick = _draw(s_logp.exp(), uniforms[rows[settled]])
             tokens[rows[settled]] = cand_ids[settled].gather(-1, pick[:, None]).squeeze(-1)
         rows = rows[~settled]
         if rows.numel() == 0:

@@ -404,14 +404,14 @@ def test_two_level_draw_matches_the_weights() -> None:
     hot = torch.tensor([0, 1, DRAW_BLOCK - 1, DRAW_BLOCK, 3 * DRAW_BLOCK + 5, vocab - 1])
     weights[hot] = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 4.0])
     g = torch.Generator().manual_seed(3)
-    tokens = _draw(weights.expand(40000, -1), g)
+    tokens = _draw(weights.expand(40000, -1), torch.rand(40000, dtype=torch.float64, generator=g))
     assert bool(torch.isin(tokens, hot).all()), "a zero weight was drawn"
     freq = torch.bincount(tokens, minlength=vocab)[hot].float() / tokens.numel()
     torch.testing.assert_close(freq, weights[hot] / weights.sum(), atol=0.01, rtol=0)
     # one row, nearly all mass in one token: the rest still drawn at their rate
     peaked = torch.full((vocab,), 1e-6)
     peaked[DRAW_BLOCK + 3] = 1.0
-    tokens = _draw(peaked.expand(20000, -1), g)
+    tokens = _draw(peaked.expand(20000, -1), torch.rand(20000, dtype=torch.float64, generator=g))
     other = (tokens != DRAW_BLOCK + 3).float().mean()
     want = float((vocab - 1) * 1e-6 / ((vocab - 1) * 1e-6 + 1.0))
     assert abs(float(other) - want) < 0.003

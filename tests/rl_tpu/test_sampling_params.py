@@ -36,8 +36,8 @@ def fast(model, **kw) -> Sampler:
 
 
 def plain(model, **kw) -> Sampler:
-    """What a TPU runs: left-padded bucketed prefill, the model's own forward (batches still shrink in powers of two:
-    a batch's uniforms are drawn per row, so sampled runs compare equal only with the same batch sizes)."""
+    """What a TPU runs: left-padded bucketed prefill, the model's own forward (batches still shrink in powers of two;
+    each row draws from its own stream, so sampled runs compare equal whatever the batch sizes)."""
     return Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], packed_prefill=False, lean_decode=False,
                    packed_weights=False, **kw)
 
@@ -124,20 +124,24 @@ def test_repetition_penalty_alone_matches_hf_generate(model) -> None:
 @pytest.mark.parametrize("build", [fast, plain], ids=["fast-path", "plain-path"])
 @pytest.mark.parametrize("top_k", [-1, 20])
 def test_sampled_with_processors_matches_hf_processors_step_by_step(model, build, top_k: int) -> None:
-    """One prompt per call (one uniform per step): the tokens are those drawn, with the same generator, from HF's
-    RepetitionPenalty, MinNewTokensLength and Temperature processors applied to a cache-free forward."""
+    """One prompt per call: the tokens are those drawn, with the row's own uniforms (rl_tpu.sampler.seeds: sample 0
+    of prompt 0 of seed s), from HF's RepetitionPenalty, MinNewTokensLength and Temperature processors applied to a
+    cache-free forward."""
+    from rl_tpu.sampler.seeds import row_uniforms, sample_seed
+
     new, temp, penalty, min_tokens = 12, 0.8, 1.4, 4
     for seed, prompt in enumerate(random_prompts([5, 13, 8], seed=5)):
         params = SamplingParams(temperature=temp, top_k=top_k, max_new_tokens=new, repetition_penalty=penalty,
                                 min_tokens=min_tokens, stop_token_ids=STOPS, seed=seed)
         out = build(model).generate([prompt], params)[0]
-        g, row, want = torch.Generator().manual_seed(seed), list(prompt), []
+        u, row, want = row_uniforms([sample_seed(seed, 0, 0)], new)[0], list(prompt), []
         procs = hf_processors(len(prompt), penalty, min_tokens, temp)
-        for _ in range(new):
+        for t in range(new):
             with torch.no_grad():
                 logits = model(torch.tensor([row])).logits[:, -1].float()  # (1, vocab)
             scores = procs(torch.tensor([row]), logits)
-            tok, _ = choose_tokens(scores, temperature=1.0, top_k=top_k, top_p=1.0, generator=g)
+            tok, _ = choose_tokens(scores, temperature=1.0, top_k=top_k, top_p=1.0, generator=None,
+                                   uniforms=u[t : t + 1])
             want.append(int(tok))
             row.append(int(tok))
             if int(tok) in ENDS:
