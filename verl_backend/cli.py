@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
                    "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
                    "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
+    t.add_argument("--aot-only", action="store_true",
+                   help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
+                   "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
+                   "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
     t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(s for a in t._actions for s in a.option_strings)
     return p
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             from verl_backend.driver.train import run_train
+
+            if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
+                if args.backend != "tpu":
+                    raise BadInputError(f"--aot-only compiles a TPU job's graphs: use --backend tpu, not "
+                                        f"{args.backend}")
+                args.print_config = True
 
             if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
                 if args.backend != "tpu":

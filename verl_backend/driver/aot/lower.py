@@ -182,6 +182,8 @@ def run(spec: dict) -> list[dict]:
         folder = out / job["label"]
         folder.mkdir(parents=True, exist_ok=True)
         model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"])
+        if job.get("train_mode"):  # dropout on: random ops in the graphs
+            model.train()
         for request in job["graphs"]:
             start = time.perf_counter()
             base = {"label": job["label"], "kind": request["kind"], "request": request}
@@ -201,9 +203,12 @@ def run(spec: dict) -> list[dict]:
                     text = lower(gm, example)
                 except LoweringError as exc:
                     where = f" in {exc.module}" if exc.module else ""
+                    why = str(exc)
+                    if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
+                        why = f"a random op needs the TPU generator, which needs a chip ({why})"
                     records.append({**base, "graph": name, "file": None, "seconds": None, "mosaic": None,
                                     "op": exc.op, "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of "
-                                                          f"graph {name}: {exc}"})
+                                                          f"graph {name}: {why}"})
                     continue
                 path = folder / f"{len(records)}.mlir"
                 path.write_text(text)

@@ -1,0 +1,126 @@
+"""``verl train --aot-only``'s machinery: TorchTPU lowers each graph kind of a tiny Qwen3 job to StableHLO and libtpu
+compiles it for v5e and v6e with no chip; an op TorchTPU cannot lower, and a chip libtpu does not know, are one line
+each; torch-tpu stays out of the CPU job's interpreter. One lowering subprocess, one compile subprocess per topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from importlib.util import find_spec
+
+import pytest
+
+from verl_backend.driver.aot import run as aot_run
+from verl_backend.driver.aot.graphs import GraphRequest, job_graphs
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0)
+REQUESTS = [GraphRequest("block", 2, 16), GraphRequest("lm_head", 2, 16), GraphRequest("prefill", 2, 16, 48),
+            GraphRequest("decode", 2, 1, 48)]
+KINDS = {"trainer.block[2x16].fwd", "trainer.block[2x16].bwd", "trainer.lm_head[2x16].fwd",
+         "trainer.lm_head[2x16].bwd", "sampler.prefill[2x16|cache 48]", "sampler.decode[2x1|cache 48]"}
+
+
+def _aot_python():
+    try:
+        return aot_run.aot_python()
+    except aot_run.AotError as exc:
+        pytest.skip(f"torch-tpu is not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory):
+    python = _aot_python()
+    graphs = [dataclasses.asdict(r) for r in REQUESTS]
+    jobs = [{"label": "qwen3", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "sdpa",
+             "graphs": graphs},
+            # negative control: attention dropout in training mode draws random numbers, which need the TPU's
+            # generator (no chip): the block's forward must fail in one line naming the op
+            {"label": "dropout", "config": {**TINY, "attention_dropout": 0.5}, "model_type": "qwen3",
+             "dtype": "float32", "attention": "eager", "train_mode": True, "graphs": graphs[:1]}]
+    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "v5e:2x2", "v7x:2x2x1"],
+                                     tmp_path_factory.mktemp("aot"), python=python, lower_timeout_s=600,
+                                     compile_timeout_s=300)
+
+
+def test_every_graph_kind_lowers_and_compiles_for_v5e_and_v6e(aot):
+    lowered = {r["graph"] for r in aot.lowered if r["label"] == "qwen3" and not r["error"]}
+    assert lowered == KINDS
+    for topo in ("v6e:2x2", "v5e:2x2"):
+        result = aot.compiled[topo]
+        assert result["error"] is None
+        rows = {g["graph"]: g for g in result["graphs"] if g["label"] == "qwen3"}
+        assert set(rows) == KINDS
+        for name, g in rows.items():
+            assert g["error"] is None, g["error"]
+            assert g["flops"] > 0 and g["argument_bytes"] > 0 and g["generated_code_bytes"] > 0, name
+        # the backward does about twice the forward's matmul work
+        fwd, bwd = rows["trainer.block[2x16].fwd"], rows["trainer.block[2x16].bwd"]
+        assert 1.3 < bwd["flops"] / fwd["flops"] < 3.5
+        # a decode step (2 tokens) does far less work than a prefill (32 tokens)
+        assert rows["sampler.decode[2x1|cache 48]"]["flops"] < rows["sampler.prefill[2x16|cache 48]"]["flops"] / 4
+    assert {g["device_kind"] for g in (aot.compiled["v6e:2x2"], aot.compiled["v5e:2x2"])} == {"TPU v6 lite",
+                                                                                            "TPU v5 lite"}
+    table = aot_run.table(aot.compiled["v6e:2x2"], "v6e")
+    assert len(table.splitlines()) == 2 + len(KINDS) + 1  # header, rule, a row per graph (+ the control's none)
+
+
+def test_an_op_that_cannot_lower_is_one_line(aot):
+    [failed] = [r for r in aot.lowered if r["label"] == "dropout" and r["error"]]
+    assert failed["graph"] == "trainer.block[2x16].fwd" and "\n" not in failed["error"]
+    assert failed["error"].startswith("TorchTPU cannot lower aten.native_dropout.default in ")
+    assert "Qwen3Attention" in failed["error"] and "of graph trainer.block[2x16].fwd" in failed["error"]
+    assert "random" in failed["error"]  # says why: the TPU generator needs a chip
+
+
+def test_a_chip_libtpu_does_not_know_is_one_line(aot):
+    refused = aot.compiled["v7x:2x2x1"]
+    assert refused["graphs"] == [] and refused["error"].startswith("libtpu cannot compile for v7x:2x2x1")
+    assert "\n" not in refused["error"]
+    assert refused["error"] in aot_run.errors(aot)
+
+
+def test_torch_tpu_is_not_loaded_by_import_torch_in_the_cpu_interpreter():
+    python = _aot_python()
+    probe = "import torch, sys; print('torch_tpu' in sys.modules)"
+    here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert here.stdout.strip() == "False", here.stderr[-500:]
+    if python != sys.executable:  # negative control: where torch-tpu is installed, import torch loads it
+        there = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=180,
+                               env={**aot_run._env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+        assert there.stdout.strip() == "True", there.stderr[-500:]
+        assert find_spec("torch_tpu") is None  # kept out of this (the README's) environment
+
+
+def test_aot_only_is_refused_off_the_tpu_backend(capsys):
+    from verl_backend.cli import main
+
+    assert main(["train", "--backend", "cpu", "--aot-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["verl: error: --aot-only compiles a TPU job's graphs: use --backend tpu, not cpu"]
+
+
+def test_slice_names_map_to_libtpu_topologies():
+    assert aot_run.jax_topology("v6e-8") == ("v6e:2x4", "v6e", 32)
+    assert aot_run.jax_topology("v6e-8:2x4")[0] == "v6e:2x4"
+    assert aot_run.jax_topology("v5litepod-4")[0] == "v5e:2x2"
+
+
+def test_job_graphs_follow_the_config():
+    config = {"data": {"max_prompt_length": 100, "max_response_length": 200, "train_batch_size": 8},
+              "actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 2},
+                                    "rollout": {"n": 4, "max_num_seqs": 64}}}
+    graphs = job_graphs(config, workers=4)
+    assert graphs[0] == GraphRequest("block", 2, 512) and graphs[1] == GraphRequest("lm_head", 2, 512)
+    assert graphs[2] == GraphRequest("prefill", 8, 128, 384)  # 8x4 rows over 4 workers; buckets 128 + 256
+    assert [g.batch for g in graphs if g.kind == "decode"] == [8, 4, 2, 1]
+
+
+def test_patch_record_pins_torch_tpu():
+    from verl_backend.patches.torch_tpu_aot import PATCH
+
+    assert PATCH.supports("0.2.0") and not PATCH.supports("0.2.1")
+    assert PATCH.refusal("0.3.0") == ("torch-tpu 0.3.0 is outside the tested range ==0.2.0 of rl-tpu's patch "
+                                      "torch_tpu._internal.export.export.fx_to_mlir; install torch-tpu==0.2.0")

@@ -1,0 +1,93 @@
+"""The ``--aot-only`` step of ``verl train``: the composed TPU job's graphs, lowered and compiled for its slice, as
+tables on stdout (see :mod:`verl_backend.driver.aot.run`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from verl_backend.driver.aot.graphs import job_graphs
+from verl_backend.driver.aot.run import AotError, errors, jax_topology, lower_and_compile, per_chip_bytes, table
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+           "fp16": "float16", "float16": "float16"}
+
+
+def _get(config, key: str, default=None):
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+        if node is None:
+            return default
+    return node
+
+
+def model_config(path: str) -> dict:
+    """The ``config.json`` of the model folder ``path`` (no weights are read).
+
+    Raises:
+        AotError: no ``config.json`` there.
+    """
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise AotError(f"--aot-only builds the model from its config.json, and {path} has none: give "
+                       "actor_rollout_ref.model.path=<folder with config.json>")
+    return json.loads(file.read_text())
+
+
+def aot_jobs(config, workers: int, attention: str = "sdpa") -> list[dict]:
+    """The lowering subprocess's ``jobs`` for a composed VeRL ``config``: the trainer's graphs in its FSDP
+    ``param_dtype`` (VeRL's default bf16) and the sampler's in ``rollout.dtype``."""
+    cfg = model_config(str(_get(config, "actor_rollout_ref.model.path")))
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise AotError("the model's config.json has no model_type")
+    train_dtype = _DTYPES.get(str(_get(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+                                       "bf16")), "bfloat16")
+    sample_dtype = _DTYPES.get(str(_get(config, "actor_rollout_ref.rollout.dtype", "bfloat16")), "bfloat16")
+    graphs = [dataclasses.asdict(g) for g in job_graphs(config, workers)]
+    trainer = [g for g in graphs if g["kind"] in ("block", "lm_head")]
+    sampler = [g for g in graphs if g["kind"] in ("prefill", "decode")]
+    base = {"config": cfg, "model_type": model_type, "attention": attention}
+    return [{**base, "label": "trainer", "dtype": train_dtype, "graphs": trainer},
+            {**base, "label": "sampler", "dtype": sample_dtype, "graphs": sampler}]
+
+
+def run_aot_only(config, slice_name: str | None, folder: Path | None = None) -> int:
+    """Lower and compile the job's graphs for ``slice_name`` (e.g. ``v6e-8``) and print the tables.
+
+    Returns:
+        0 when every graph lowered and compiled, 1 when some did not (each said in one line).
+    Raises:
+        AotError: no slice, torch-tpu missing, a chip libtpu does not know, a subprocess that crashed.
+    """
+    if not slice_name:
+        raise AotError("--aot-only compiles for a slice's chip: give --slice, e.g. --slice v6e-8")
+    topo, generation, hbm_gib = jax_topology(slice_name)
+    workers = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+    jobs = aot_jobs(config, workers)
+    print(f"[rl-tpu] --aot-only: lowering {sum(len(j['graphs']) for j in jobs)} graph shapes of "
+          f"{jobs[0]['model_type']} with TorchTPU, compiling for {slice_name} ({topo}) with libtpu, no chip",
+          flush=True)
+    result = lower_and_compile(jobs, [topo], folder)
+    compiled = result.compiled[topo]
+    if compiled.get("error"):
+        raise AotError(compiled["error"])
+    mosaic = {r["graph"]: bool(r.get("mosaic")) for r in result.lowered}
+    print(table(compiled, generation, mosaic))
+    note = ("* Mosaic attention kernel (tpu_custom_call): left out of XLA's FLOPs and bytes" if any(mosaic.values())
+            else "attention lowered as XLA ops (no Mosaic tpu_custom_call): counted in FLOPs and bytes")
+    print(f"bound ms: max(FLOPs / peak, bytes / HBM bandwidth) at {generation}'s peaks; {note}")
+    layers = int(jobs[0]["config"].get("num_hidden_layers", 1))
+    chip = per_chip_bytes(compiled, layers)
+    hbm = hbm_gib * 2**30
+    print(f"per chip, from XLA: {layers} blocks' saved activations {chip['saved_activations'] / 2**30:.2f} GiB + "
+          f"largest trainer graph {chip['largest_trainer_graph'] / 2**30:.2f} GiB = "
+          f"{chip['training_peak'] / 2**30:.2f} GiB ({100 * chip['training_peak'] / hbm:.0f}% of {hbm_gib:g} GiB "
+          f"HBM); largest sampler graph {chip['largest_sampler_graph'] / 2**30:.2f} GiB "
+          f"({100 * chip['largest_sampler_graph'] / hbm:.0f}%); StableHLO and logs in {result.folder}")
+    failed = errors(result)
+    for line in failed:
+        print(f"[rl-tpu] {line}")
+    return 1 if failed else 0
