@@ -190,9 +190,13 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
         "rl_tpu.val_size=4", "data.max_response_length=8",
         f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-        timeout=1200,
+        timeout=1200, default_console=True,
     )
     assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
+    from verl_backend.driver.console import console_lines
+
+    assert len(console_lines(proc.stdout + proc.stderr)) <= 10, proc.stdout + proc.stderr  # the rest: train.log
+    assert "boom in my reward" in (tmp_path / "o" / "train.log").read_text()
     lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]  # Ray may forward worker logs after
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "raising_reward.py:compute_score raised RuntimeError: boom in my reward" in lines[0], lines[0]
