@@ -121,12 +121,14 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     out = _run_folder(args, keys)
     console = None
     if not args.print_config:
-        # from here on the terminal shows what driver/console.py lets through; everything goes to train.log
-        verbose = bool(getattr(args, "verbose", False)) or os.environ.get("VERL_TRAIN_VERBOSE") == "1"
-        console = console_capture.enter_context(capture(out / "train.log", verbose=verbose))
-        console_capture.callback(_stop_ray)  # before the capture ends: Ray forwards workers' lines until it stops
+        if not getattr(args, "aot_only", False):  # --aot-only prints its own report, nothing else runs
+            # from here on the terminal shows what driver/console.py lets through; everything goes to train.log
+            verbose = bool(getattr(args, "verbose", False)) or os.environ.get("VERL_TRAIN_VERBOSE") == "1"
+            console = console_capture.enter_context(capture(out / "train.log", verbose=verbose))
+            console_capture.callback(_stop_ray)  # before the capture ends: Ray forwards workers' lines until it stops
         fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
-        console.pump()
+        if console is not None:
+            console.pump()
         lock_run_folder(out)
     extra = model_path_overrides(keys, settings.model_cache) + prepare_data(keys, settings, out)
     if "trainer.default_local_dir" not in keys:
