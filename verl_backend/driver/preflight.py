@@ -382,11 +382,12 @@ V1_UNFED_ESTIMATORS = {
 }
 
 
-def check_adv_estimator(config, registered_only: bool = False) -> None:
+def check_adv_estimator(config, before_run: bool = False) -> None:
     """Refuse an ``algorithm.adv_estimator`` that VeRL 0.9.1's V1 trainer cannot feed
     (:data:`V1_UNFED_ESTIMATORS`; each failed inside Ray after the first rollout, ReMax with a ``TypeError``
-    traceback, the optimal token baselines and GDPO on an assertion), and with ``registered_only`` one not registered
-    in this process (call it so after the user's reward file is imported, where a ``register_adv_est`` may be). Every other registered estimator runs on the
+    traceback, the optimal token baselines and GDPO on an assertion); with ``before_run`` (called after the user's
+    reward file is imported, where a ``register_adv_est`` may be, and after ``--print-config``) also one not
+    registered in this process and GAE without a critic micro batch size. Every other registered estimator runs on the
     CPU backend (``benchmarks/bench_estimators.py``, ``docs/estimators.md``); GAE brings VeRL's critic itself.
 
     Raises:
@@ -398,12 +399,12 @@ def check_adv_estimator(config, registered_only: bool = False) -> None:
     if name in V1_UNFED_ESTIMATORS:
         raise BadInputError(f"algorithm.adv_estimator={name}: {V1_UNFED_ESTIMATORS[name]}")
     critic = config.get("critic") or {}
-    if name == "gae" and critic.get("enable") is not False and not critic.get("use_dynamic_bsz") and \
+    if before_run and name == "gae" and critic.get("enable") is not False and not critic.get("use_dynamic_bsz") and \
             not critic.get("ppo_micro_batch_size_per_gpu") and not critic.get("ppo_micro_batch_size"):
         # VeRL's validate_config refused it with a hydra InstantiationException traceback naming other keys
         raise BadInputError("algorithm.adv_estimator=gae trains VeRL's critic, which needs a micro batch size: set "
                             "critic.ppo_micro_batch_size_per_gpu (e.g. 4), or start from examples/ppo_cpu.yaml")
-    if name not in ADV_ESTIMATOR_REGISTRY and registered_only:
+    if name not in ADV_ESTIMATOR_REGISTRY and before_run:
         usable = sorted(set(ADV_ESTIMATOR_REGISTRY) - set(V1_UNFED_ESTIMATORS))
         raise BadInputError(f"algorithm.adv_estimator={name}: VeRL 0.9.1 registers no such estimator; give one of "
                             f"{', '.join(usable)} (or register yours with core_algos.register_adv_est)")

@@ -138,7 +138,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
             extra.append(f"{key}={out / folder}")
     config = compose_config(merged + extra)
     check_whole_numbers(config)
-    check_adv_estimator(config)  # registered by VeRL 0.9.1 and fed by its V1 trainer, or one line
+    check_adv_estimator(config)  # fed by VeRL 0.9.1's V1 trainer, or one line
     if config_path == backend.default_config:
         fit_default_micro_batches(config, _keys(cli_overrides))
     guard_bypass(config, _keys(file_overrides + cli_overrides))
@@ -168,7 +168,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     validate_data_files(config, keys)
     check_prompt_lengths(config)
     check_user_reward(config)
-    check_adv_estimator(config, registered_only=True)  # after the user's file: it may register its own
+    check_adv_estimator(config, before_run=True)  # after the user's file: it may register its own
     check_native_rollout(config)
     if settings.compile_trainer:  # bounded graphs need one shape of micro batch
         from rl_tpu.compiled_blocks import refusal
