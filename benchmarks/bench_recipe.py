@@ -1,0 +1,280 @@
+"""The GRPO recipe study of the default job: which VeRL keys make SmolLM2-135M learn ``basic_arithmetic``.
+
+Each candidate is a list of VeRL / ``rl_tpu.*`` overrides on top of the default job (``verl train --backend
+cpu``). A candidate is trained once per seed (``data.seed``: the data order; the train items stay those of
+``rl_tpu.seed``), then its last checkpoint and the base model answer, greedily, with the plain Hugging Face
+``generate`` (not rl-tpu's sampler, so the judge is independent of the code under test):
+
+- the **validation set**: the job's own held-out items (reasoning-gym seed ``rl_tpu.seed + 1000``) — candidates are
+  chosen on it;
+- the **report set**: 200 items of seed ``rl_tpu.seed + 2000``, after dropping any whose question is also a train or
+  validation item (the count dropped is printed) — the figures reported are on it.
+
+Two scores per item, reported apart so that a format gain is never sold as an accuracy gain:
+
+- *strict*: the text inside the last ``<answer></answer>`` tags is right (reasoning-gym's ``score_answer``);
+- *lenient*: the last number of the response is right.
+
+A gain is the paired difference against the base model on the same items under the same prompt, with a 95%
+normal interval over the items (mean ± 1.96·sd/√n of the per-item differences).
+
+Usage::
+
+    python benchmarks/bench_recipe.py base                      # the base model on both sets
+    python benchmarks/bench_recipe.py study --candidates A B    # train + judge the named candidates, 1 seed
+    python benchmarks/bench_recipe.py study --candidates A --seeds 1 2 3
+    python benchmarks/bench_recipe.py table                     # the table of everything judged so far
+
+Results accumulate in ``runs/recipe/results.jsonl`` (one line per judged model); a run's folder is
+``runs/recipe/<candidate>-s<seed>``. Every run takes 5-10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "recipe"
+RESULTS = OUT / "results.jsonl"
+
+# The default job's data (verl_backend/configs/grpo_cpu.yaml): the study holds these fixed.
+TASK = "basic_arithmetic"
+TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+               "allow_parentheses": False, "allow_negation": False}
+DATA_SEED = 1
+TRAIN_SIZE = 256
+SET_SIZE = 200
+
+# Candidates: overrides on top of the job's defaults as they are in grpo_cpu.yaml when the study runs. Keys are
+# VeRL 0.9.1's own. "old" is the default before the study (T=1.0, 4 samples, KL loss on).
+OLD = ["actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.n=4",
+       "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+       "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.use_kl_loss=true",
+       "trainer.total_training_steps=12"]
+CANDIDATES: dict[str, list[str]] = {
+    "old": OLD,
+    "t07_n8": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8"],
+    "t07_n8_lr2e5": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
+                           "actor_rollout_ref.actor.optim.lr=2e-5"],
+    "t06_n8_drgrpo": OLD + ["actor_rollout_ref.rollout.temperature=0.6", "actor_rollout_ref.rollout.n=8",
+                            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+                            "algorithm.norm_adv_by_std_in_grpo=false"],
+    "t07_n8_nokl_clip": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
+                               "actor_rollout_ref.actor.use_kl_loss=false",
+                               "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+    "t08_n16_b2": OLD + ["actor_rollout_ref.rollout.temperature=0.8", "actor_rollout_ref.rollout.n=16",
+                         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+    "t07_n8_lr2e5_b8s8": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
+                                "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=2",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=24"],
+    "new_default": [],
+}
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def _dataset(seed: int, size: int):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(TASK, size=size, seed=seed, **TASK_CONFIG)
+
+
+def eval_items(which: str) -> list[dict]:
+    """The validation items (as the job makes them) or the report set (deduplicated against train and validation).
+
+    Returns: entries of reasoning-gym (``question``, ``answer``, ``metadata``), ``SET_SIZE`` of them.
+    """
+    val = list(_dataset(DATA_SEED + 1000, SET_SIZE))
+    if which == "val":
+        return val
+    seen = {e["question"] for e in _dataset(DATA_SEED, TRAIN_SIZE)} | {e["question"] for e in val}
+    pool = list(_dataset(DATA_SEED + 2000, SET_SIZE * 2))
+    items = [e for e in pool if e["question"] not in seen][:SET_SIZE]
+    dropped = sum(e["question"] in seen for e in pool[: SET_SIZE + (SET_SIZE * 2 - len(items))])
+    print(f"report set: {len(items)} items of seed {DATA_SEED + 2000}; {dropped} dropped as train/validation "
+          "duplicates", file=sys.stderr)
+    return items
+
+
+def _last_number(text: str) -> float | None:
+    nums = _NUMBER.findall(text)
+    if not nums:
+        return None
+    try:
+        return float(nums[-1].rstrip(".").replace(",", ""))
+    except ValueError:
+        return None
+
+
+def judge(model_dir: str, which: str, max_new_tokens: int = 64) -> dict:
+    """Greedy answers of ``model_dir`` on a set, scored strict and lenient per item.
+
+    Generated by rl-tpu's native sampler at temperature 0 (its greedy tokens are the plain Hugging Face forward's:
+    ``tests/rl_tpu/test_sampler*.py``; about 10x faster than ``transformers``' ``generate`` here).
+
+    Returns: ``{"strict": [0/1 per item], "lenient": [...], "ends_42": count, "tagged": count, "samples": [3 texts]}``.
+    """
+    import torch
+    from reasoning_gym.utils import extract_answer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_tpu.sampler import Sampler, SamplingParams
+    from verl_backend.data.converters import PROMPT_SUFFIX
+
+    items = eval_items(which)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampler = Sampler(model, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                      eos_token_ids=[tok.eos_token_id], max_batch_size=64)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": e["question"].strip() + PROMPT_SUFFIX}],
+                                       tokenize=True, add_generation_prompt=True) for e in items]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    with torch.no_grad():
+        outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                        logprobs=False))
+    ds = _dataset(DATA_SEED, 1)
+    strict, lenient, ends_42, tagged, texts = [], [], 0, 0, []
+    for e, out in zip(items, outs):
+        text = tok.decode(out.token_ids, skip_special_tokens=True)
+        texts.append(text)
+        tag = extract_answer(text)
+        tagged += tag is not None
+        strict.append(int(tag is not None and float(ds.score_answer(tag, e)) == 1.0))
+        last = _last_number(text)
+        lenient.append(int(last is not None and math.isclose(last, float(e["answer"]))))
+        ends_42 += last == 42.0
+    return {"strict": strict, "lenient": lenient, "ends_42": ends_42, "tagged": tagged, "samples": texts[:3],
+            "prompt_suffix": PROMPT_SUFFIX}
+
+
+def paired(a: list[int], b: list[int]) -> tuple[float, float, float]:
+    """Mean of ``a - b`` in points with its 95% normal interval (lo, hi)."""
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    m = sum(d) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
+    h = 1.96 * sd / math.sqrt(n)
+    return 100 * m, 100 * (m - h), 100 * (m + h)
+
+
+def _record(row: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _rows() -> list[dict]:
+    if not RESULTS.exists():
+        return []
+    return [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+
+
+def base_model_dir() -> str:
+    from verl_backend.models import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def cmd_base(args) -> None:
+    if args.prompt_suffix is not None:  # screening another prompt: the base model only
+        import verl_backend.data.converters as converters
+
+        converters.PROMPT_SUFFIX = args.prompt_suffix
+    model = base_model_dir()
+    for which in args.sets:
+        res = judge(model, which)
+        _record({"candidate": "base", "seed": 0, "set": which, **res})
+        print(f"base {which}: strict {100 * sum(res['strict']) / len(res['strict']):.1f}% lenient "
+              f"{100 * sum(res['lenient']) / len(res['lenient']):.1f}% ends-42 {res['ends_42']}")
+
+
+def _last_checkpoint(run: Path) -> Path | None:
+    steps = sorted(run.glob("checkpoints/global_step_*/actor/huggingface"),
+                   key=lambda p: int(p.parts[-3].rsplit("_", 1)[1]))
+    return steps[-1] if steps else None
+
+
+def cmd_study(args) -> None:
+    verl = str(Path(sys.executable).with_name("verl"))
+    for name in args.candidates:
+        for seed in args.seeds:
+            run = OUT / f"{name}-s{seed}"
+            cmd = [verl, "train", "--backend", "cpu", "--output-dir", str(run), f"data.seed={seed}",
+                   "trainer.resume_mode=disable", "trainer.val_before_train=false", *CANDIDATES[name],
+                   *args.extra]
+            print("$", " ".join(cmd), flush=True)
+            t0 = time.monotonic()
+            with open(OUT / f"{name}-s{seed}.log", "w") as log:
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            wall = time.monotonic() - t0
+            ckpt = _last_checkpoint(run)
+            if rc != 0 or ckpt is None:
+                print(f"{name} seed {seed}: exit {rc}, checkpoint {ckpt}; see {OUT / f'{name}-s{seed}.log'}")
+                continue
+            rewards = []
+            metrics = run / "metrics.jsonl"
+            if metrics.exists():
+                for line in metrics.read_text().splitlines():
+                    data = json.loads(line).get("data", {})
+                    if "critic/score/mean" in data:
+                        rewards.append(data["critic/score/mean"])
+            for which in args.sets:
+                res = judge(str(ckpt), which)
+                _record({"candidate": name, "seed": seed, "set": which, "wall_s": wall, "rewards": rewards,
+                         "overrides": CANDIDATES[name] + list(args.extra), **res})
+            cmd_table(args)
+
+
+def cmd_table(_args) -> None:
+    rows = _rows()
+    from verl_backend.data.converters import PROMPT_SUFFIX
+
+    rows = [r for r in rows if r.get("prompt_suffix") == PROMPT_SUFFIX]  # gains are under one prompt
+    base = {r["set"]: r for r in rows if r["candidate"] == "base"}
+    if not base:
+        print("no base model rows: run `bench_recipe.py base` first")
+        return
+    print(f"{'candidate':<22} {'seed':>4} {'set':<6} {'strict':>7} {'lenient':>8} {'Δ lenient [95% CI]':>24} "
+          f"{'Δ strict':>9} {'ends42':>6} {'wall':>6}")
+    for which in ("val", "report"):
+        b = base[which]
+        n = len(b["lenient"])
+        print(f"{'base':<22} {'':>4} {which:<6} {100 * sum(b['strict']) / n:6.1f}% {100 * sum(b['lenient']) / n:7.1f}% "
+              f"{'':>24} {'':>9} {b['ends_42']:>6}")
+        for r in rows:
+            if r["candidate"] == "base" or r["set"] != which:
+                continue
+            dl, lo, hi = paired(r["lenient"], b["lenient"])
+            ds, _, _ = paired(r["strict"], b["strict"])
+            print(f"{r['candidate']:<22} {r['seed']:>4} {which:<6} {100 * sum(r['strict']) / n:6.1f}% "
+                  f"{100 * sum(r['lenient']) / n:7.1f}% {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
+                  f"{r['ends_42']:>6} {r.get('wall_s', 0) / 60:5.1f}m")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    base = sub.add_parser("base", help="judge the base model on the validation and report sets")
+    base.add_argument("--prompt-suffix", default=None, help="screen another prompt suffix (base model only)")
+    base.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
+    study = sub.add_parser("study", help="train and judge candidates")
+    study.add_argument("--candidates", nargs="+", required=True, choices=sorted(CANDIDATES))
+    study.add_argument("--seeds", nargs="+", type=int, default=[2])
+    study.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    study.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
+    sub.add_parser("table", help="print the table of everything judged so far")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    {"base": cmd_base, "study": cmd_study, "table": cmd_table}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
