@@ -109,6 +109,10 @@ SETTINGS: tuple[Setting, ...] = (
             "VeRL's separate_async with this slice as its standalone rollout pool (one worker per chip, reserved "
             "whole with ray.util.tpu) and rl-tpu's gloo checkpoint engine",
             flag="--rollout-slice"),
+    Setting("job_seed", int, None, "the job's seed: VeRL's data.seed (set that key; rl-tpu's default 1), "
+            "mirrored for the workers: the data order, every worker's random/numpy/torch seed, and with "
+            "actor_rollout_ref.rollout.seed each sample's own random stream (docs/reproducibility.md); unset: "
+            "an unseeded run", mirrors="data.seed"),
     # --- how the driver runs the job (read by verl train only)
     Setting("fork_server", bool, True, "local CPU job: fork Ray's workers from one process that has imported "
             "torch and VeRL (imports held once, workers start in ~1 s)", env="RL_TPU_FORK_SERVER", reader="driver"),

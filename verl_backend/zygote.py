@@ -141,14 +141,31 @@ def _child(conn: socket.socket, request: dict, fds: list[int], inherited: list) 
 
 
 def _reseed() -> None:
-    """The fork copied the server's random states: every worker would draw the same numbers."""
+    """The fork copied the server's random states. Seed ``random``, numpy and torch with the job's seed (``job_seed``
+    of the settings record in the worker's environment: VeRL's ``data.seed``), as every worker started by Ray without
+    the fork server would be by torch's fixed default seed, so a run repeats; a job without a seed (or a worker
+    without a record) is seeded from the OS's entropy."""
     import random
 
-    random.seed()
+    seed = _job_seed()
+    random.seed(seed)
     if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
+        sys.modules["numpy"].random.seed(None if seed is None else seed % 2**32)
     if "torch" in sys.modules:
-        sys.modules["torch"].seed()
+        if seed is None:
+            sys.modules["torch"].seed()
+        else:
+            sys.modules["torch"].manual_seed(seed)
+
+
+def _job_seed() -> int | None:
+    """``job_seed`` of the settings record (``verl_backend.settings.RECORD_ENV``) in this process's environment, or
+    ``None``; parsed here, as the fork server keeps to :data:`PRELOAD` and the standard library."""
+    try:
+        seed = json.loads(os.environ.get("RL_TPU_SETTINGS") or "{}").get("job_seed")
+    except (ValueError, AttributeError):
+        return None
+    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 else None
 
 
 def _watch_client(conn: socket.socket) -> None:

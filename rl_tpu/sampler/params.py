@@ -28,8 +28,10 @@ class SamplingParams:
         max_new_tokens: most tokens generated per completion, stop token included.
         stop_token_ids: tokens that end a completion besides the sampler's EOS tokens; the stop token is kept in
             the output, as vLLM does (stored as a tuple).
-        seed: seed of the sampling random generator; ``None`` draws one from torch's global generator. The same
-            seed, prompts and settings give the same completions.
+        seed: seed of the samples' random streams (sample ``j`` of prompt ``i`` of a ``generate`` call draws from
+            ``(seed, i, j)``, :mod:`rl_tpu.sampler.seeds`; per-prompt seeds given to ``generate`` take its place);
+            ``None`` draws from torch's global generator. The same seed, prompts and settings give the same
+            completions, however the call is cut into batches.
         repetition_penalty: ``> 0``; ``1.0`` is off. Each token already in the row (prompt or generated) has its
             logit divided by it when positive, multiplied when negative, before temperature: HF's
             ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``repetition_penalty`` (both count the prompt).

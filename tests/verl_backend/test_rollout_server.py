@@ -265,3 +265,43 @@ def test_rollout_config_sampling_defaults_apply_as_in_vllms_adapter(tiny_model_d
     assert sampling_params_from_request({"repetition_penalty": 1.0}, cfg, 16).repetition_penalty == 1.0
     with pytest.raises(ValueError, match="ignore_eos=True"):
         sampling_params_from_request({}, SimpleNamespace(ignore_eos=True), 16)
+
+
+def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_request_id(tiny_model_dir,
+                                                                                      job_settings):
+    """VeRL's det-<priority> request ids (rollout.full_determinism): a request sampled alone, or in one batch with
+    others that arrive before and after it, gets the same tokens; the job seed (data.seed), the rollout seed, the
+    weight version and the request id each give it another stream."""
+    from verl_backend.rollout.server import NativeRolloutServer
+
+    job_settings(job_seed=3)
+    prompts = {f"det-{i}": [1 + i, 5, 9, 13 + i] for i in range(6)}
+    request = {"temperature": 1.0, "max_tokens": 8, "logprobs": True}
+
+    def run(ids, version=0, rollout_seed=42):
+        """A fresh server (its batch loop lives on one event loop) serving ``ids`` at once -> (tokens, batches)."""
+        cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32",
+                              full_determinism=True, seed=rollout_seed)
+        server = NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.05)
+        server.global_steps = version
+
+        async def scenario():
+            return await asyncio.gather(*(server.generate(rid, prompts[rid], request) for rid in ids))
+
+        outs = asyncio.run(scenario())
+        return {rid: out.token_ids for rid, out in zip(ids, outs)}, server.stats["batches"]
+
+    alone, _ = run(["det-2"])
+    together, batches = run(["det-5", "det-0", "det-2", "det-4"])
+    assert batches == 1, "the four requests did not share one batch"
+    assert together["det-2"] == alone["det-2"]
+    assert run(["det-4", "det-2"])[0]["det-2"] == alone["det-2"]
+    assert run(["det-2"], version=1)[0]["det-2"] != alone["det-2"]
+    assert run(["det-2"], rollout_seed=7)[0]["det-2"] != alone["det-2"]
+    job_settings(job_seed=4)
+    assert run(["det-2"])[0]["det-2"] != alone["det-2"]
+    # the same prompt under two request ids (two samples of one GRPO group) draws two streams
+    job_settings(job_seed=3)
+    prompts["det-9"] = prompts["det-2"]
+    pair, _ = run(["det-2", "det-9"])
+    assert pair["det-2"] == alone["det-2"] and pair["det-9"] != alone["det-2"]

@@ -20,7 +20,7 @@ class CountingSampler:
     def __init__(self):
         self.threads: list[int] = []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, seeds=None):
         self.threads.append(torch.get_num_threads())
         return []
 

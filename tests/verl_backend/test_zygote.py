@@ -147,3 +147,19 @@ def test_each_child_leads_its_own_process_group_and_a_killed_one_ends_its_client
     assert clients[1].poll() is None and not _gone(children[1], timeout_s=1.0)  # the sibling is untouched
     clients[1].terminate()
     assert clients[1].wait(timeout=30) == -signal.SIGTERM
+
+
+def test_children_of_a_seeded_job_draw_the_jobs_numbers(server, tmp_path):
+    """The settings record's job_seed (VeRL's data.seed) seeds each forked worker, so a run repeats; another seed
+    draws other numbers (without a seed the test above sees OS entropy)."""
+    import random
+
+    cmd, script = server
+
+    def draw(seed: int) -> float:
+        env = {**os.environ, "RL_TPU_SETTINGS": f'{{"job_seed": {seed}}}'}
+        r = subprocess.run([*cmd, script, "0"], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return float(r.stdout.split()[2])
+
+    assert draw(5) == draw(5) == random.Random(5).random() != draw(6)

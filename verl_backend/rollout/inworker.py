@@ -37,9 +37,11 @@ class InWorkerGenerate:
     rollout slice, :class:`verl_backend.rollout.pool_sync.GlooCheckpointEngine`). The rollout server reaches it through
     the worker's ``execute_checkpoint_engine`` actor method."""
 
-    def native_generate(self, prompts: list[list[int]], key) -> list[tuple[list[int], list[float] | None]]:
+    def native_generate(self, prompts: list[list[int]], key,
+                        seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
         """Sample one response per prompt with ``key`` (:class:`rl_tpu.sampler.SamplingParams`, built from VeRL's
-        request by :func:`verl_backend.rollout.sampling.sampling_params_from_request`).
+        request by :func:`verl_backend.rollout.sampling.sampling_params_from_request`), each from its stream
+        ``seeds`` (the rollout server's per-sample seeds).
 
         Raises:
             RuntimeError: no sampler in this worker (``sampler_placement`` is not ``worker``).
@@ -55,7 +57,7 @@ class InWorkerGenerate:
             self._said_where = True
             print(f"[rl-tpu] rollout samples in {type(self).__name__}'s worker process, on {_SAMPLER.device}",
                   flush=True)
-        return run_sampler(_SAMPLER, prompts, key)
+        return run_sampler(_SAMPLER, prompts, key, seeds)
 
 
 @CheckpointEngineRegistry.register("native")

@@ -118,16 +118,18 @@ def rollout_threads() -> int:
     return current().rollout_num_threads or current().num_threads
 
 
-def run_sampler(sampler, prompts: list[list[int]], params) -> list[tuple[list[int], list[float] | None]]:
+def run_sampler(sampler, prompts: list[list[int]], params,
+                seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
     """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
     in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt.
+    ``seeds``: each prompt's random stream (:func:`verl_backend.rollout.server.sample_seed_of`).
     Samples with :func:`rollout_threads` torch threads, the calling thread's count put back after (a trainer worker
     that samples in-process keeps its own count for the update)."""
     threads, before = rollout_threads(), torch.get_num_threads()
     if threads and threads != before:
         torch.set_num_threads(threads)
     try:
-        outs = sampler.generate(prompts, params)
+        outs = sampler.generate(prompts, params, seeds=seeds)
     finally:
         if threads and threads != before:
             torch.set_num_threads(before)

@@ -5,6 +5,10 @@ and concurrently. The server gathers the calls that arrive together into one bat
 ``rollout.max_num_seqs``), groups them by sampling settings, runs the batched, KV-cached sampler in a worker
 thread and answers each call with a :class:`verl.workers.rollout.replica.TokenOutput`.
 
+Each sample draws from a random stream of its own (:func:`sample_seed_of`): its seed mixes the job seed
+(``data.seed``), the rollout seed, the weight version it is sampled with, VeRL's request id and the prompt's tokens,
+so a completion does not depend on which requests share its batch (docs/reproducibility.md).
+
 Weights arrive from the trainer in one of two ways, neither needing NCCL nor a shared device:
 
 - same host, CPU (the colocated default): the server keeps its model's parameters in a shared-memory file
@@ -42,6 +46,28 @@ class _Request:
     key: Any  # rl_tpu.sampler.SamplingParams (frozen): requests with equal settings share a batch
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+
+
+def sample_seed_of(job_seed: int | None, rollout_seed: int, request_seed: int | None, version: int,
+                   request_id: str, prompt_ids: list[int]) -> int:
+    """The seed of one sample's random stream (:func:`rl_tpu.sampler.seeds.sample_seed`).
+
+    Args:
+        job_seed: the job's seed (VeRL's ``data.seed``, :attr:`verl_backend.settings` ``job_seed``).
+        rollout_seed: VeRL's ``actor_rollout_ref.rollout.seed``.
+        request_seed: a ``seed`` the request itself carries, or ``None``.
+        version: the weight version (trainer step) the sample is drawn with: the same request id at another step
+            draws anew.
+        request_id: what tells the samples of one step apart: VeRL's ``det-<priority>`` under
+            ``rollout.full_determinism`` (the sample's place in the step's batch, prompt-major: prompt ``i``'s sample
+            ``j`` is ``i * n + j``), else the server's ``seq-<k>`` for the ``k``-th request of this prompt at this
+            version (arrival order).
+        prompt_ids: the prompt's tokens (a multi-turn request id sees a new prompt each turn).
+    """
+    from rl_tpu.sampler.seeds import sample_seed
+
+    return sample_seed("verl", job_seed, rollout_seed, request_seed, version, request_id, prompt_ids)
 
 
 class NativeRolloutServer:
@@ -83,6 +109,14 @@ class NativeRolloutServer:
         self.worker_method = worker_method
         self.max_batch = max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64))
         self.global_steps = 0  # step of the weights being served; VeRL tags every output with it
+        self.full_determinism = bool(getattr(rollout_config, "full_determinism", False))
+        self.rollout_seed = int(getattr(rollout_config, "seed", 0) or 0)
+        self.job_seed = current().job_seed
+        if self.job_seed is None:  # data.seed unset: VeRL's order is unseeded, so are the draws
+            import secrets
+
+            self.job_seed = f"unseeded-{secrets.randbits(63)}"
+        self._arrivals: dict[tuple, int] = {}  # (version, prompt) -> requests seen: the fallback request ids
         self._queue: list[_Request] = []
         self._wake = None  # asyncio.Event, created on the actor's event loop
         self._loop_task = None
@@ -154,7 +188,7 @@ class NativeRolloutServer:
         if self._wake is None:
             self._wake = asyncio.Event()
             self._loop_task = loop.create_task(self._batch_loop())
-        req = _Request(list(map(int, prompt_ids)), key, loop.create_future())
+        req = _Request(list(map(int, prompt_ids)), key, loop.create_future(), request_id=str(request_id))
         self._queue.append(req)
         self.stats["requests"] += 1
         self._wake.set()
@@ -177,9 +211,12 @@ class NativeRolloutServer:
                 self._queue = [r for r in self._queue if id(r) not in taken]
                 while self._updating:  # a weight sync began while earlier batches ran
                     await asyncio.sleep(0.01)
+                seeds = self._sample_seeds(batch, key)
+                order = sorted(range(len(batch)), key=seeds.__getitem__)  # not arrival order: floats see one order
+                batch, seeds = [batch[i] for i in order], [seeds[i] for i in order]
                 self._batch_running = True
                 try:
-                    outs = await asyncio.to_thread(self._run_batch, [r.prompt_ids for r in batch], key)
+                    outs = await asyncio.to_thread(self._run_batch, [r.prompt_ids for r in batch], key, seeds)
                 except Exception as exc:  # surface the sampler's error to every caller of this batch
                     for r in batch:
                         if not r.future.done():
@@ -191,7 +228,25 @@ class NativeRolloutServer:
                     if not r.future.done():
                         r.future.set_result(out)
 
-    def _run_batch(self, prompts: list[list[int]], key: Any) -> list[tuple[list[int], list[float] | None]]:
+    def _sample_seeds(self, batch: list[_Request], key: Any) -> list[int]:
+        """Each request's stream seed (:func:`sample_seed_of`) at the weight version it is about to be sampled
+        with. Without ``rollout.full_determinism`` VeRL's request ids are fresh uuids, so the ``k``-th request of a
+        prompt at a version stands in for it: reproducible up to the arrival order of a prompt's samples."""
+        version, seeds = self.global_steps, []
+        if any(v != version for v, _ in self._arrivals):
+            self._arrivals = {k: c for k, c in self._arrivals.items() if k[0] == version}
+        for r in batch:
+            rid = r.request_id
+            if not (self.full_determinism or rid.startswith("det-")):
+                slot = (version, tuple(r.prompt_ids))
+                count = self._arrivals.get(slot, 0)
+                self._arrivals[slot] = count + 1
+                rid = f"seq-{count}"
+            seeds.append(sample_seed_of(self.job_seed, self.rollout_seed, key.seed, version, rid, r.prompt_ids))
+        return seeds
+
+    def _run_batch(self, prompts: list[list[int]], key: Any,
+                   seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
         if self.shared is not None and not self.shared.resident:
             raise RuntimeError(
                 "the native rollout is asleep: sleep() released its weights; sync weights first "
@@ -199,11 +254,11 @@ class NativeRolloutServer:
             )
         start = time.perf_counter()
         if self.worker_method is None:
-            outs = run_sampler(self.sampler, prompts, key)
+            outs = run_sampler(self.sampler, prompts, key, seeds)
         else:  # the sampler lives in the worker that owns the chip: forward the batch there
             import ray
 
-            outs = ray.get(self.worker_method.remote("native_generate", prompts, key))
+            outs = ray.get(self.worker_method.remote("native_generate", prompts, key, seeds))
         self.stats["generate_s"] += time.perf_counter() - start
         self.stats["batches"] += 1
         self.stats["generated_tokens"] += sum(len(ids) for ids, _ in outs)
