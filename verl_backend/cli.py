@@ -80,10 +80,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
                    "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
                    "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
-    t.add_argument("--aot-only", action="store_true",
-                   help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
-                   "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
-                   "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
     t.add_argument("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(s for a in t._actions for s in a.option_strings)
     return p
@@ -164,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                     raise BadInputError(f"--aot-only compiles a TPU job's graphs: use --backend tpu, not "
                                         f"{args.backend}")
                 args.print_config = True
-
-            if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
-                if args.backend != "tpu":
-                    raise BadInputError(f"--aot-only compiles a TPU job's graphs: use --backend tpu, not "
-                                        f"{args.backend}")
-                args.print_config = True
+                # a folder with only config.json (no weights: graphs are built on meta) is enough here; the job is
+                # composed with the default model and the graphs built from this folder's config
+                key = "actor_rollout_ref.model.path="
+                given = [o for o in args.overrides if o.startswith(key)]
+                if given:
+                    args.aot_model_path = given[-1][len(key):]
+                    args.overrides = [o for o in args.overrides if not o.startswith(key)]
 
             return run_train(args)
     except Exception as exc:  # one line for input a user can fix, wherever in the Ray job it was found

@@ -39,8 +39,14 @@ def aot(tmp_path_factory):
             # negative control: attention dropout in training mode draws random numbers, which need the TPU's
             # generator (no chip): the block's forward must fail in one line naming the op
             {"label": "dropout", "config": {**TINY, "attention_dropout": 0.5}, "model_type": "qwen3",
-             "dtype": "float32", "attention": "eager", "train_mode": True, "graphs": graphs[:1]}]
-    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "v5e:2x2", "v7x:2x2x1"],
+             "dtype": "float32", "attention": "eager", "train_mode": True, "graphs": graphs[:1]},
+            # numerics: every graph kind again with math attention (no Mosaic) and real random weights, run on
+            # XLA:CPU against torch eager; the control lowers a prefill traced with a wrong rsqrt decomposition
+            {"label": "numerics", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "eager",
+             "numerics": {}, "graphs": graphs},
+            {"label": "wrong", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "eager",
+             "numerics": {"wrong": "rsqrt"}, "graphs": graphs[2:3]}]
+    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "v5e:2x2", "v7x:2x2x1", "cpu"],
                                      tmp_path_factory.mktemp("aot"), python=python, lower_timeout_s=600,
                                      compile_timeout_s=300)
 
@@ -63,8 +69,9 @@ def test_every_graph_kind_lowers_and_compiles_for_v5e_and_v6e(aot):
         assert rows["sampler.decode[2x1|cache 48]"]["flops"] < rows["sampler.prefill[2x16|cache 48]"]["flops"] / 4
     assert {g["device_kind"] for g in (aot.compiled["v6e:2x2"], aot.compiled["v5e:2x2"])} == {"TPU v6 lite",
                                                                                             "TPU v5 lite"}
-    table = aot_run.table(aot.compiled["v6e:2x2"], "v6e")
-    assert len(table.splitlines()) == 2 + len(KINDS) + 1  # header, rule, a row per graph (+ the control's none)
+    ours = {**aot.compiled["v6e:2x2"], "graphs": [g for g in aot.compiled["v6e:2x2"]["graphs"] if g["label"] == "qwen3"]}
+    table = aot_run.table(ours, "v6e")
+    assert len(table.splitlines()) == 2 + len(KINDS)  # header, rule, a row per graph
 
 
 def test_an_op_that_cannot_lower_is_one_line(aot):
@@ -124,3 +131,17 @@ def test_patch_record_pins_torch_tpu():
     assert PATCH.supports("0.2.0") and not PATCH.supports("0.2.1")
     assert PATCH.refusal("0.3.0") == ("torch-tpu 0.3.0 is outside the tested range ==0.2.0 of rl-tpu's patch "
                                       "torch_tpu._internal.export.export.fx_to_mlir; install torch-tpu==0.2.0")
+
+
+def test_numerics_every_graph_kind_matches_torch_eager_on_xla_cpu(aot):
+    from verl_backend.driver.aot.compile import RTOL
+
+    rows = {g["graph"]: g for g in aot.compiled["cpu"]["graphs"] if g["label"] == "numerics"}
+    assert set(rows) == KINDS  # which graph kinds were compared: all six
+    for name, g in rows.items():
+        assert g["error"] is None, g["error"]
+        assert g["ok"] and g["max_abs_diff"] <= RTOL * g["max_abs_ref"], (name, g)
+        assert g["max_abs_ref"] > 1  # real numbers, not zeros
+    [control] = [g for g in aot.compiled["cpu"]["graphs"] if g["label"] == "wrong"]
+    assert control["error"] is None and not control["ok"]  # negative control: a wrong rsqrt is caught
+    assert control["max_abs_diff"] > 100 * RTOL * control["max_abs_ref"]

@@ -154,11 +154,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
         from verl_backend.driver.aot.job import run_aot_only
 
-        return run_aot_only(config, settings.slice)
-    if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
-        from verl_backend.driver.aot.job import run_aot_only
-
-        return run_aot_only(config, settings.slice)
+        return run_aot_only(config, settings.slice, model_path=getattr(args, "aot_model_path", None))
     if args.print_config:
         print(OmegaConf.to_yaml(config))
         show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_plan.py)

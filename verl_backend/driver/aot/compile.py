@@ -8,6 +8,9 @@ it runs, so a block graph holds its whole weights). Writes ``OUT.json``: ``{"top
 "graphs": [{"graph", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
 "generated_code_bytes", "flops", "bytes_accessed", "transcendentals", "error"}]}``; sizes in bytes, FLOPs as XLA's
 cost analysis counts them (a Mosaic ``tpu_custom_call`` counts as nothing there).
+
+``TOPOLOGY`` ``cpu`` is the numerics check instead (:func:`check_numerics`): graphs lowered with saved torch eager
+inputs and outputs run on XLA:CPU and are compared with them.
 """
 
 from __future__ import annotations
@@ -68,11 +71,77 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
     return {"topology": topology, "device_kind": device.device_kind, "error": None, "graphs": out}
 
 
+#: tolerance of the numerics check: max |XLA:CPU - torch eager| <= RTOL * max |torch eager|, per output, fp32
+RTOL = 1e-5
+_NP = {"f32": "float32", "f64": "float64", "i64": "int64", "i32": "int32", "i1": "bool"}
+
+
+def _signature(text: str) -> list[str]:
+    """The element type of each ``@main`` argument (``f32``, ``i64``, …), in order."""
+    import re
+
+    head = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->", text, re.S).group(1)
+    return re.findall(r"tensor<(?:[0-9]+x)*([a-z]+[0-9]*)>", head)
+
+
+def check_numerics(lowered: list[dict]) -> dict:
+    """Run each lowered graph that has saved inputs and torch eager outputs (``numerics``, see :mod:`.lower`) on
+    XLA:CPU (jaxlib's cpu backend; Mosaic-free StableHLO only) and compare every output with torch's.
+
+    Returns:
+        ``{"topology": "cpu", "error": None, "graphs": [{"graph", "label", "kind", "outputs", "max_abs_diff",
+        "max_abs_ref", "ok", "error"}]}``: ``ok`` when every output has torch's shape and
+        ``max|Δ| <= RTOL × max|ref|`` (:data:`RTOL`).
+    """
+    import numpy as np
+    import jax
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+
+    jax.config.update("jax_enable_x64", True)  # int64 inputs stay int64, as TorchTPU's graphs take them
+    device = jax.devices("cpu")[0]
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
+    out = []
+    for record in lowered:
+        if record.get("error") or not record.get("numerics"):
+            continue
+        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None,
+               "ok": False}
+        try:
+            text = Path(record["file"]).read_text()
+            saved = np.load(record["numerics"])
+            inputs = [saved[f"in{i}"] for i in range(sum(k.startswith("in") for k in saved.files))]
+            refs = [saved[f"out{i}"] for i in range(sum(k.startswith("out") for k in saved.files))]
+            types = _signature(text)
+            if len(types) != len(inputs):
+                raise ValueError(f"@main takes {len(types)} arguments, torch's graph {len(inputs)}")
+            args = [jax.device_put(np.asarray(a, dtype=_NP[t]), device) for a, t in zip(inputs, types)]
+            with mlir.make_ir_context():
+                exe = device.client.compile_and_load(ir.Module.parse(text), executable_devices=xc.DeviceList(
+                    (device,)), compile_options=options)
+            got = [np.asarray(o) for o in exe.execute(args)]
+            if len(got) != len(refs) or any(g.shape != r.shape for g, r in zip(got, refs)):
+                raise ValueError(f"outputs {[g.shape for g in got]} against torch's {[r.shape for r in refs]}")
+            floats = [(g.astype("float64"), r.astype("float64")) for g, r in zip(got, refs)
+                      if np.issubdtype(r.dtype, np.floating)]
+            diff = max((float(np.abs(g - r).max()) if g.size else 0.0 for g, r in floats), default=0.0)
+            scale = max((float(np.abs(r).max()) if r.size else 0.0 for _, r in floats), default=0.0)
+            exact = all(np.array_equal(g, r) for g, r in zip(got, refs) if not np.issubdtype(r.dtype, np.floating))
+            row.update(outputs=len(refs), max_abs_diff=diff, max_abs_ref=scale,
+                       ok=bool(exact and diff <= RTOL * scale))
+        except Exception as exc:
+            row["error"] = f"numerics of {record['graph']} on XLA:CPU failed: {_first_line(exc)}"
+        out.append(row)
+    return {"topology": "cpu", "device_kind": "cpu", "error": None, "graphs": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     lowered = json.loads(Path(argv[0]).read_text())
-    result = compile_all(lowered, argv[1])
+    result = check_numerics(lowered) if argv[1] == "cpu" else compile_all(lowered, argv[1])
     Path(argv[2]).write_text(json.dumps(result, indent=1))
     return 0
 

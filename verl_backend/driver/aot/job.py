@@ -36,10 +36,11 @@ def model_config(path: str) -> dict:
     return json.loads(file.read_text())
 
 
-def aot_jobs(config, workers: int, attention: str = "sdpa") -> list[dict]:
+def aot_jobs(config, workers: int, attention: str = "sdpa", model_path: str | None = None) -> list[dict]:
     """The lowering subprocess's ``jobs`` for a composed VeRL ``config``: the trainer's graphs in its FSDP
-    ``param_dtype`` (VeRL's default bf16) and the sampler's in ``rollout.dtype``."""
-    cfg = model_config(str(_get(config, "actor_rollout_ref.model.path")))
+    ``param_dtype`` (VeRL's default bf16) and the sampler's in ``rollout.dtype``; the model is ``model_path``'s
+    config.json when given, else the job's ``actor_rollout_ref.model.path``."""
+    cfg = model_config(str(model_path or _get(config, "actor_rollout_ref.model.path")))
     model_type = cfg.get("model_type")
     if not model_type:
         raise AotError("the model's config.json has no model_type")
@@ -54,8 +55,10 @@ def aot_jobs(config, workers: int, attention: str = "sdpa") -> list[dict]:
             {**base, "label": "sampler", "dtype": sample_dtype, "graphs": sampler}]
 
 
-def run_aot_only(config, slice_name: str | None, folder: Path | None = None) -> int:
-    """Lower and compile the job's graphs for ``slice_name`` (e.g. ``v6e-8``) and print the tables.
+def run_aot_only(config, slice_name: str | None, folder: Path | None = None, model_path: str | None = None) -> int:
+    """Lower and compile the job's graphs for ``slice_name`` (e.g. ``v6e-8``) and print the tables; ``model_path``:
+    a folder whose config.json replaces the job's model (``actor_rollout_ref.model.path=`` given to ``--aot-only``,
+    which needs no weights).
 
     Returns:
         0 when every graph lowered and compiled, 1 when some did not (each said in one line).
@@ -66,7 +69,7 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None) -> 
         raise AotError("--aot-only compiles for a slice's chip: give --slice, e.g. --slice v6e-8")
     topo, generation, hbm_gib = jax_topology(slice_name)
     workers = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
-    jobs = aot_jobs(config, workers)
+    jobs = aot_jobs(config, workers, model_path=model_path)
     print(f"[rl-tpu] --aot-only: lowering {sum(len(j['graphs']) for j in jobs)} graph shapes of "
           f"{jobs[0]['model_type']} with TorchTPU, compiling for {slice_name} ({topo}) with libtpu, no chip",
           flush=True)

@@ -44,24 +44,47 @@ def build_model(config: dict, model_type: str, dtype, attention: str, device: st
     return model.eval()
 
 
-class Recorder:
-    """A torch.compile backend that records aot_autograd's forward and backward graphs and runs them as they are."""
+#: deliberately wrong decompositions for the numerics check's negative control: name -> (op, replacement)
+WRONG = {"rsqrt": ("rsqrt", lambda x: 1.01 / x.sqrt())}
 
-    def __init__(self):
+
+class Recorder:
+    """A torch.compile backend that records aot_autograd's forward and backward graphs and runs them as they are;
+    with ``capture``, each graph's first run's inputs and outputs (real tensors) are kept too (``runs``)."""
+
+    def __init__(self, capture: bool = False, wrong: str | None = None):
+        import torch
         from functorch.compile import min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
         from verl_backend.patches.torch_tpu_aot import decompositions
 
         self.graphs: list[tuple[str, object, list]] = []
+        self.runs: list[tuple[list, list]] = []
+        self.capture = capture
+        table = decompositions()
+        if wrong:
+            name, fn = WRONG[wrong]
+            table[getattr(torch.ops.aten, name).default] = fn
         self.backend = aot_autograd(fw_compiler=self._record("fwd"), bw_compiler=self._record("bwd"),
-                                    inference_compiler=self._record("fwd"), decompositions=decompositions(),
+                                    inference_compiler=self._record("fwd"), decompositions=table,
                                     partition_fn=min_cut_rematerialization_partition)
 
     def _record(self, part):
         def compiler(gm, example_inputs):
+            index = len(self.graphs)
             self.graphs.append((part, gm, list(example_inputs)))
-            return gm
+            if not self.capture:
+                return gm
+
+            def run(*args):
+                out = gm(*args)
+                if len(self.runs) <= index:
+                    self.runs.append(([a.detach().clone() if hasattr(a, "detach") else a for a in args],
+                                      [o.detach().clone() if hasattr(o, "detach") else o for o in out]))
+                return out
+
+            return run
 
         return compiler
 
@@ -73,15 +96,17 @@ def _causal_mask(batch, seq, dtype, device):
     return mask[None, None].expand(batch, 1, seq, seq).contiguous()  # (batch, 1, seq, seq) additive
 
 
-def trace(model, request: dict, device: str = "meta") -> list[tuple[str, object, list]]:
+def trace(model, request: dict, device: str = "meta", rec: Recorder | None = None) -> list[tuple[str, object, list]]:
     """The FX graphs of one :class:`~verl_backend.driver.aot.graphs.GraphRequest` (dict form) of ``model``:
-    ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``."""
+    ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``; ``rec``:
+    the recorder to trace with (default: a new one)."""
     import torch
 
     kind, batch, seq, cache_len = request["kind"], request["batch"], request["seq"], request["cache"]
     config = model.config
     dtype = next(model.parameters()).dtype
-    rec = Recorder()
+    rec = rec or Recorder()
+    torch._dynamo.reset()  # a new trace each time (dynamo caches per code object)
     inner = model.model
     hidden = config.hidden_size
     if kind == "block":
@@ -115,7 +140,7 @@ def trace(model, request: dict, device: str = "meta") -> list[tuple[str, object,
         from rl_tpu.sampler.compiled import model_logits
 
         q = seq if kind == "prefill" else 1
-        ids = torch.zeros(batch, q, dtype=torch.long, device=device)
+        ids = torch.randint(0, config.vocab_size, (batch, q), device=device)
         mask = torch.ones(batch, cache_len, dtype=torch.long, device=device)
         pos = torch.arange(q, device=device)[None].expand(batch, q).contiguous()
         cache = StaticCache(config=config, max_cache_len=cache_len)
@@ -141,22 +166,44 @@ def retarget(gm) -> None:
     import torch
 
     tpu = torch.device("tpu", 0)
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         dev = node.kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type in ("meta", "cpu"):
             node.kwargs = {**node.kwargs, "device": tpu}
     gm.recompile()
 
 
-def lower(gm, example_inputs) -> str:
-    """StableHLO text of ``gm`` on TPU placeholders shaped like ``example_inputs``."""
+def lift_constants(gm) -> list:
+    """Turn each constant tensor of ``gm`` (``get_attr``; a CPU trace keeps some, e.g. a mask's fill value) into a
+    new last input; returns their values, in the order of the new inputs."""
+    import torch
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor):
+            with gm.graph.inserting_after(placeholders[-1] if placeholders else None):
+                new = gm.graph.placeholder(f"lifted_{len(values)}")
+            placeholders.append(new)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            values.append(getattr(gm, node.target))
+    gm.recompile()
+    return values
+
+
+def lower(gm, example_inputs) -> tuple[str, list]:
+    """StableHLO text of ``gm`` on TPU placeholders shaped like ``example_inputs``, and the constant tensors lifted
+    to extra last inputs (:func:`lift_constants`)."""
     import torch
 
     from verl_backend.patches.torch_tpu_aot import lower_fx_to_mlir, placeholder
 
     retarget(gm)
-    args = [placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    return lower_fx_to_mlir(gm, args)
+    constants = lift_constants(gm)
+    args = [placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in list(example_inputs) + constants]
+    return lower_fx_to_mlir(gm, args), constants
 
 
 def graph_name(request: dict, part: str, index: int, parts: int) -> str:
@@ -181,14 +228,31 @@ def run(spec: dict) -> list[dict]:
     for job in spec["jobs"]:
         folder = out / job["label"]
         folder.mkdir(parents=True, exist_ok=True)
-        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"])
+        numerics = job.get("numerics")
+        device = "cpu" if numerics is not None else "meta"
+        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device)
+        if numerics is not None:  # real random weights far from zero, so a wrong op shows in the numbers
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0, 0.2)
         if job.get("train_mode"):  # dropout on: random ops in the graphs
             model.train()
         for request in job["graphs"]:
             start = time.perf_counter()
             base = {"label": job["label"], "kind": request["kind"], "request": request}
+            runs = None
             try:
-                graphs = trace(model, request)
+                if numerics is None:
+                    graphs = trace(model, request)
+                else:  # torch eager on CPU runs each graph once (the reference), then the graphs to lower are
+                    ref = Recorder(capture=True)  # traced again, with a wrong decomposition for the control
+                    torch.manual_seed(1)
+                    graphs = trace(model, request, "cpu", ref)
+                    runs = ref.runs
+                    if numerics.get("wrong"):
+                        torch.manual_seed(1)
+                        graphs = trace(model, request, "cpu", Recorder(wrong=numerics["wrong"]))
             except Exception as exc:  # dynamo / aot tracing on meta
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 from verl_backend.driver.aot.graphs import GraphRequest
@@ -200,7 +264,7 @@ def run(spec: dict) -> list[dict]:
                 name = graph_name(request, part, index, len(graphs))
                 t0 = time.perf_counter()
                 try:
-                    text = lower(gm, example)
+                    text, constants = lower(gm, example)
                 except LoweringError as exc:
                     where = f" in {exc.module}" if exc.module else ""
                     why = str(exc)
@@ -212,9 +276,20 @@ def run(spec: dict) -> list[dict]:
                     continue
                 path = folder / f"{len(records)}.mlir"
                 path.write_text(text)
-                records.append({**base, "graph": name, "file": str(path), "seconds": time.perf_counter() - t0,
-                                "trace_seconds": t0 - start, "mosaic": "tpu_custom_call" in text,
-                                "inputs": len(example), "error": None})
+                record = {**base, "graph": name, "file": str(path), "seconds": time.perf_counter() - t0,
+                          "trace_seconds": t0 - start, "mosaic": "tpu_custom_call" in text,
+                          "inputs": len(example), "error": None}
+                if runs is not None and index < len(runs):
+                    import numpy as np
+
+                    args, outs = runs[index]
+                    args = list(args) + [c.detach().clone() for c in constants]
+                    arrays = {f"in{i}": a.numpy() for i, a in enumerate(t for t in args if isinstance(t, torch.Tensor))}
+                    arrays.update({f"out{i}": o.numpy() for i, o in
+                                   enumerate(t for t in outs if isinstance(t, torch.Tensor))})
+                    record["numerics"] = str(path.with_suffix(".npz"))
+                    np.savez(record["numerics"], **arrays)
+                records.append(record)
     (out / "lowered.json").write_text(json.dumps(records, indent=1))
     return records
 
