@@ -271,7 +271,7 @@ def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_requ
                                                                                       job_settings):
     """VeRL's det-<priority> request ids (rollout.full_determinism): a request sampled alone, or in one batch with
     others that arrive before and after it, gets the same tokens; the job seed (data.seed), the rollout seed, the
-    weight version and the request id each give it another stream."""
+    weight version and the request id each give it another stream, and so does a repeat of one id and prompt."""
     from verl_backend.rollout.server import NativeRolloutServer
 
     job_settings(job_seed=3)
@@ -305,3 +305,14 @@ def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_requ
     prompts["det-9"] = prompts["det-2"]
     pair, _ = run(["det-2", "det-9"])
     assert pair["det-2"] == alone["det-2"] and pair["det-9"] != alone["det-2"]
+    # VeRL 0.9.1's V1 trainer names every request det-0: a prompt's samples still draw one stream each
+    prompts["det-0"] = prompts["det-2"]
+
+    async def same_id_four_times(server):
+        return await asyncio.gather(*(server.generate("det-0", prompts["det-0"], request) for _ in range(4)))
+
+    cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32",
+                          full_determinism=True, seed=42)
+    outs = asyncio.run(same_id_four_times(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir),
+                                                              batch_window_s=0.05)))
+    assert len({tuple(o.token_ids) for o in outs}) == 4

@@ -49,8 +49,8 @@ class _Request:
     request_id: str = ""
 
 
-def sample_seed_of(job_seed: int | None, rollout_seed: int, request_seed: int | None, version: int,
-                   request_id: str, prompt_ids: list[int]) -> int:
+def sample_seed_of(job_seed: int | str | None, rollout_seed: int, request_seed: int | None, version: int,
+                   request_id: str, occurrence: int, prompt_ids: list[int]) -> int:
     """The seed of one sample's random stream (:func:`rl_tpu.sampler.seeds.sample_seed`).
 
     Args:
@@ -59,15 +59,16 @@ def sample_seed_of(job_seed: int | None, rollout_seed: int, request_seed: int | 
         request_seed: a ``seed`` the request itself carries, or ``None``.
         version: the weight version (trainer step) the sample is drawn with: the same request id at another step
             draws anew.
-        request_id: what tells the samples of one step apart: VeRL's ``det-<priority>`` under
-            ``rollout.full_determinism`` (the sample's place in the step's batch, prompt-major: prompt ``i``'s sample
-            ``j`` is ``i * n + j``), else the server's ``seq-<k>`` for the ``k``-th request of this prompt at this
-            version (arrival order).
+        request_id: VeRL's ``det-<priority>`` under ``rollout.full_determinism`` (legacy trainer: the sample's place
+            in the step's batch, prompt-major), or ``""`` where VeRL's ids say nothing (fresh uuids without
+            ``full_determinism``; VeRL 0.9.1's V1 trainer, the default, names every request ``det-0``).
+        occurrence: how many requests with this ``request_id`` and prompt came before it at this version (arrival
+            order): what tells the ``n`` samples of a prompt apart when the request id does not.
         prompt_ids: the prompt's tokens (a multi-turn request id sees a new prompt each turn).
     """
     from rl_tpu.sampler.seeds import sample_seed
 
-    return sample_seed("verl", job_seed, rollout_seed, request_seed, version, request_id, prompt_ids)
+    return sample_seed("verl", job_seed, rollout_seed, request_seed, version, request_id, occurrence, prompt_ids)
 
 
 class NativeRolloutServer:
@@ -116,7 +117,7 @@ class NativeRolloutServer:
             import secrets
 
             self.job_seed = f"unseeded-{secrets.randbits(63)}"
-        self._arrivals: dict[tuple, int] = {}  # (version, prompt) -> requests seen: the fallback request ids
+        self._arrivals: dict[tuple, int] = {}  # (version, request id, prompt) -> requests seen (sample_seed_of)
         self._queue: list[_Request] = []
         self._wake = None  # asyncio.Event, created on the actor's event loop
         self._loop_task = None
@@ -230,19 +231,20 @@ class NativeRolloutServer:
 
     def _sample_seeds(self, batch: list[_Request], key: Any) -> list[int]:
         """Each request's stream seed (:func:`sample_seed_of`) at the weight version it is about to be sampled
-        with. Without ``rollout.full_determinism`` VeRL's request ids are fresh uuids, so the ``k``-th request of a
-        prompt at a version stands in for it: reproducible up to the arrival order of a prompt's samples."""
+        with, counting the requests of each (request id, prompt) in arrival order: VeRL's ids do not always tell a
+        prompt's samples apart (uuids without ``rollout.full_determinism``; ``det-0`` for all in VeRL 0.9.1's V1
+        trainer), and the count does, reproducibly up to the arrival order of a prompt's ``n`` samples, which only
+        swaps which of them gets which completion."""
         version, seeds = self.global_steps, []
-        if any(v != version for v, _ in self._arrivals):
+        if any(k[0] != version for k in self._arrivals):
             self._arrivals = {k: c for k, c in self._arrivals.items() if k[0] == version}
         for r in batch:
-            rid = r.request_id
-            if not (self.full_determinism or rid.startswith("det-")):
-                slot = (version, tuple(r.prompt_ids))
-                count = self._arrivals.get(slot, 0)
-                self._arrivals[slot] = count + 1
-                rid = f"seq-{count}"
-            seeds.append(sample_seed_of(self.job_seed, self.rollout_seed, key.seed, version, rid, r.prompt_ids))
+            rid = r.request_id if (self.full_determinism or r.request_id.startswith("det-")) else ""
+            slot = (version, rid, tuple(r.prompt_ids))
+            count = self._arrivals.get(slot, 0)
+            self._arrivals[slot] = count + 1
+            seeds.append(sample_seed_of(self.job_seed, self.rollout_seed, key.seed, version, rid, count,
+                                        r.prompt_ids))
         return seeds
 
     def _run_batch(self, prompts: list[list[int]], key: Any,
