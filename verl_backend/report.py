@@ -123,8 +123,11 @@ def paired_difference(before: list[float], after: list[float]) -> dict:
     mean = sum(diffs) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else float("nan")
     half = _t975(n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
+    unchanged = n > 0 and all(d == 0 for d in diffs)
+    if unchanged:  # the t interval has no width; |difference| <= the share of items that change, which with 0
+        half = 1 - 0.05 ** (1 / n)  # of n seen is below this at 95% (about 3/n: the rule of three)
     return {"n": n, "before": sum(before) / n, "after": sum(after) / n, "diff": mean, "low": mean - half,
-            "high": mean + half}
+            "high": mean + half, "unchanged": unchanged}
 
 
 def validation_change(folder: Path | None) -> dict | None:
@@ -168,8 +171,10 @@ def accuracy_lines(summary: dict) -> list[str]:
     lenient, strict = change["lenient"], change["strict"]
 
     def points(d):
-        return (f"{100 * d['diff']:+.1f} points, 95% CI {100 * d['low']:+.1f} to {100 * d['high']:+.1f}"
-                if math.isfinite(d["low"]) else f"{100 * d['diff']:+.1f} points")
+        if not math.isfinite(d["low"]):
+            return f"{100 * d['diff']:+.1f} points"
+        how = ", no item changed (rule of three)" if d.get("unchanged") else ""
+        return f"{100 * d['diff']:+.1f} points, 95% CI {100 * d['low']:+.1f} to {100 * d['high']:+.1f}{how}"
 
     return [
         f"[rl-tpu] validation accuracy: before {pct(lenient['before'])} -> after {pct(lenient['after'])} "

@@ -136,3 +136,11 @@ def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
     assert job_line(config, "cpu", 1, tmp_path) == (
         "[rl-tpu] GRPO on SmolLM2-135M-Instruct, basic_arithmetic: 12 steps of 4 prompts x 4 samples, cpu backend, "
         f"1 thread; full log: {tmp_path / 'train.log'}")
+
+
+def test_no_item_changed_gives_the_rule_of_three_not_a_zero_width_interval():
+    d = paired_difference([1, 0, 0, 1] * 8, [1, 0, 0, 1] * 8)  # 32 items, none changed
+    assert d["unchanged"] and d["diff"] == 0
+    assert d["high"] == pytest.approx(1 - 0.05 ** (1 / 32)) and 0.085 < d["high"] < 3 / 32  # about 3/n
+    line = accuracy_lines({"val_change": {"lenient": d, "strict": d}})[0]
+    assert "+0.0 points, 95% CI -8.9 to +8.9, no item changed (rule of three)" in line, line
