@@ -316,3 +316,9 @@ def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_requ
     outs = asyncio.run(same_id_four_times(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir),
                                                               batch_window_s=0.05)))
     assert len({tuple(o.token_ids) for o in outs}) == 4
+    # without full_determinism VeRL's ids are fresh uuids: they do not enter the seed, the first sample of a prompt
+    # at a version is the same in every run
+    cfg.full_determinism = False
+    firsts = [asyncio.run(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir)).generate(
+        uuid, prompts["det-0"], request)).token_ids for uuid in ("5f0c2a", "91be7d")]
+    assert firsts[0] == firsts[1]

@@ -52,10 +52,9 @@ COMMON: dict[str, str] = {
     # VeRL's TransferQueue starts 8 storage-unit actors (~0.3 GiB each); one serves a single-host job.
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": "1",
     # Reproducible by default (docs/reproducibility.md): data.seed is the job's seed (VeRL's own is null: an
-    # unseeded data order), and full_determinism gives each sample a request id that is its place in the step's
-    # batch (VeRL's det-<priority>), from which with the step the rollout derives the sample's random stream.
+    # unseeded data order). Not rollout.full_determinism: VeRL 0.9.1's V1 trainer then names every request det-0,
+    # which tells no samples apart and routes them all to one replica.
     "data.seed": "1",
-    "actor_rollout_ref.rollout.full_determinism": "true",
 }
 
 _OVERRIDES: dict[str, dict[str, str]] = {

@@ -60,8 +60,8 @@ def sample_seed_of(job_seed: int | str | None, rollout_seed: int, request_seed: 
         version: the weight version (trainer step) the sample is drawn with: the same request id at another step
             draws anew.
         request_id: VeRL's ``det-<priority>`` under ``rollout.full_determinism`` (legacy trainer: the sample's place
-            in the step's batch, prompt-major), or ``""`` where VeRL's ids say nothing (fresh uuids without
-            ``full_determinism``; VeRL 0.9.1's V1 trainer, the default, names every request ``det-0``).
+            in the step's batch, prompt-major; VeRL 0.9.1's V1 trainer, the default, names every request ``det-0``),
+            else ``replica-<rank>`` (VeRL's ids are then fresh uuids, which would make every run another).
         occurrence: how many requests with this ``request_id`` and prompt came before it at this version (arrival
             order): what tells the ``n`` samples of a prompt apart when the request id does not.
         prompt_ids: the prompt's tokens (a multi-turn request id sees a new prompt each turn).
@@ -239,7 +239,9 @@ class NativeRolloutServer:
         if any(k[0] != version for k in self._arrivals):
             self._arrivals = {k: c for k, c in self._arrivals.items() if k[0] == version}
         for r in batch:
-            rid = r.request_id if (self.full_determinism or r.request_id.startswith("det-")) else ""
+            # VeRL's deterministic ids, else this replica (its requests' samples differ from another replica's)
+            rid = r.request_id if (self.full_determinism or r.request_id.startswith("det-")) else \
+                f"replica-{self.replica_rank}"
             slot = (version, rid, tuple(r.prompt_ids))
             count = self._arrivals.get(slot, 0)
             self._arrivals[slot] = count + 1
