@@ -230,6 +230,15 @@ def _prepare_train_file(work: Path) -> str:
     return str(found[0])
 
 
+# The config compared with TRL, pinned: the default job's recipe may change (docs/recipe.md) without the comparison
+# changing with it. These are the TRL side's settings (4 prompts x 4 samples, temperature 1.0, lr 1e-5, KL loss).
+PINNED = ["actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.n={N_SAMPLES}",
+          "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+          "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+          "actor_rollout_ref.actor.loss_agg_mode=token-mean", "data.max_response_length=64"]
+
+
 def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: list[str] | None = None) -> dict:
     out = work / "verl"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
@@ -238,7 +247,7 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
            "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
-           "trainer.test_freq=-1", "trainer.save_freq=-1", *(overrides or [])]
+           "trainer.test_freq=-1", "trainer.save_freq=-1", *PINNED, *(overrides or [])]
     try:
         memory, wall = run_sampled("ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s,
                                    step_log=out / "metrics.jsonl")

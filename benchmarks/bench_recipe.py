@@ -45,10 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "recipe"
 RESULTS = OUT / "results.jsonl"
 
-# The default job's data (verl_backend/configs/grpo_cpu.yaml): the study holds these fixed.
+# The default job's data (verl_backend/configs/grpo_cpu.yaml) and the second task's (examples/chain_sum_cpu.yaml):
+# the study holds these fixed. ``--task`` picks one.
+TASKS = {
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+                         "allow_parentheses": False, "allow_negation": False},
+    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+}
 TASK = "basic_arithmetic"
-TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
-               "allow_parentheses": False, "allow_negation": False}
+TASK_CONFIG = TASKS[TASK]
 DATA_SEED = 1
 TRAIN_SIZE = 256
 SET_SIZE = 200
@@ -76,6 +81,7 @@ CANDIDATES: dict[str, list[str]] = {
                                 "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=2",
                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=24"],
     "new_default": [],
+    "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
 }
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
@@ -260,6 +266,7 @@ def cmd_table(_args) -> None:
 
 
 def main() -> None:
+    global TASK, TASK_CONFIG, OUT, RESULTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     base = sub.add_parser("base", help="judge the base model on the validation and report sets")
@@ -271,7 +278,12 @@ def main() -> None:
     study.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     study.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
     sub.add_parser("table", help="print the table of everything judged so far")
+    parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
+    TASK, TASK_CONFIG = args.task, TASKS[args.task]
+    if TASK != "basic_arithmetic":
+        OUT = OUT / TASK
+        RESULTS = OUT / "results.jsonl"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     {"base": cmd_base, "study": cmd_study, "table": cmd_table}[args.cmd](args)
 

@@ -35,12 +35,27 @@ def train_env() -> dict[str, str]:
     return env
 
 
+# The end-to-end tests' own small job, pinned: the default job's recipe (8 samples a prompt at temperature 0.7, 200
+# validation items; docs/recipe.md) is for learning, and would double every test's rollout and validation.
+TEST_JOB = ("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=1.0", "rl_tpu.val_size=32")
+
+
+def pinned(args: tuple[str, ...] | list[str]) -> list[str]:
+    """``args`` with :data:`TEST_JOB`'s keys added where ``args`` does not set them (a ``--config`` file sets its own
+    rollout keys, so with one only ``rl_tpu.val_size`` is pinned)."""
+    given = {a.split("=", 1)[0] for a in args if "=" in a and not a.startswith("-")}
+    has_config = "--config" in args or any(a.startswith("--config=") for a in args)
+    return [p for p in TEST_JOB if p.split("=", 1)[0] not in given
+            and not (has_config and p.startswith("actor_rollout_ref."))] + list(args)
+
+
 def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = None,
                backend: str = "cpu", default_console: bool = False) -> subprocess.CompletedProcess:
     """Run ``verl train --backend BACKEND --output-dir OUT ARGS...`` to the end (``args``: CLI flags and Hydra
     overrides); returns the finished process with text stdout/stderr. ``default_console``: the console a user gets
     (the rest in ``OUT/train.log``), not the whole output the tests' ``VERL_TRAIN_VERBOSE=1`` asks for."""
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", backend, "--output-dir", str(out), *args]
+    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", backend, "--output-dir", str(out),
+           *pinned(args)]
     env = train_env()
     if default_console:
         env.pop("VERL_TRAIN_VERBOSE", None)
