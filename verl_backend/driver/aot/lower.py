@@ -16,6 +16,7 @@ one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs"
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -114,7 +115,11 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
         x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(True)
         pos = torch.arange(seq, device=device)[None].expand(batch, seq)
         rotary = inner.rotary_emb
-        cos, sin = rotary(x, pos)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
+            cos, sin = rotary(x, pos, layer_types[0])
+        else:
+            cos, sin = rotary(x, pos)
         mask = _causal_mask(batch, seq, dtype, device)
 
         def block(x, cos, sin, mask):
