@@ -34,6 +34,21 @@ def compatible(text: str) -> str:
     return text.replace(", is_stable = false)", ")")
 
 
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i1": 1, "f64": 8}
+
+
+def _first_argument_bytes(text: str) -> int:
+    """Dense bytes of ``@main``'s first argument (a block graph's input hidden states)."""
+    import re
+
+    head = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->", text, re.S).group(1)
+    m = re.search(r"tensor<((?:[0-9]+x)*)([a-z]+[0-9]*)>", head)
+    n = 1
+    for d in m.group(1).split("x"):
+        n *= int(d) if d else 1
+    return n * _BYTES.get(m.group(2), 4)
+
+
 def compile_all(lowered: list[dict], topology: str) -> dict:
     """Compile every lowered graph of ``lowered`` (records of :mod:`.lower`) for ``topology``; see the module
     docstring for the result. A topology libtpu does not know is ``error`` (one line) with no graphs."""
@@ -59,11 +74,13 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
         row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None}
         start = time.perf_counter()
         try:
+            module_text = compatible(Path(record["file"]).read_text())
             with mlir.make_ir_context():
-                module = ir.Module.parse(compatible(Path(record["file"]).read_text()))
+                module = ir.Module.parse(module_text)
                 exe = device.client.compile(module, executable_devices=devices, compile_options=options)
             row["compile_s"] = time.perf_counter() - start
             mem = exe.get_compiled_memory_stats()
+            row["first_argument_bytes"] = _first_argument_bytes(module_text)
             row.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
                        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
                        generated_code_bytes=mem.generated_code_size_in_bytes)

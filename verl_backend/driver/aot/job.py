@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from verl_backend.driver.aot.graphs import job_graphs
-from verl_backend.driver.aot.run import AotError, errors, jax_topology, lower_and_compile, per_chip_bytes, table
+from verl_backend.driver.aot.run import (AotError, errors, jax_topology, lower_and_compile, per_chip_bytes,
+                                         plan_comparison, table)
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
            "fp16": "float16", "float16": "float16"}
@@ -83,14 +84,40 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
             else "attention lowered as XLA ops (no Mosaic tpu_custom_call): counted in FLOPs and bytes")
     print(f"bound ms: max(FLOPs / peak, bytes / HBM bandwidth) at {generation}'s peaks; {note}")
     layers = int(jobs[0]["config"].get("num_hidden_layers", 1))
-    chip = per_chip_bytes(compiled, layers)
+    checkpointed = bool(_get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", True))
+    chip = per_chip_bytes(compiled, layers, checkpointed)
     hbm = hbm_gib * 2**30
-    print(f"per chip, from XLA: {layers} blocks' saved activations {chip['saved_activations'] / 2**30:.2f} GiB + "
+    kept = "gradient checkpointing: each block's input" if checkpointed else "every block's saved tensors"
+    print(f"per chip, from XLA ({kept}): {layers} blocks' saved activations {chip['saved_activations'] / 2**30:.2f} GiB + "
           f"largest trainer graph {chip['largest_trainer_graph'] / 2**30:.2f} GiB = "
           f"{chip['training_peak'] / 2**30:.2f} GiB ({100 * chip['training_peak'] / hbm:.0f}% of {hbm_gib:g} GiB "
           f"HBM); largest sampler graph {chip['largest_sampler_graph'] / 2**30:.2f} GiB "
           f"({100 * chip['largest_sampler_graph'] / hbm:.0f}%); StableHLO and logs in {result.folder}")
+    print(plan_lines(config, slice_name, compiled, checkpointed, model_path))
     failed = errors(result)
     for line in failed:
         print(f"[rl-tpu] {line}")
     return 1 if failed else 0
+
+
+def plan_lines(config, slice_name: str, compiled: dict, checkpointed: bool, model_path: str | None = None) -> str:
+    """The memory plan (``--print-config``'s) beside XLA's compiled bytes, term by term (:func:`plan_comparison`),
+    as text; one line saying why when the plan cannot be made."""
+    try:
+        from transformers import AutoConfig
+
+        from verl_backend.driver.memory_plan import plan_memory
+        from verl_backend.driver.profiles import profile
+
+        hf = AutoConfig.from_pretrained(model_path) if model_path else None
+        plan = plan_memory(config, slice_name, profile("tpu"), hf_config=hf)
+    except Exception as exc:  # the plan is a comparison here, never a reason to fail the compile report
+        return f"memory plan: not made ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]})"
+    rows = [("term", "plan GiB", "XLA GiB", "XLA's number")]
+    rows += [(name, f"{a / 2**30:.3f}", f"{b / 2**30:.3f}", how)
+             for name, a, b, how in plan_comparison(plan, compiled, checkpointed)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["memory plan (verl train --print-config) beside XLA's compiled bytes, per chip:"]
+    lines += ["  " + "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].rjust(widths[2]), r[3]])
+              for r in rows]
+    return "\n".join(lines)

@@ -173,10 +173,12 @@ def table(compiled: dict, generation: str, mosaic: dict[str, bool] | None = None
     return "\n".join(lines)
 
 
-def per_chip_bytes(compiled: dict, layers: int) -> dict[str, int]:
-    """The training step's HBM per chip from XLA's numbers: every block's forward keeps its outputs (what the
-    backward reads) until the backward, so ``layers × block.fwd outputs``, plus the largest working set of one
-    graph (arguments + outputs + temporaries + code − aliased) of the trainer; and the sampler's largest graph.
+def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> dict[str, int]:
+    """The training step's HBM per chip from XLA's numbers: without gradient checkpointing every block's forward
+    keeps its outputs (what the backward reads) until the backward, so ``layers × block.fwd outputs``; with it, each
+    block keeps only its input (the fwd graph's first argument, ``(batch, seq, hidden)``) and one block's forward
+    outputs are live again while it is recomputed: ``layers × input + block.fwd outputs``. Plus the largest working
+    set of one trainer graph (arguments + outputs + temporaries + code − aliased); and the sampler's largest graph.
     Returns ``{"saved_activations", "largest_trainer_graph", "largest_sampler_graph", "training_peak"}`` in bytes.
     Parameters, gradients and optimizer state held between graphs are the memory plan's terms, not here."""
     def working(g):
@@ -185,8 +187,39 @@ def per_chip_bytes(compiled: dict, layers: int) -> dict[str, int]:
 
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
     fwd = [g for g in graphs if g["kind"] == "block" and g["graph"].endswith(".fwd")]
-    saved = layers * max((g["output_bytes"] for g in fwd), default=0)
+    outputs = max((g["output_bytes"] for g in fwd), default=0)
+    saved = layers * max((g.get("first_argument_bytes", 0) for g in fwd), default=0) + outputs if checkpointed \
+        else layers * outputs
     trainer = max((working(g) for g in graphs if g["kind"] in ("block", "lm_head")), default=0)
     sampler = max((working(g) for g in graphs if g["kind"] in ("prefill", "decode")), default=0)
     return {"saved_activations": saved, "largest_trainer_graph": trainer, "largest_sampler_graph": sampler,
             "training_peak": saved + trainer}
+
+
+def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float, float, str]]:
+    """The memory plan's terms (:mod:`verl_backend.driver.memory_plan`) beside XLA's compiled bytes, where the two
+    count the same thing: ``[(term, plan bytes, XLA bytes, what XLA's number is)]``. The plan counts the unpadded
+    ``prompt + response`` tokens and dense HBM; XLA the padded bucket (a power of two) and its tiled layouts (a
+    bf16 array's last two dimensions padded to 16x128, f32's to 8x128)."""
+    graphs = {g["graph"]: g for g in compiled.get("graphs", []) if not g.get("error")}
+    out = []
+    fwd = [g for g in graphs.values() if g["kind"] == "block" and g["graph"].endswith(".fwd")]
+    layers = plan.model.layers if hasattr(plan.model, "layers") else None
+    if fwd and layers:
+        g = fwd[0]
+        xla = (layers * g.get("first_argument_bytes", 0) + g["output_bytes"]) if checkpointed \
+            else layers * g["output_bytes"]
+        how = (f"{layers} x block input + one block's fwd outputs" if checkpointed
+               else f"{layers} x block fwd outputs (saved for the backward)")
+        out.append(("activations", plan.term("activations"), xla, how))
+    head = [g for g in graphs.values() if g["kind"] == "lm_head" and g["graph"].endswith(".fwd")]
+    if head:
+        g = head[0]
+        out.append(("LM head logits", plan.term("LM head logits"), g["output_bytes"] + g["temp_bytes"],
+                    "lm_head fwd outputs + temporaries"))
+    decode = [g for g in graphs.values() if g["kind"] == "decode"]
+    if decode:
+        g = max(decode, key=lambda g: g["argument_bytes"])
+        out.append(("sampler weights + KV cache", plan.term("sampler weights") + plan.term("sampler KV cache"),
+                    g["argument_bytes"], f"{g['graph']} arguments"))
+    return out
