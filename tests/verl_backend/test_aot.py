@@ -121,7 +121,7 @@ def test_job_graphs_follow_the_config():
                                     "rollout": {"n": 4, "max_num_seqs": 64}}}
     graphs = job_graphs(config, workers=4)
     assert graphs[0] == GraphRequest("block", 2, 512) and graphs[1] == GraphRequest("lm_head", 2, 512)
-    assert graphs[2] == GraphRequest("prefill", 8, 128, 384)  # 8x4 rows over 4 workers; buckets 128 + 256
+    assert graphs[2] == GraphRequest("prefill", 8, 100, 300)  # 8x4 rows over 4 workers; the rollout's 100 + 200
     assert [g.batch for g in graphs if g.kind == "decode"] == [8, 4, 2, 1]
 
 

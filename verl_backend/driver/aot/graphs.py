@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-#: the sampler's default buckets (rl_tpu.sampler.engine.Sampler)
-PROMPT_BUCKETS = (32, 64, 128, 256, 512)
-GEN_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +40,16 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def bucket(buckets, length: int) -> int:
-    """The smallest of ``buckets`` >= ``length``; the largest when none is (the sampler refuses longer prompts)."""
-    return next((b for b in buckets if b >= length), buckets[-1])
-
-
 def job_graphs(config, workers: int) -> list[GraphRequest]:
     """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers.
 
     Trainer: the actor's micro batch (``ppo_micro_batch_size_per_gpu``, else 1) by the padded length of prompt plus
     response, a power of two. Sampler (in the worker): this worker's share of ``train_batch_size × rollout.n``
-    (at most ``rollout.max_num_seqs``, a power of two), the prompt bucket of ``data.max_prompt_length``, the cache of
-    that plus the generation bucket of ``data.max_response_length``; decode also at every halved batch bucket
-    (the sampler drops finished rows), down to 1.
+    (at most ``rollout.max_num_seqs``, a power of two), at the largest of the rollout's buckets
+    (:func:`verl_backend.rollout.sampling._buckets`: powers of two up to the rollout's ``prompt_length`` and
+    ``response_length``, those limits last): a prefill of ``prompt_length`` tokens against a cache of
+    ``prompt_length + response_length`` slots; decode also at every halved batch bucket (the sampler drops finished
+    rows), down to 1. Smaller prompt and generation buckets compile graphs of their own, not listed.
     """
 
     def get(key, default):
@@ -72,8 +66,8 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
     rows = int(get("data.train_batch_size", 1)) * int(get("actor_rollout_ref.rollout.n", 1))
     share = max(1, -(-rows // max(1, workers)))
     batch = pow2(min(share, int(get("actor_rollout_ref.rollout.max_num_seqs", share) or share)))
-    p = bucket(PROMPT_BUCKETS, prompt)
-    cache = p + bucket(GEN_BUCKETS, response)
+    p = int(get("actor_rollout_ref.rollout.prompt_length", prompt) or prompt)  # the rollout's largest buckets
+    cache = p + int(get("actor_rollout_ref.rollout.response_length", response) or response)
     out = [GraphRequest("block", micro, seq), GraphRequest("lm_head", micro, seq),
            GraphRequest("prefill", batch, p, cache)]
     b = batch
