@@ -31,7 +31,8 @@ def runs(tmp_path_factory, tiny_model_dir):
             folder, f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
             "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
-            "actor_rollout_ref.actor.optim.lr=1e-3", f"trainer.rollout_data_dir={folder / 'rollouts'}",
+            "actor_rollout_ref.actor.optim.lr=1e-3", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.rollout_data_dir={folder / 'rollouts'}",
             *write_reward(folder), *extra,
         )
         assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-5000:])
