@@ -80,6 +80,10 @@ CANDIDATES: dict[str, list[str]] = {
     "t07_n8_lr2e5_b8s8": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
                                 "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=2",
                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=24"],
+    "t07_n8_lr3e5": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
+                           "actor_rollout_ref.actor.optim.lr=3e-5"],
+    "t07_n8_lr3e5_mb2": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
+                               "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
     "new_default": [],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
 }
@@ -250,7 +254,7 @@ def cmd_table(_args) -> None:
         return
     print(f"{'candidate':<22} {'seed':>4} {'set':<6} {'strict':>7} {'lenient':>8} {'Δ lenient [95% CI]':>24} "
           f"{'Δ strict':>9} {'ends42':>6} {'wall':>6}")
-    for which in ("val", "report"):
+    for which in [w for w in ("val", "report") if w in base]:
         b = base[which]
         n = len(b["lenient"])
         print(f"{'base':<22} {'':>4} {which:<6} {100 * sum(b['strict']) / n:6.1f}% {100 * sum(b['lenient']) / n:7.1f}% "
@@ -263,6 +267,39 @@ def cmd_table(_args) -> None:
             print(f"{r['candidate']:<22} {r['seed']:>4} {which:<6} {100 * sum(r['strict']) / n:6.1f}% "
                   f"{100 * sum(r['lenient']) / n:7.1f}% {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
                   f"{r['ends_42']:>6} {r.get('wall_s', 0) / 60:5.1f}m")
+
+
+def reward_slope(rows: list[dict]) -> tuple[float, float, float, int]:
+    """Least-squares slope of the train reward over steps, pooled over runs, with its 95% interval.
+
+    Args:
+        rows: result rows, each with ``rewards`` (mean train reward per step, step 1 first).
+
+    Returns: ``(slope, lo, hi, points)``, slope in reward per step (normal interval from the slope's standard error).
+    """
+    pts = [(i + 1, r) for row in rows for i, r in enumerate(row.get("rewards") or [])]
+    n = len(pts)
+    if n < 3:
+        return float("nan"), float("nan"), float("nan"), n
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in pts)
+    se = math.sqrt(resid / (n - 2) / sxx)
+    return b, b - 1.96 * se, b + 1.96 * se, n
+
+
+def cmd_slope(_args) -> None:
+    from verl_backend.data.converters import PROMPT_SUFFIX
+
+    rows = [r for r in _rows() if r["set"] == "report" and r["candidate"] != "base"
+            and r.get("prompt_suffix") == PROMPT_SUFFIX]
+    for name in sorted({r["candidate"] for r in rows}):
+        mine = [r for r in rows if r["candidate"] == name]
+        b, lo, hi, n = reward_slope(mine)
+        print(f"{name}: train reward slope {b:+.4f}/step [95% CI {lo:+.4f}, {hi:+.4f}] over {n} steps of "
+              f"{len(mine)} run(s) (seeds {sorted(r['seed'] for r in mine)})")
 
 
 def main() -> None:
@@ -278,6 +315,7 @@ def main() -> None:
     study.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     study.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
     sub.add_parser("table", help="print the table of everything judged so far")
+    sub.add_parser("slope", help="the train reward's slope over steps per candidate, pooled over its seeds")
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
     TASK, TASK_CONFIG = args.task, TASKS[args.task]
@@ -285,7 +323,7 @@ def main() -> None:
         OUT = OUT / TASK
         RESULTS = OUT / "results.jsonl"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    {"base": cmd_base, "study": cmd_study, "table": cmd_table}[args.cmd](args)
+    {"base": cmd_base, "study": cmd_study, "table": cmd_table, "slope": cmd_slope}[args.cmd](args)
 
 
 if __name__ == "__main__":
