@@ -40,6 +40,16 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def config_get(config, key: str, default=None):
+    """The value at the dotted ``key`` of a nested config (a dict or OmegaConf node), else ``default``."""
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+        if node is None:
+            return default
+    return node
+
+
 def job_graphs(config, workers: int) -> list[GraphRequest]:
     """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers.
 
@@ -53,12 +63,7 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
     """
 
     def get(key, default):
-        node = config
-        for part in key.split("."):
-            node = node.get(part) if hasattr(node, "get") else None
-            if node is None:
-                return default
-        return node
+        return config_get(config, key, default)
 
     prompt, response = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
     micro = int(get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 0) or 1)

@@ -7,21 +7,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+from verl_backend.driver.aot.graphs import config_get as _get
 from verl_backend.driver.aot.graphs import job_graphs
 from verl_backend.driver.aot.run import (AotError, errors, jax_topology, lower_and_compile, per_chip_bytes,
                                          plan_comparison, table)
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
            "fp16": "float16", "float16": "float16"}
-
-
-def _get(config, key: str, default=None):
-    node = config
-    for part in key.split("."):
-        node = node.get(part) if hasattr(node, "get") else None
-        if node is None:
-            return default
-    return node
 
 
 def model_config(path: str) -> dict:
