@@ -111,7 +111,9 @@ def test_default_config_composes_with_backend_defaults(tmp_path):
     assert cfg["actor_rollout_ref"]["rollout"]["name"] == "native"
     assert cfg["trainer"]["device"] == "cpu"
     assert cfg["algorithm"]["adv_estimator"] == "grpo"
-    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4 and cfg["data"]["train_batch_size"] == 4
+    # the default recipe (docs/recipe.md): 4 prompts x 8 samples at temperature 0.7
+    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 8 and cfg["data"]["train_batch_size"] == 4
+    assert cfg["actor_rollout_ref"]["rollout"]["temperature"] == 0.7
     assert cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
     assert (tmp_path / "data" / "basic_arithmetic_train.parquet").is_file()
 
@@ -363,7 +365,8 @@ def test_tpu_slice_sets_one_node_per_host_and_one_worker_per_chip(tmp_path):
 def test_default_job_on_a_fake_slice_fits_its_micro_batches_to_the_workers(tmp_path):
     """The README's dry run (``--slice v6e-16``: 16 workers, 1 sequence each) was refused over the embedded default's
     micro batch of 8; a micro batch size given on the command line is still the user's to fix."""
-    proc = verl("train", "--backend", "cpu", "--slice", "v6e-16", "--output-dir", str(tmp_path), "--print-config")
+    proc = verl("train", "--backend", "cpu", "--slice", "v6e-16", "--output-dir", str(tmp_path), "--print-config",
+                "actor_rollout_ref.rollout.n=4")  # 16 sequences a step (the old default's), 1 a worker
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "log_prob_micro_batch_size_per_gpu lowered from 8 (the embedded default) to 1" in proc.stdout
     cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
@@ -371,7 +374,8 @@ def test_default_job_on_a_fake_slice_fits_its_micro_batches_to_the_workers(tmp_p
     assert cfg["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] == 1
     assert cfg["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 1
     line = _one_error_line(verl("train", "--backend", "cpu", "--slice", "v6e-4", "--output-dir", str(tmp_path),
-                                "--print-config", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"))
+                                "--print-config", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                                "actor_rollout_ref.rollout.n=4"))
     assert "log_prob_micro_batch_size_per_gpu=8 does not divide the 4 sequences" in line, line
 
 
@@ -475,7 +479,8 @@ def test_micro_batches_that_do_not_divide_a_workers_share_are_one_line(tmp_path)
     assert "set it to a divisor of 4" in line
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"))
-    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3 does not divide the 16 sequences" in line
+    # 4 prompts x the default's 8 samples
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3 does not divide the 32 sequences" in line
 
 
 def test_task_runner_in_driver_is_verls_own_class():
