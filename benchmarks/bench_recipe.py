@@ -225,22 +225,35 @@ def cmd_study(args) -> None:
             with open(OUT / f"{name}-s{seed}.log", "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
             wall = time.monotonic() - t0
-            ckpt = _last_checkpoint(run)
-            if rc != 0 or ckpt is None:
-                print(f"{name} seed {seed}: exit {rc}, checkpoint {ckpt}; see {OUT / f'{name}-s{seed}.log'}")
+            if rc != 0:
+                print(f"{name} seed {seed}: exit {rc}; see {OUT / f'{name}-s{seed}.log'}")
                 continue
-            rewards = []
-            metrics = run / "metrics.jsonl"
-            if metrics.exists():
-                for line in metrics.read_text().splitlines():
-                    data = json.loads(line).get("data", {})
-                    if "critic/score/mean" in data:
-                        rewards.append(data["critic/score/mean"])
-            for which in args.sets:
-                res = judge(str(ckpt), which)
-                _record({"candidate": name, "seed": seed, "set": which, "wall_s": wall, "rewards": rewards,
-                         "overrides": CANDIDATES[name] + list(args.extra), **res})
+            judge_run(name, seed, run, args.sets, wall, args.extra)
             cmd_table(args)
+
+
+def judge_run(name: str, seed: int, run: Path, sets, wall: float | None = None, extra: list[str] = ()) -> None:
+    """Judge the last checkpoint of the run folder ``run`` on ``sets`` and record it as ``name`` at ``seed``."""
+    ckpt = _last_checkpoint(run)
+    if ckpt is None:
+        print(f"{name} seed {seed}: no checkpoint under {run}")
+        return
+    rewards = []
+    metrics = run / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            data = json.loads(line).get("data", {})
+            if "critic/score/mean" in data:
+                rewards.append(data["critic/score/mean"])
+    for which in sets:
+        res = judge(str(ckpt), which)
+        _record({"candidate": name, "seed": seed, "set": which, "wall_s": wall, "rewards": rewards,
+                 "overrides": CANDIDATES[name] + list(extra), **res})
+
+
+def cmd_judge(args) -> None:
+    judge_run(args.candidate, args.seed, Path(args.run), args.sets)
+    cmd_table(args)
 
 
 def cmd_table(_args) -> None:
@@ -315,6 +328,11 @@ def main() -> None:
     study.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     study.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
     sub.add_parser("table", help="print the table of everything judged so far")
+    jd = sub.add_parser("judge", help="judge a finished run folder as a candidate at a seed")
+    jd.add_argument("--candidate", required=True, choices=sorted(CANDIDATES))
+    jd.add_argument("--seed", type=int, required=True)
+    jd.add_argument("--run", required=True, help="the run's output folder")
+    jd.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
     sub.add_parser("slope", help="the train reward's slope over steps per candidate, pooled over its seeds")
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
@@ -323,7 +341,8 @@ def main() -> None:
         OUT = OUT / TASK
         RESULTS = OUT / "results.jsonl"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    {"base": cmd_base, "study": cmd_study, "table": cmd_table, "slope": cmd_slope}[args.cmd](args)
+    {"base": cmd_base, "study": cmd_study, "table": cmd_table, "slope": cmd_slope,
+                                                   "judge": cmd_judge}[args.cmd](args)
 
 
 if __name__ == "__main__":

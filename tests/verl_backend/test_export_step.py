@@ -122,6 +122,7 @@ def test_a_reward_file_is_a_scorer(tmp_path):
 def test_failed_export_exits_3_records_it_and_leaves_the_checkpoint(tmp_path, capsys):
     """A checkpoint litert export cannot read (its weights file is cut short): exit 3, the cause in summary.json
     and on stderr, the command to rerun, and the checkpoint's bytes unchanged."""
+    from verl_backend.driver.console import Console
     from verl_backend.driver.train import _export
 
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_2" / "actor" / "huggingface"
@@ -131,7 +132,8 @@ def test_failed_export_exits_3_records_it_and_leaves_the_checkpoint(tmp_path, ca
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()}
     run = tmp_path / "run"
     (run / "summary.json").write_text(json.dumps({"training_steps": 2}))
-    code = _export(_config(), run, _settings(export=str(tmp_path / "out" / "m.tflite")))
+    console = Console(None, None, verbose=True)  # not capturing: the error goes to this process's stderr
+    code = _export(_config(), run, _settings(export=str(tmp_path / "out" / "m.tflite")), console)
     assert code == export_step.EXPORT_FAILED == 3
     summary = json.loads((run / "summary.json").read_text())
     assert summary["training_steps"] == 2  # what the report wrote is kept
