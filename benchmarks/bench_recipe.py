@@ -279,7 +279,7 @@ def cmd_table(_args) -> None:
             ds, _, _ = paired(r["strict"], b["strict"])
             print(f"{r['candidate']:<22} {r['seed']:>4} {which:<6} {100 * sum(r['strict']) / n:6.1f}% "
                   f"{100 * sum(r['lenient']) / n:7.1f}% {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
-                  f"{r['ends_42']:>6} {r.get('wall_s', 0) / 60:5.1f}m")
+                  f"{r['ends_42']:>6} {(r.get('wall_s') or 0) / 60:5.1f}m")
 
 
 def reward_slope(rows: list[dict]) -> tuple[float, float, float, int]:
