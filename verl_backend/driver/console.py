@@ -92,27 +92,22 @@ class Console:
 
     def say(self, text: str) -> None:
         """Show ``text`` (one or more lines) on the terminal and write it to ``train.log``."""
-        data = (text.rstrip("\n") + "\n").encode()
-        with self._lock:
-            if self._log is not None:
-                self._log.write(data)
-            if self._terminal_fd is None:
-                sys.stdout.write(data.decode())
-                sys.stdout.flush()
-            else:
-                os.write(self._terminal_fd, data)
+        self._show(text, self._terminal_fd, sys.stdout)
 
     def error(self, text: str) -> None:
         """Show ``text`` on the terminal's stderr and write it to ``train.log``."""
+        self._show(text, self._terminal_err_fd, sys.stderr)
+
+    def _show(self, text: str, fd: int | None, stream) -> None:
         data = (text.rstrip("\n") + "\n").encode()
         with self._lock:
             if self._log is not None:
                 self._log.write(data)
-            if self._terminal_err_fd is None:
-                sys.stderr.write(data.decode())
-                sys.stderr.flush()
+            if fd is None:  # not capturing: this process's own stream
+                stream.write(data.decode())
+                stream.flush()
             else:
-                os.write(self._terminal_err_fd, data)
+                os.write(fd, data)
 
     def pump(self) -> None:
         """Point fds 1 and 2 at pipes read by threads (all to the log, the filter's lines to the terminal)."""

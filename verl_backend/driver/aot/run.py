@@ -43,25 +43,19 @@ class AotError(BadInputError):
 
 
 def aot_python() -> str:
-    """The interpreter with torch-tpu and libtpu: ``$RL_TPU_AOT_PYTHON``, else ``<this venv>-aot/bin/python``
-    (what ``.ci/aot_venv`` makes), else this interpreter when torch-tpu is importable here (not imported).
+    """The interpreter with torch-tpu and libtpu: ``<this venv>-aot/bin/python`` (what ``.ci/aot_venv`` makes), else
+    this interpreter when torch-tpu is importable here (not imported).
 
     Raises:
         AotError: none has torch-tpu.
     """
-    given = os.environ.get("RL_TPU_AOT_PYTHON")
-    if given:
-        if not Path(given).exists():
-            raise AotError(f"RL_TPU_AOT_PYTHON={given} does not exist")
-        return given
     beside = Path(sys.prefix + "-aot") / "bin" / "python"
     if beside.exists():
         return str(beside)
     if find_spec("torch_tpu") is not None:
         return sys.executable
     raise AotError(f"--aot-only needs torch-tpu 0.2.0 and libtpu 0.0.52, in {sys.prefix}-aot (make it with "
-                   "`.ci/aot_venv`, the `aot` extra) or this environment (`pip install -e '.[aot]'`), or name an "
-                   "interpreter that has them in RL_TPU_AOT_PYTHON")
+                   "`.ci/aot_venv`, the `aot` extra) or this environment (`pip install -e '.[aot]'`)")
 
 
 def jax_topology(slice_name: str) -> tuple[str, str, float]:
