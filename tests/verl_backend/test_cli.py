@@ -287,6 +287,26 @@ def test_model_folder_checks_name_the_key_and_the_fix(tmp_path, tiny_model_dir):
     check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
 
 
+def test_family_without_sdpa_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    """GPT-OSS (no sdpa in transformers 5.x) ended in ~100 lines from a Ray worker; now one line before Ray. The
+    Llama-like folder (sdpa) passes the same check: the control."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from verl_backend.driver.preflight import check_model_folder
+    from verl_backend.errors import BadInputError
+
+    gpt_oss = tmp_path / "gpt_oss"
+    cfg = GptOssConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1, vocab_size=64,
+                       max_position_embeddings=64, layer_types=["full_attention"])
+    GptOssForCausalLM(cfg).save_pretrained(gpt_oss)
+    with pytest.raises(BadInputError, match=r"actor_rollout_ref.model.path=.*gpt_oss: GptOssForCausalLM \(gpt_oss\) "
+                                            r"has no scaled_dot_product_attention .*train a family that has one") as exc:
+        check_model_folder("actor_rollout_ref.model.path", gpt_oss, str(tiny_model_dir))
+    assert "\n" not in str(exc.value)
+    check_model_folder("actor_rollout_ref.model.path", tiny_model_dir, None)
+
+
 def test_unwritable_model_cache_is_one_line(tmp_path):
     from verl_backend.errors import BadInputError
     from verl_backend.models import ensure_default_model

@@ -225,6 +225,37 @@ def fit_epochs_to_steps(config) -> None:
           f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
 
 
+def check_sdpa_attention(key: str, path: Path, config) -> None:
+    """Refuse a model family whose transformers class has no ``scaled_dot_product_attention`` path (GPT-OSS in
+    transformers 5.x: its attention sinks have only eager and kernel implementations). rl-tpu's trainer engine
+    (``override_config.attn_implementation=sdpa``, :mod:`verl_backend.driver.profiles`) and the native sampler
+    (:mod:`rl_tpu.sampler.attention`) both compute attention through sdpa; such a model failed inside a Ray worker
+    with ~100 lines ending in transformers' ``ValueError``.
+
+    Args:
+        key: the config key that named the folder (``actor_rollout_ref.model.path``).
+        path: the model folder.
+        config: its transformers config (``AutoConfig.from_pretrained(path)``).
+
+    Raises:
+        BadInputError: one line naming the family, why, and the families that run.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return  # not a causal LM transformers knows (remote code, a critic's head): VeRL loads it its own way
+    if getattr(cls, "_supports_sdpa", True):
+        return
+    raise BadInputError(
+        f"{key}={path}: {cls.__name__} ({config.model_type}) has no scaled_dot_product_attention implementation in "
+        f"transformers {transformers.__version__}, and rl-tpu's trainer engine and native sampler compute attention "
+        "through sdpa; train a family that has one (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma3, Mistral)"
+    )
+
+
 def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None:
     """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
 
@@ -259,6 +290,7 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
             "reads for every model (verl/models/transformers/monkey_patch.py); use a Llama-, Qwen- or Mistral-style "
             "checkpoint"
         )
+    check_sdpa_attention(key, path, config)
     tok = Path(os.path.expanduser(tokenizer_path.strip("\"'"))) if tokenizer_path else path
     try:
         _tokenizer(str(tok))
