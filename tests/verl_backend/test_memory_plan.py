@@ -85,8 +85,10 @@ def test_qwen3_8b_does_not_fit_a_v6e_4_and_is_refused_before_it_starts(qwen3_8b_
                  "ppo_micro_batch_size_per_gpu"):
         assert part in line, (part, line)
     assert "enable_gradient_checkpointing" not in line  # the TPU profile's job has it on already
-    # the CPU backend's dry run of the same slice is not refused: its workers are host processes, not chips
-    check_memory_fits(config, "v6e-4:2x2", PROFILES["cpu"])
+    # the CPU backend's dry run of the same slice is held to this host's memory instead: 4 host processes of an 8B
+    # model's training state cannot fit any machine this runs on (>= 4 x 16 B x 8.2e9 = 489 GiB)
+    with pytest.raises(BadInputError, match=r"needs at least .* GiB on this host \(4 trainer worker\(s\)"):
+        check_memory_fits(config, "v6e-4:2x2", PROFILES["cpu"])
 
 
 def test_qwen3_8b_fits_a_v5p_slice(qwen3_8b_dir):
@@ -146,3 +148,50 @@ def test_the_compiled_trainer_plans_its_bucketed_micro_batches(qwen3_8b_dir):
     assert compiled.term("LM head logits") == pytest.approx(eager.term("LM head logits") * 2048 / 1536, rel=1e-9)
     assert compiled.term("activations") > 1.3 * eager.term("activations")  # softmax term grows with the square
     assert compiled.term("parameters") == eager.term("parameters")
+
+
+# Qwen3-1.7B and Qwen3-0.6B (their config.json) with the default tokenizer's vocabulary (49152), as the scale
+# benchmark builds them: 28 layers each; hidden 2048 / 1024, MLP 6144 / 3072, 16 query / 8 key-value heads of 128.
+QWEN3_1_7B = {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
+QWEN3_0_6B = {**QWEN3_1_7B, "hidden_size": 1024, "intermediate_size": 3072}
+HOST = 23.5 * GIB  # this machine's 24 GiB (MemTotal), fixed so the test does not depend on where it runs
+
+
+def _cpu_job(model_dir, **keys):
+    """The default CPU job (grpo_cpu.yaml's batch, lengths and KL loss) on ``model_dir``, composed by VeRL."""
+    cpu = PROFILES["cpu"]
+    default = yaml.safe_load(cpu.default_config.read_text())
+    aro = default["actor_rollout_ref"]
+    job = {
+        "trainer.nnodes": 1, "trainer.n_gpus_per_node": 1, "algorithm.adv_estimator": "grpo",
+        "data.train_batch_size": default["data"]["train_batch_size"], "actor_rollout_ref.rollout.n": aro["rollout"]["n"],
+        "data.max_prompt_length": default["data"]["max_prompt_length"],
+        "data.max_response_length": default["data"]["max_response_length"],
+        "actor_rollout_ref.actor.ppo_mini_batch_size": aro["actor"]["ppo_mini_batch_size"],
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": aro["actor"]["ppo_micro_batch_size_per_gpu"],
+        "actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.model.path": str(model_dir), **keys,
+    }
+    overrides = {**cpu.overrides, **{k: str(v) for k, v in job.items()}}
+    return compose_config([f"{k}={v}" for k, v in overrides.items()])
+
+
+@pytest.mark.parametrize("shape,lora,refused", [(QWEN3_1_7B, 0, True), (QWEN3_1_7B, 16, False),
+                                                (QWEN3_0_6B, 0, False)])
+def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, lora, refused):
+    """Qwen3-1.7B-shaped full fine-tuning (fp32 weights, gradients, AdamW and the reference: 20 B a parameter,
+    ~29 GiB) cannot fit 24 GiB and is refused naming LoRA; with LoRA, and at 0.6B, it is not."""
+    from transformers import Qwen3Config
+
+    from verl_backend.driver.memory_plan import host_refusal
+
+    Qwen3Config(**shape).save_pretrained(tmp_path)
+    config = _cpu_job(tmp_path, **({"actor_rollout_ref.model.lora_rank": lora} if lora else {}))
+    plan = plan_memory(config, None, PROFILES["cpu"])
+    line = host_refusal(plan, str(tmp_path), HOST)
+    assert (line is not None) == refused, (plan.format(), line)
+    if refused:
+        assert "\n" not in line
+        for part in ("Qwen3ForCausalLM", str(tmp_path), f"{plan.peak / GIB:.1f} GiB", f"{HOST * USABLE_FRACTION / GIB:.1f} GiB usable",
+                     "biggest term: optimizer", "lora_rank=16", "use_kl_loss=false", "enable_gradient_checkpointing"):
+            assert part in line, (part, line)

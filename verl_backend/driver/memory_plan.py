@@ -42,6 +42,7 @@ the chip's HBM is what the plan may fill.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from verl_backend.driver.model_shape import ModelShape, model_shape, shape_of_path
@@ -346,21 +347,71 @@ def _memory_plan(config, slice_name: str | None, backend):
 def show_memory_plan(config, slice_name: str | None, backend) -> None:
     """``--print-config``: print the per-chip memory plan under the config when the job has a slice or runs on TPU,
     as YAML comment lines (``# ``), so that the output still loads as the config."""
-    if not (slice_name or backend.tpu_runtime):
+    if not (slice_name or backend.tpu_runtime or backend.host_memory):
         return
     plan, why = _memory_plan(config, slice_name, backend)
     text = plan.format() if plan is not None else f"memory plan: not made ({why})"
+    if plan is not None and backend.host_memory:
+        host = host_memory_bytes()
+        need = plan.peak * plan.workers
+        verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
+        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB = {need / GIB:.3f} GiB "
+                 f"(a lower bound: the rollout server's copy and each process's own memory are not counted) against "
+                 f"{USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
     print("\n".join(f"# {line}" for line in text.splitlines()))
 
 
+def host_memory_bytes() -> float:
+    """This host's memory in bytes: ``MemTotal``, or the cgroup's ``memory.max`` when that is lower (a container)."""
+    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, float(limit))
+    except OSError:
+        pass
+    return total
+
+
+def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | None:
+    """One line when the CPU job's trainer workers, all on this host, pass :data:`USABLE_FRACTION` of its memory
+    (``None``: they fit). The plan counts the trainer workers' terms only (not the rollout server's own copy, nor
+    each process's Python and torch), so it is a lower bound: a job it refuses cannot run here."""
+    need, usable = plan.peak * plan.workers, host_bytes * USABLE_FRACTION
+    if need <= usable:
+        return None
+    big = plan.biggest
+    fixes = []
+    if plan.term("gradients") == plan.term("parameters"):  # full fine-tuning
+        fixes.append("actor_rollout_ref.model.lora_rank=16 (LoRA: gradients and AdamW moments for the adapter only)")
+    if any(t.name.startswith("reference policy") and t.bytes for t in plan.terms):
+        fixes.append("actor_rollout_ref.actor.use_kl_loss=false (no reference copy)")
+    fixes.append("a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
+        fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    fixes.append("a host with more memory")
+    return (f"memory plan: {plan.model.name} ({model_path}) needs at least {need / GIB:.1f} GiB on this host "
+            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB), over the {usable / GIB:.1f} GiB usable "
+            f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
+            f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)")
+
+
 def check_memory_fits(config, slice_name: str | None, backend) -> None:
-    """Refuse a TPU job whose estimated per-chip peak passes the usable part of the chip's HBM
-    (:data:`USABLE_FRACTION`), before anything starts.
+    """Refuse, before anything starts, a TPU job whose estimated per-chip peak passes the usable part of the chip's
+    HBM (:data:`USABLE_FRACTION`), or a CPU job whose trainer workers together pass it of this host's memory
+    (:func:`host_refusal`; the CPU backend's fake slices included: their workers are host processes).
 
     Raises:
-        BadInputError: one line naming the model, the slice, the estimate against the HBM, the biggest term, the
-            smallest larger slice of the same generation that fits (if any) and the other fixes.
+        BadInputError: one line naming the model, the slice or host, the estimate against the memory, the biggest
+            term, the smallest larger slice of the same generation that fits (TPU, if any) and the other fixes.
     """
+    if backend.host_memory:
+        plan, _ = _memory_plan(config, None, backend)
+        reason = plan and host_refusal(plan, str(config.actor_rollout_ref.model.path), host_memory_bytes())
+        if reason:
+            raise BadInputError(reason)
+        return
     if not (backend.tpu_runtime and slice_name):
         return
     from rl_tpu.topology import accelerator_types, parse_slice
