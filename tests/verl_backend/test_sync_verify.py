@@ -1,0 +1,169 @@
+"""Weight-sync verification (verl_backend.sync_verify) on a tiny random Llama: a correct sync passes, and the
+negative controls are each caught at the first sync after the weights changed, with the one line naming the tensor:
+
+* one tensor dropped (the smallest, a norm weight, moved by a default-learning-rate step ~1e-5): the fingerprints
+  (the probe cannot: below the float32 parity bound, asserted);
+* stale weights (the previous version) and a sync that delivers nothing: the probe and the fingerprints;
+* packed copies not rebuilt (sources written where the version counters do not see it, no ``weights_changed``): the
+  probe; the sources' fingerprints match, the packed-copy check names the layer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rl_tpu.sampler import Sampler
+from rl_tpu.sampler.packed import packed_linear_supported
+from verl_backend import sync_verify as sv
+
+torch.set_num_threads(1)
+
+VOCAB, PAD, EOS = 97, 0, 1
+LR = 1e-5  # the default job's learning rate: an Adam step moves each element by about this much
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def adam_like_step(model: torch.nn.Module, seed: int) -> None:
+    """Every element moved by +-LR (Adam's step size at the start of training)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(LR * torch.sign(torch.randn(p.shape, generator=g)))
+
+
+class Job:
+    """A trainer module, a rollout sampler on its own copy (the CPU fast paths on), and the job's probe."""
+
+    def __init__(self, rollout_dtype: torch.dtype = torch.float32) -> None:
+        self.trainer = tiny_llama()
+        self.sampler = Sampler(copy.deepcopy(self.trainer).to(rollout_dtype), pad_token_id=PAD, eos_token_ids=[EOS],
+                               prompt_buckets=(16, 32), gen_buckets=(16, 32))
+        self.dtype = rollout_dtype
+        self.probe = sv.make_probe(VOCAB, seed=7, avoid=self.sampler.eos_token_ids)
+        self.version = 0
+
+    def step(self) -> None:
+        self.version += 1
+        adam_like_step(self.trainer, self.version)
+
+    def send(self, named=None) -> dict[str, float]:
+        """Sync ``named`` (default: the trainer's whole state dict) into the sampler; the trainer's fingerprints of
+        what it meant to send."""
+        fps: dict[str, float] = {}
+        full = list(sv.fingerprint_stream(self.trainer.state_dict().items(), fps, self.dtype))
+        self.sampler.load_state_dict(full if named is None else named)
+        return fps
+
+    def verify(self, fps, **kw) -> sv.VerifyResult:
+        return sv.verify_sync(self.sampler, self.probe, sv.trainer_probe(self.trainer, self.probe), fps,
+                              replica=3, version=self.version, **kw)
+
+
+def test_probe_shape_and_the_sampler_path_equals_the_model() -> None:
+    job = Job()
+    got = sv.rollout_probe(job.sampler, job.probe)
+    assert tuple(got.shape) == job.probe.shape == (2, 8, 65)
+    assert job.sampler.packed is None or job.sampler.packed.nbytes > 0  # the probe ran on the packed weights
+    assert float((got - sv.trainer_probe(job.trainer, job.probe)).abs().max()) < 1e-5
+
+
+def test_a_correct_sync_passes_at_every_version() -> None:
+    job = Job()
+    for _ in range(3):
+        job.step()
+        result = job.verify(job.send())
+        assert result.ok and result.max_abs_diff <= 1e-5 and result.first_tensor is None
+        assert result.as_metrics()["weight_sync/verified"] == 1.0
+
+
+def test_a_dropped_tensor_is_named_by_its_fingerprint() -> None:
+    job = Job()
+    job.verify(job.send())
+    job.step()
+    names = list(job.trainer.state_dict())
+    smallest = min(names, key=lambda n: job.trainer.state_dict()[n].numel())  # a norm weight, 64 elements
+    assert "norm" in smallest
+    fps = job.send([(n, t) for n, t in job.trainer.state_dict().items() if n != smallest])
+    result = job.verify(fps, raise_on_mismatch=False)
+    assert not result.ok and result.differing == [smallest]
+    # the probe alone does not see a 1e-5 step of one norm weight: the fingerprint is what catches it
+    assert result.max_abs_diff <= result.tolerance
+    with pytest.raises(sv.WeightSyncMismatch) as err:
+        job.verify(fps)
+    line = str(err.value)
+    assert "\n" not in line and "replica 3" in line and "version 1" in line and smallest in line
+
+
+def test_stale_weights_are_caught() -> None:
+    job = Job()
+    job.step()
+    old = {n: t.clone() for n, t in job.trainer.state_dict().items()}
+    job.verify(job.send())
+    job.step()
+    fps = {}
+    list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps))  # what the trainer meant to send
+    job.sampler.load_state_dict(old.items())  # ... but the previous version arrived
+    result = job.verify(fps, raise_on_mismatch=False)
+    assert not result.ok and result.max_abs_diff > result.tolerance  # the probe catches it
+    assert result.first_tensor == "model.embed_tokens.weight" and len(result.differing) == len(old)
+    assert "weight version 2" in result.message and "model.embed_tokens.weight" in result.message
+
+
+def test_a_sync_that_delivers_nothing_is_caught() -> None:
+    job = Job()
+    job.verify(job.send())
+    job.step()
+    fps = {}
+    list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps))
+    job.sampler.load_state_dict([])  # reported success, moved nothing
+    result = job.verify(fps, raise_on_mismatch=False)
+    assert not result.ok and result.max_abs_diff > result.tolerance
+    assert result.first_tensor == "model.embed_tokens.weight"
+    assert result.as_metrics()["weight_sync/verified"] == 0.0
+
+
+@pytest.mark.skipif(not packed_linear_supported(), reason="packed weights need torch with oneDNN")
+def test_packed_copies_not_rebuilt_are_caught_and_named() -> None:
+    job = Job()
+    assert job.sampler.packed is not None
+    job.verify(job.send())  # packs the copies
+    job.step()
+    fps = {}
+    list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps))
+    own = job.sampler._tensors
+    for name, t in job.trainer.state_dict().items():  # written as another process would: no version bump
+        own[name].detach().numpy()[...] = t.numpy()
+    # ... and the server forgot Sampler.weights_changed()
+    result = job.verify(fps, raise_on_mismatch=False)
+    assert not result.ok and result.max_abs_diff > result.tolerance  # the probe catches it
+    assert result.first_tensor == "model.layers.0.self_attn.q_proj.weight (packed copy)", result.differing
+    # the same write announced: the copies are rebuilt and the sync verifies
+    job.sampler.weights_changed()
+    assert job.verify(fps).ok
+
+
+def test_bfloat16_rollout_against_a_float32_trainer() -> None:
+    job = Job(torch.bfloat16)
+    job.step()
+    result = job.verify(job.send())
+    assert result.ok and result.tolerance == 0.1
+    for _ in range(200):  # enough steps that the bfloat16 copy moves
+        job.step()
+    fps = {}
+    list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps, torch.bfloat16))
+    result = job.verify(fps, raise_on_mismatch=False)  # nothing delivered
+    assert not result.ok and result.first_tensor is not None

@@ -1,0 +1,377 @@
+"""Every weight sync verified through the rollout sampler's own compute path (issue #32, item 3).
+
+Weight sync fails silently (VeRL #7495: a LoRA adapter never reached the rollout, the run sampled the initial
+policy). Checking the bytes received proves nothing on the in-place route, where the rollout computes on the trainer's
+own shared memory and the failure is a stale *packed copy* (:mod:`rl_tpu.sampler.packed`,
+:mod:`rl_tpu.sampler.compiled_packed`, the lean decoder's fused query/key/value copies). So after each sync the rollout
+proves that what it computes with is the trainer's model, with two checks:
+
+1. **The probe** (catches anything that changes the numbers by more than the parity bound: stale weights, a sync
+   that delivered nothing, stale packed copies, a wrong tensor). A fixed sequence per job (:func:`make_probe`:
+   ``sequences x length`` token ids, default 2 x 16, drawn from the job's seed) is scored by both sides:
+
+   * trainer (:func:`trainer_probe`): one plain forward of the whole sequences through the trainer's module (an HF
+     causal LM, peft- or FSDP-wrapped: every rank calls it, as every rank calls VeRL's weight export) right after the
+     optimizer step;
+   * rollout (:func:`rollout_probe`): :meth:`rl_tpu.sampler.Sampler.generate` itself, greedy, on the first
+     ``prompt_len`` tokens, its token choice replaced by the probe's next token (teacher forcing,
+     :func:`_forced_choice`): so the probe runs the sampler's prefill (packed prefill on the CPU, padded or compiled
+     elsewhere) and its decode steps (lean decode, packed weights and the fused q/k/v copies, or the compiled graphs)
+     exactly as sampling does, with the same packing decisions (a probe that finds the packed copies missing packs
+     them, as the next generate would have: the packing is not an extra cost).
+
+   Each side returns ``(sequences, length - prompt_len, 1 + k)`` float32: at every scored position the full
+   vocabulary's log-softmax gathered at the probe's next token and at ``k`` fixed vocabulary ids
+   (:attr:`Probe.vocab_ids`), 4 KB for the default. Tolerance (:func:`tolerance`): the project's parity bounds,
+   float32 ``1e-4`` (the sampler's log-prob parity tests, ``tests/rl_tpu/test_sampler.py``, and
+   :data:`rl_tpu.sampler.fastpaths.LEAN_PROBE_TOLERANCE`), bfloat16/float16 ``0.1``
+   (``tests/rl_tpu/test_sampler_compiled.py::test_bfloat16_compiles_as_the_tpu_profile_samples``), the looser of the
+   two sides' compute dtypes.
+
+2. **Fingerprints** (catch any change of a tensor, however small, that the rollout's dtype can hold: a dropped
+   tensor at the default learning rate, which no probe at a float32 parity bound sees, and name it). Per tensor a
+   float64 weighted sum of a fixed strided sample of at most :data:`SAMPLE` elements (every element of a small tensor
+   such as a norm weight), taken of the tensor as cast to the rollout's dtype (:func:`fingerprint`): the trainer
+   fingerprints the stream it sends (:func:`fingerprint_stream`, or :func:`trainer_fingerprints` of a module), the
+   rollout its own source tensors (``sampler._tensors``); equal to the bit for a faithful copy.
+
+On a mismatch the rollout names the first differing tensor: a source tensor whose fingerprint differs, else a packed
+copy that no longer computes its source weight's product (:func:`stale_packed_copies`), and
+:func:`verify_sync` raises :class:`WeightSyncMismatch`, one line naming the replica, the weight version (trainer step)
+and the tensor. Its result's :meth:`VerifyResult.as_metrics` is ``weight_sync/verified`` (1.0/0.0),
+``weight_sync/verify_max_abs_diff`` and ``weight_sync/verify_seconds``.
+
+Which check catches which failure (``tests/verl_backend/test_sync_verify.py``, the negative controls):
+
+==========================================  ==================  =====================================
+failure                                      probe (log-probs)   fingerprints / packed-copy check
+==========================================  ==================  =====================================
+one tensor dropped (smallest, 1e-5 rel.)     no (below 1e-4)     yes: names it
+stale weights (the previous version)         yes                 yes: names the first tensor
+nothing delivered                            yes                 yes: names the first tensor
+packed copies not rebuilt                    yes                 sources equal; packed check names it
+==========================================  ==================  =====================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "Probe", "VerifyResult", "WeightSyncMismatch", "fingerprint", "fingerprint_stream", "make_probe",
+    "rollout_probe", "stale_packed_copies", "tolerance", "trainer_fingerprints", "trainer_probe", "verify_sync",
+]
+
+#: most elements of one tensor a fingerprint reads (a fixed stride through it); a tensor this small or smaller is read
+#: whole
+SAMPLE = 4096
+
+#: the parity bounds (max |log-prob difference|) by the looser compute dtype of the two sides
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.1}
+
+
+class WeightSyncMismatch(RuntimeError):
+    """What the rollout computes with is not the trainer's model; the message is one line (replica, version,
+    first differing tensor where found)."""
+
+
+# ------------------------------------------------------------------------------------------------------ the probe
+@dataclass(frozen=True)
+class Probe:
+    """The fixed probe of a job.
+
+    Attributes:
+        token_ids: ``(sequences, length)`` int64, none of them a stop token of the sampler.
+        prompt_len: tokens prefilled; positions ``prompt_len - 1 .. length - 2`` are scored (each predicting the next).
+        vocab_ids: ``(k,)`` int64 vocabulary ids whose log-probs are compared at every scored position.
+    """
+
+    token_ids: torch.Tensor
+    prompt_len: int
+    vocab_ids: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The log-probs' shape: ``(sequences, length - prompt_len, 1 + k)``."""
+        s, length = self.token_ids.shape
+        return (s, length - self.prompt_len, 1 + self.vocab_ids.numel())
+
+
+def make_probe(vocab_size: int, seed: int = 0, sequences: int = 2, length: int = 16, prompt_len: int = 8,
+               k: int = 64, avoid: Iterable[int] = ()) -> Probe:
+    """The job's probe: ``sequences x length`` token ids in ``[0, vocab_size)`` other than ``avoid`` (the sampler's
+    stop tokens: a forced stop token would end a row) and ``k`` vocabulary ids, all drawn from ``seed``."""
+    if not 1 <= prompt_len < length:
+        raise ValueError(f"prompt_len={prompt_len} with length={length}: give 1 <= prompt_len < length")
+    g = torch.Generator().manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    for t in avoid:
+        if 0 <= int(t) < vocab_size:
+            allowed[int(t)] = False
+    pool = allowed.nonzero().squeeze(-1)
+    ids = pool[torch.randint(0, pool.numel(), (sequences, length), generator=g)]
+    vocab_ids = torch.randperm(vocab_size, generator=g)[: min(k, vocab_size)]
+    return Probe(token_ids=ids, prompt_len=int(prompt_len), vocab_ids=vocab_ids)
+
+
+def _gather(logits: torch.Tensor, probe: Probe) -> torch.Tensor:
+    """``logits`` ``(sequences, scored, vocab)`` -> the probe's ``(sequences, scored, 1 + k)`` float32 log-probs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nxt = probe.token_ids[:, probe.prompt_len:].to(logp.device)  # (sequences, scored): each position's next token
+    vocab = probe.vocab_ids.to(logp.device).expand(*nxt.shape, -1)
+    return torch.cat([logp.gather(-1, nxt[..., None]), logp.gather(-1, vocab)], dim=-1).cpu()
+
+
+def _hf_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward takes ``input_ids`` (FSDP1's wrapper forwards them; a peft model does too)."""
+    return module
+
+
+@torch.no_grad()
+def trainer_probe(module: torch.nn.Module, probe: Probe) -> torch.Tensor:
+    """The probe's log-probs from the trainer's module: one forward of the whole sequences, no cache, eval mode for
+    the call (training mode put back). Every FSDP rank must call it (the forward gathers the shards).
+
+    Returns:
+        ``(sequences, length - prompt_len, 1 + k)`` float32 on the CPU (:attr:`Probe.shape`).
+    """
+    was = module.training
+    module.eval()
+    try:
+        device = next(module.parameters()).device
+        ids = probe.token_ids.to(device)
+        logits = _hf_module(module)(input_ids=ids, use_cache=False).logits  # (sequences, length, vocab)
+        return _gather(logits[:, probe.prompt_len - 1 : -1], probe)
+    finally:
+        module.train(was)
+
+
+_FORCED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rl_tpu_probe_forcing", default=None)
+
+
+def _forced_choice(original):
+    def choose(logits, *args, **kwargs):
+        state = _FORCED.get()
+        if state is None:  # another thread sampling: untouched
+            return original(logits, *args, **kwargs)
+        t = len(state["logits"])
+        state["logits"].append(logits.float().clone())  # (batch, vocab): the rows still in the batch
+        tok = state["tokens"][:, t].to(logits.device)
+        if tok.shape[0] != logits.shape[0]:
+            raise RuntimeError(f"probe: the sampler's batch has {logits.shape[0]} rows at step {t}, the probe "
+                               f"{tok.shape[0]}")
+        return tok, None
+    choose.rl_tpu_forced = True
+    return choose
+
+
+@contextlib.contextmanager
+def _forcing(tokens: torch.Tensor) -> Iterator[dict]:
+    """Within the block, the sampler's token choice in this thread returns ``tokens[:, t]`` at step ``t`` and records
+    the logits it was given; other threads choose as before."""
+    import rl_tpu.sampler.engine as engine
+
+    if not getattr(engine.choose_tokens, "rl_tpu_forced", False):
+        engine.choose_tokens = _forced_choice(engine.choose_tokens)
+    state = {"tokens": tokens, "logits": []}
+    token = _FORCED.set(state)
+    try:
+        yield state
+    finally:
+        _FORCED.reset(token)
+
+
+def rollout_probe(sampler, probe: Probe) -> torch.Tensor:
+    """The probe's log-probs through the sampler's own forward path: :meth:`Sampler.generate` (greedy, one batch,
+    ``length - prompt_len`` new tokens) on the first ``prompt_len`` tokens, each step fed the probe's next token.
+
+    Returns:
+        ``(sequences, length - prompt_len, 1 + k)`` float32 on the CPU (:attr:`Probe.shape`).
+    """
+    from rl_tpu.sampler import SamplingParams
+
+    prompts = probe.token_ids[:, : probe.prompt_len].tolist()
+    new = probe.token_ids.shape[1] - probe.prompt_len
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, logprobs=False)
+    batch = sampler.max_batch_size
+    sampler.max_batch_size = None  # one batch, the probe's rows in order (it sorts by length: all equal)
+    try:
+        with _forcing(probe.token_ids[:, probe.prompt_len:]) as state:
+            outs = sampler.generate(prompts, params)
+    finally:
+        sampler.max_batch_size = batch
+    got = [o.token_ids for o in outs]
+    if got != probe.token_ids[:, probe.prompt_len:].tolist():
+        raise RuntimeError("probe: the sampler did not take the probe's tokens (a stop token among them?)")
+    logits = torch.stack(state["logits"], dim=1)[: probe.token_ids.shape[0]]  # (sequences, scored, vocab)
+    return _gather(logits, probe)
+
+
+def tolerance(*dtypes: torch.dtype) -> float:
+    """The parity bound for log-probs computed in ``dtypes`` (the looser one's)."""
+    return max(TOLERANCE.get(d, 0.1) for d in dtypes)
+
+
+# ------------------------------------------------------------------------------------------------- fingerprints
+def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> float:
+    """A float64 weighted sum of a fixed strided sample (at most :data:`SAMPLE` elements, all of a smaller tensor)
+    of ``tensor`` as cast to ``dtype`` (the rollout's; ``None``: its own). Weights ``1 + (i mod 13)``, so two
+    elements' opposite changes do not cancel. Equal for two bit-equal tensors; cheap (the sample only is read)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0.0
+    stride = max(1, n // SAMPLE)
+    sample = flat[stride // 2 :: stride][:SAMPLE]
+    if dtype is not None and sample.dtype != dtype:
+        sample = sample.to(dtype)
+    sample = sample.to("cpu", torch.float64)
+    weights = 1.0 + (torch.arange(sample.numel(), dtype=torch.float64) % 13)
+    return float((sample * weights).sum())
+
+
+def fingerprint_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict[str, float],
+                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``named_tensors`` (the trainer's weight stream) through unchanged, fingerprinting each tensor into
+    ``into`` (name -> :func:`fingerprint` at ``dtype``) as it goes; complete once the stream is consumed."""
+    for name, tensor in named_tensors:
+        into[name] = fingerprint(tensor, dtype)
+        yield name, tensor
+
+
+def trainer_fingerprints(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Fingerprints of a plain HF module's ``state_dict`` (its names are the rollout's) at ``dtype``. A wrapped
+    module (FSDP, peft) is fingerprinted on what it sends instead: :func:`fingerprint_stream` over its export."""
+    return {name: fingerprint(t, dtype) for name, t in module.state_dict().items()}
+
+
+def _differs(a: float, b: float) -> bool:
+    return abs(a - b) > 1e-12 * max(1.0, abs(a), abs(b))  # a reduction order's rounding at most
+
+
+# --------------------------------------------------------------------------------------------- packed copies
+@torch.no_grad()
+def stale_packed_copies(sampler) -> list[str]:
+    """Names (``<weight> (packed copy)``) of the sampler's packed copies that no longer compute their source
+    weight's product: one fixed row through each copy against ``F.linear`` on the weight (float32 rounding ~1e-6
+    relative; the bound 1e-4 relative). Reaches the eager packed weights, the lean decoder's fused q/k/v copies and
+    the compiled steps' Python packing cache; the C++ op's cache is not reachable (the probe covers it)."""
+    from rl_tpu.sampler import panel_kernel
+
+    names = {id(m): n for n, m in sampler.model.named_modules()}
+    out: list[str] = []
+
+    def check(label: str, weight: torch.Tensor, run) -> None:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(1, weight.shape[1], generator=g)
+        want = torch.nn.functional.linear(x, weight.detach().float())
+        got = run(x)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            out.append(label)
+
+    packed = getattr(sampler, "packed", None)
+    if packed is not None and packed._packed is not None:
+        for m, w in zip(packed.modules, packed._packed):
+            check(f"{names.get(id(m), '?')}.weight (packed copy)", m.weight,
+                  lambda x, w=w, m=m: panel_kernel.linear(x, w, None, m.out_features))
+        for key, (w, _, splits, _) in list(packed._fused.items()):
+            mods = [m for m in packed.modules if id(m) in key]
+            mods.sort(key=lambda m: key.index(id(m)))
+            weight = torch.cat([m.weight.detach() for m in mods])
+            label = " + ".join(f"{names.get(id(m), '?')}.weight" for m in mods) + " (fused packed copy)"
+            check(label, weight, lambda x, w=w, s=sum(splits): panel_kernel.linear(x, w, None, s))
+    compiled = getattr(sampler, "compiled", None)
+    cache = getattr(compiled, "packs", None) if compiled is not None else None
+    if cache is not None:
+        for name, m in sampler.model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight
+                entry = cache._packed.get((w.data_ptr(), tuple(w.shape), tuple(w.stride())))
+                if entry is not None:
+                    check(f"{name}.weight (compiled packed copy)", w,
+                          lambda x, p=entry[1], m=m: panel_kernel.linear(x, p, None, m.out_features))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+@dataclass
+class VerifyResult:
+    """One sync's verification: ``ok``, the probe's ``max_abs_diff`` and ``tolerance``, ``seconds`` (the rollout
+    side's), ``first_tensor`` (the first differing tensor found, or ``None``) and the one-line ``message``."""
+
+    ok: bool
+    max_abs_diff: float
+    tolerance: float
+    seconds: float
+    first_tensor: str | None = None
+    differing: list[str] = field(default_factory=list)
+    message: str = ""
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"weight_sync/verified": 1.0 if self.ok else 0.0,
+                "weight_sync/verify_max_abs_diff": float(self.max_abs_diff),
+                "weight_sync/verify_seconds": float(self.seconds)}
+
+
+def _compute_dtype(sampler) -> torch.dtype:
+    return next(sampler.model.parameters()).dtype
+
+
+def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_fps: dict[str, float] | None,
+                *, replica: int | str, version: int | None, trainer_dtype: torch.dtype = torch.float32,
+                raise_on_mismatch: bool = True) -> VerifyResult:
+    """Verify the sync just applied to ``sampler`` against what the trainer sent.
+
+    Args:
+        sampler: the rollout's :class:`rl_tpu.sampler.Sampler`, its new weights live (call right after the apply,
+            before the next generate, with no batch running).
+        probe: the job's :func:`make_probe`.
+        trainer_logprobs: :func:`trainer_probe` of the trainer's module at this version.
+        trainer_fps: :func:`fingerprint_stream` / :func:`trainer_fingerprints` at the rollout's dtype (``None``: the
+            probe only).
+        replica, version: named in the message (the rollout replica; the trainer step of the weights).
+        trainer_dtype: the dtype the trainer's probe was computed in (the tolerance is the looser one's).
+        raise_on_mismatch: raise :class:`WeightSyncMismatch` (one line) instead of returning a failed result.
+    """
+    start = time.perf_counter()
+    got = rollout_probe(sampler, probe)
+    want = trainer_logprobs.to(torch.float32).cpu()
+    if got.shape != want.shape:
+        raise WeightSyncMismatch(f"weight sync not verified: rollout replica {replica}, weight version {version}: "
+                                 f"probe shapes differ (trainer {tuple(want.shape)}, rollout {tuple(got.shape)})")
+    diff = float((got - want).abs().max()) if got.numel() else 0.0
+    tol = tolerance(trainer_dtype, _compute_dtype(sampler))
+    probe_ok = diff <= tol  # NaN fails
+    differing: list[str] = []
+    if trainer_fps:
+        own = sampler._tensors
+        dtype = _compute_dtype(sampler)
+        for name, fp in trainer_fps.items():  # in the trainer's order: the first named is the first sent
+            t = own.get(name)
+            if t is None:
+                differing.append(f"{name} (not in the rollout's model)")
+            elif _differs(fingerprint(t, dtype), fp):
+                differing.append(name)
+    if not probe_ok and not differing:  # the sources are the trainer's: the copies the sampler computes with?
+        differing = stale_packed_copies(sampler)
+    ok = probe_ok and not differing
+    first = differing[0] if differing else None
+    message = ""
+    if not ok:
+        what = f"first differing tensor {first}" + (f" (+{len(differing) - 1} more)" if len(differing) > 1 else "") \
+            if first else "no single tensor found (every fingerprint and reachable packed copy matches)"
+        message = (f"weight sync not verified: rollout replica {replica}, weight version {version}: {what}; probe "
+                   f"log-probs differ by {diff:.3g} (tolerance {tol:g})")
+    result = VerifyResult(ok=ok, max_abs_diff=diff, tolerance=tol, seconds=time.perf_counter() - start,
+                          first_tensor=first, differing=differing, message=message)
+    if not ok and raise_on_mismatch:
+        raise WeightSyncMismatch(message)
+    return result
