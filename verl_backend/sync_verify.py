@@ -8,7 +8,8 @@ proves that what it computes with is the trainer's model, with two checks:
 
 1. **The probe** (catches anything that changes the numbers by more than the parity bound: stale weights, a sync
    that delivered nothing, stale packed copies, a wrong tensor). A fixed sequence per job (:func:`make_probe`:
-   ``sequences x length`` token ids, default 2 x 16, drawn from the job's seed) is scored by both sides:
+   ``sequences x length`` token ids, default 2 x 16 of which the first 12 are the prompt, drawn from the job's
+   seed) is scored by both sides:
 
    * trainer (:func:`trainer_probe`): one plain forward of the whole sequences through the trainer's module (an HF
      causal LM, peft- or FSDP-wrapped: every rank calls it, as every rank calls VeRL's weight export) right after the
@@ -28,9 +29,9 @@ proves that what it computes with is the trainer's model, with two checks:
      bound (the sampler's log-prob parity tests, ``tests/rl_tpu/test_sampler.py``, and
      :data:`rl_tpu.sampler.fastpaths.LEAN_PROBE_TOLERANCE`), set on sampled, likely tokens; the probe's random ids
      sit at log-probs -7 to -25, where float32 rounding grows with the magnitude: on SmolLM2-135M (trainer
-     ``F.linear`` against the sampler's packed weights) up to 1.1e-4 absolute, 8e-6 relative over 4 probes, hence
-     the relative term with 2.5x room. One default-learning-rate step (every element +-1e-5) moves the probe by
-     1.4e-2 there: 36x the bound at its loosest;
+     ``F.linear`` against the sampler's packed weights) up to 1.1e-4 absolute, 8e-6 relative over 4 probes of 8
+     scored positions (5.1e-5, 4.4e-6 at the default 4), hence the relative term with 2.5x room. One
+     default-learning-rate step (every element +-1e-5) moves the default probe by 7e-3 there: 19x its bound;
    * a 16-bit side (bfloat16/float16): the *mean* |difference| within ``0.25``. A bfloat16 rollout against a float32
      or bfloat16 trainer differs by up to 1.4 in single values of the probe (measured on SmolLM2-135M, 4 probes:
      max 0.29-1.38, mean 0.060-0.095; the sampler tests' bfloat16 bound 0.1 is for bfloat16 against bfloat16 on a
@@ -114,7 +115,7 @@ class Probe:
         return (s, length - self.prompt_len, 1 + self.vocab_ids.numel())
 
 
-def make_probe(vocab_size: int, seed: int = 0, sequences: int = 2, length: int = 16, prompt_len: int = 8,
+def make_probe(vocab_size: int, seed: int = 0, sequences: int = 2, length: int = 16, prompt_len: int = 12,
                k: int = 64, avoid: Iterable[int] = ()) -> Probe:
     """The job's probe: ``sequences x length`` token ids in ``[0, vocab_size)`` other than ``avoid`` (the sampler's
     stop tokens: a forced stop token would end a row) and ``k`` vocabulary ids, all drawn from ``seed``."""
@@ -159,8 +160,12 @@ def trainer_probe(module: torch.nn.Module, probe: Probe, return_dtype: bool = Fa
     try:
         device = next(module.parameters()).device
         ids = probe.token_ids.to(device)
-        logits = _hf_module(module)(input_ids=ids, use_cache=False).logits  # (sequences, length, vocab)
-        out = _gather(logits[:, probe.prompt_len - 1 : -1], probe)
+        keep = probe.token_ids.shape[1] - probe.prompt_len + 1  # the scored positions and the last
+        try:
+            logits = _hf_module(module)(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+        except TypeError:  # a forward without logits_to_keep: every position
+            logits = _hf_module(module)(input_ids=ids, use_cache=False).logits  # (sequences, length, vocab)
+        out = _gather(logits[:, -keep:-1], probe)
         return (out, logits.dtype) if return_dtype else out
     finally:
         module.train(was)

@@ -76,7 +76,7 @@ class Job:
 def test_probe_shape_and_the_sampler_path_equals_the_model() -> None:
     job = Job()
     got = sv.rollout_probe(job.sampler, job.probe)
-    assert tuple(got.shape) == job.probe.shape == (2, 8, 65)
+    assert tuple(got.shape) == job.probe.shape == (2, 4, 65)
     assert job.sampler.packed is None or job.sampler.packed.nbytes > 0  # the probe ran on the packed weights
     assert float((got - sv.trainer_probe(job.trainer, job.probe)).abs().max()) < 1e-5
 
