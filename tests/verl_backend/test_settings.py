@@ -116,3 +116,19 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
                             text=True, env=env, timeout=120).stdout
     for s in S.SETTINGS:
         assert f"rl_tpu.{s.name}=" in helped
+
+
+def test_docs_settings_page_is_generated_from_the_table(tmp_path):
+    """docs/settings.md is the settings table as generated; a key added, dropped or re-described without
+    regenerating it fails here (negative control: the page with one row removed differs)."""
+    from pathlib import Path
+
+    from verl_backend.settings import SETTINGS, settings_markdown
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+    generated = settings_markdown()
+    assert page.read_text() == generated, "regenerate it: python -m verl_backend.settings > docs/settings.md"
+    assert all(f"| `rl_tpu.{s.name}` |" in generated for s in SETTINGS)
+    rows = generated.splitlines()
+    dropped = "\n".join(r for r in rows if not r.startswith("| `rl_tpu.seed`")) + "\n"
+    assert dropped != page.read_text()
