@@ -167,3 +167,44 @@ def test_bfloat16_rollout_against_a_float32_trainer() -> None:
     list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps, torch.bfloat16))
     result = job.verify(fps, raise_on_mismatch=False)  # nothing delivered
     assert not result.ok and result.first_tensor is not None
+
+
+def test_the_proof_travels_and_verifies_the_sync_it_came_with() -> None:
+    """The trainer's proof (probe, log-probs, fingerprints) pickled as Ray would carry it; the stream it wraps is what
+    is sent. A correct sync verifies; the next version's proof against the old weights does not."""
+    import pickle
+
+    job = Job()
+    job.step()
+    stream, proof = sv.trainer_proof(job.trainer, job.trainer.state_dict().items(), job.version, "float32")
+    job.sampler.load_state_dict(stream)
+    proof = pickle.loads(pickle.dumps(proof))
+    assert proof.dtype == "float32" and len(proof.fingerprints) == len(job.trainer.state_dict())
+    assert sv.check_sync(job.sampler, proof, replica=0).ok
+    job.step()
+    stream, proof = sv.trainer_proof(job.trainer, job.trainer.state_dict().items(), job.version, "float32")
+    list(stream)  # sent, and lost on the way
+    with pytest.raises(sv.WeightSyncMismatch, match="rollout replica 0, weight version 2: first differing tensor"):
+        sv.check_sync(job.sampler, proof, replica=0)
+
+
+@pytest.mark.skipif(not packed_linear_supported(), reason="packed weights need torch with oneDNN")
+def test_compiled_steps_with_packed_copies_left_stale_are_caught() -> None:
+    """The compiled sampler (its packed copies outside the graphs, rl_tpu.sampler.compiled_packed): the probe runs
+    through the graphs; copies left stale by an unannounced write are caught."""
+    job = Job()
+    job.sampler = Sampler(copy.deepcopy(job.trainer), pad_token_id=PAD, eos_token_ids=[EOS], prompt_buckets=(16,),
+                          gen_buckets=(16,), compile=True, compile_backend="aot_eager")
+    assert job.sampler.compiled.packs is not None
+    assert job.verify(job.send()).ok
+    job.step()
+    fps = {}
+    list(sv.fingerprint_stream(job.trainer.state_dict().items(), fps))
+    own = job.sampler._tensors
+    for name, t in job.trainer.state_dict().items():  # no version bump, no weights_changed()
+        own[name].detach().numpy()[...] = t.numpy()
+    result = job.verify(fps, raise_on_mismatch=False)
+    assert not result.ok and not result.probe_ok
+    assert "compiled steps' packed copies" in result.message or "(compiled packed copy)" in result.message
+    job.sampler.weights_changed()
+    assert job.verify(fps).ok
