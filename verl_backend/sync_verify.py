@@ -81,7 +81,7 @@ import torch
 
 __all__ = [
     "Probe", "SyncProof", "VerifyResult", "WeightSyncMismatch", "check_sync", "fingerprint", "fingerprint_stream",
-    "make_probe", "trainer_proof",
+    "make_probe", "stash_trainer_probe", "take_proof", "trainer_proof",
     "probe_bound", "probe_score", "rollout_probe", "stale_packed_copies", "trainer_fingerprints", "trainer_probe", "verify_sync",
 ]
 
@@ -497,3 +497,30 @@ def check_sync(sampler, proof: SyncProof, replica: int | str, raise_on_mismatch:
     return verify_sync(sampler, proof.probe, proof.logprobs, proof.fingerprints, replica=replica,
                        version=proof.version, trainer_dtype=getattr(torch, proof.dtype),
                        raise_on_mismatch=raise_on_mismatch)
+
+
+# ------------------------------------------------------- the engine -> adapter hand-over inside a trainer worker
+_PENDING: dict[str, tuple[Probe, torch.Tensor, str]] = {}  # role -> (probe, log-probs, dtype name)
+
+
+def stash_trainer_probe(module: torch.nn.Module, role: str = "actor", seed: int = 0) -> None:
+    """The trainer's engine, as it exports its weights for a sync (``get_per_tensor_param``, every rank, right after
+    the optimizer step): score the probe on ``module`` now and keep it for this process's rollout adapter
+    (:func:`take_proof`), which knows the version and the rollout's dtype."""
+    stream, proof = trainer_proof(module, (), None, seed=seed)
+    _PENDING[role] = (proof.probe, proof.logprobs, proof.dtype)
+
+
+def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
+               rollout_dtype: torch.dtype | str | None, role: str = "actor"):
+    """The rollout adapter, before sending: ``(stream to send, SyncProof)`` from the engine's stashed probe, the
+    stream fingerprinted at ``rollout_dtype`` as it passes; ``(weights, None)`` when no probe was stashed (the sync
+    then goes unverified: ``weight_sync/verified`` 0)."""
+    pending = _PENDING.pop(role, None)
+    if pending is None:
+        return weights, None
+    probe, logprobs, dtype = pending
+    if isinstance(rollout_dtype, str):
+        rollout_dtype = getattr(torch, rollout_dtype)
+    proof = SyncProof(version=version, probe=probe, logprobs=logprobs, dtype=dtype)
+    return fingerprint_stream(weights, proof.fingerprints, rollout_dtype), proof

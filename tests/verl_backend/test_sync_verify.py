@@ -208,3 +208,16 @@ def test_compiled_steps_with_packed_copies_left_stale_are_caught() -> None:
     assert "compiled steps' packed copies" in result.message or "(compiled packed copy)" in result.message
     job.sampler.weights_changed()
     assert job.verify(fps).ok
+
+
+def test_engine_stash_and_adapter_take() -> None:
+    """The engine scores the probe as it exports (stash), the adapter fingerprints what it sends (take): verified;
+    a sync with no stashed probe goes unverified (no proof)."""
+    job = Job()
+    job.step()
+    sv.stash_trainer_probe(job.trainer)
+    stream, proof = sv.take_proof(job.trainer.state_dict().items(), job.version, "float32")
+    job.sampler.load_state_dict(stream)
+    assert proof.version == 1 and sv.check_sync(job.sampler, proof, replica=0).ok
+    weights = job.trainer.state_dict().items()
+    assert sv.take_proof(weights, 2, "float32") == (weights, None)
