@@ -14,7 +14,7 @@ tensors (``param.copy_``, what :meth:`rl_tpu.sampler.Sampler.load_state_dict` do
 - ``gloo broadcast``: two spawned processes, :func:`~rl_tpu.collectives.broadcast_parameters_bucketed` from rank 0;
   rank 1 copies into its parameters.
 - ``gloo checkpoint engine``: rl-tpu's VeRL checkpoint engine ``gloo``
-  (:class:`~verl_backend.rollout.pool_sync.GlooCheckpointEngine`, the weight sync between a trainer pool and a
+  (:class:`~verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`, the weight sync between a trainer pool and a
   rollout pool) from one trainer-side source process to one rollout-side receiver process (both spawned). Each
   sync is driven as VeRL's ``CheckpointEngineManager`` drives it: ``prepare`` on both, ``build_topology`` here,
   ``init_process_group``, ``send_weights`` / ``receive_weights``, ``finalize``; the group is made for each sync and
@@ -252,7 +252,7 @@ def _engine_side(role: str, named, bucket_bytes: int, threads: int, inbox, outbo
     try:
         import asyncio
 
-        from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+        from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
         torch.set_num_threads(threads)
         engine = GlooCheckpointEngine(bucket_size=bucket_bytes, is_master=role == "trainer", timeout_s=600)
@@ -286,7 +286,7 @@ def run_engine(named, bucket_bytes, repeats, threads, other_host: bool = False) 
                                                                                       list[dict]]:
     """``repeats`` syncs source -> receiver: (seconds, receiver bytes, source metrics) per sync. ``other_host``: the
     receiver gets the source's shared-memory handle with another boot id, as a receiver on another host would."""
-    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+    from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
     go = ctx.Barrier(2)

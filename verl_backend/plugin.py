@@ -36,7 +36,8 @@ def _register_replica(module) -> None:
 
 def _register_checkpoint_engine(_module) -> None:
     # registers the checkpoint engines "native" (in-worker sampler) and "gloo" (weight sync between pools)
-    from verl_backend.rollout import inworker, pool_sync  # noqa: F401
+    from verl_backend.rollout import inworker  # noqa: F401
+    from verl_backend.weight_sync import gloo_engine  # noqa: F401
 
 
 class RepeatedWarningFilter(logging.Filter):

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rl_tpu.collectives import unpack_bucket
 from rl_tpu.sampler import Sampler
 from verl_backend.lora_sync import merged_lora_weights
-from verl_backend.rollout.bucket_sync import send_buckets
+from verl_backend.weight_sync.object_store import send_buckets
 
 def llama(seed):  # 4 layers of 512 x 1536 MLPs: 3 MiB matrices, ~50 MiB of adapted weights
     torch.manual_seed(seed)

@@ -85,7 +85,7 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
     try:
         import asyncio
 
-        from verl_backend.rollout.pool_sync import GlooCheckpointEngine, PoolSyncError
+        from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine, PoolSyncError
 
         engine = GlooCheckpointEngine(bucket_size=BUCKET, is_master=(role == "trainer" and index == 0), timeout_s=120)
         first = True
@@ -159,7 +159,7 @@ def _syncs(plan: list[tuple], other_host: tuple[int, ...] = (), timeout: float =
     another boot id (as a worker on another host would). ``fault``: ``"consumer<i>"`` (rollout worker i raises
     mid-stream), ``"unstarted<i>"`` (it raises before its first tensor) or ``"export"`` (the trainer's weight
     generator raises mid-stream). Returns per sync the four results, trainer ranks first."""
-    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+    from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
     roles = [("trainer", 0), ("trainer", 1), ("rollout", 0), ("rollout", 1)]
@@ -267,7 +267,7 @@ def test_a_worker_on_another_host_makes_the_whole_sync_a_broadcast_with_the_same
 
 
 def test_topology_without_a_source_store_is_one_line():
-    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+    from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
     with pytest.raises(ValueError, match="did not start the weight-sync store"):
         GlooCheckpointEngine.build_topology(1, 1, [{}, {}])
@@ -277,7 +277,7 @@ def test_gloo_is_a_registered_verl_checkpoint_engine():
     import verl  # noqa: F401  (loads the plugin)
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
-    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+    from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
     assert CheckpointEngineRegistry.get("gloo") is GlooCheckpointEngine
 

@@ -31,7 +31,7 @@ def check_trainer_mode(config) -> None:
     batch identity, the rollout pool, then the engine: ``naive`` (VeRL's assert) and ours ``native`` (VeRL's colocated
     engine plus in-worker sampling, ``verl_backend/rollout/inworker.py``: it cannot send to another pool; VeRL lets it
     through and its ``prepare`` raises ``NotImplementedError`` at the first sync) are refused, pointing at ``gloo``
-    (``verl_backend/rollout/pool_sync.py``, rl-tpu's engine between pools). Partial rollout needs no refusal: our
+    (``verl_backend/weight_sync/gloo_engine.py``, rl-tpu's engine between pools). Partial rollout needs no refusal: our
     server's abort is a pause (requests in flight finish on the weights they started with), so nothing is resumed
     mid-sequence.
 

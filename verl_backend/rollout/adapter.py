@@ -4,7 +4,9 @@ VeRL's colocated weight sync (``checkpoint_engine.backend=naive``) calls
 ``rollout.update_weights(per_tensor_param)`` in every trainer worker after each actor update. The leader rank of
 each replica sends the full tensors to its replica's server; the other ranks only drain the generator (which is
 collective under FSDP). No NCCL, no shared device memory. The route is chosen once per replica by
-:func:`verl_backend.weight_sync.choose_route` (logged with its reason); the transports, the first that applies:
+:func:`verl_backend.weight_sync.choose_route` (logged as ``planned X, took Y, because ...``) and carried out by one
+``transport.send(weights, version)`` (:class:`verl_backend.weight_sync.Transport`); the transports, the first that
+applies (the package docstring has the table):
 
 - **shared memory, in place** (server on this host, CPU, one FSDP rank: the default CPU job): the actor's
   parameters already live in a shared-memory file (:func:`verl_backend.engine.share_fsdp_parameters`, handed over
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Generator
 
 import ray
@@ -29,6 +30,8 @@ from verl.workers.rollout.base import BaseRollout
 
 from verl_backend import weight_sync
 from verl_backend.rollout import server_actor_name
+from verl_backend.weight_sync.base import full_cpu
+from verl_backend.weight_sync.object_store import MAX_BUCKETS_IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,6 @@ def sampler_placement(rollout_config) -> str:
 IN_WORKER_ENGINES = ("native", "gloo")
 
 
-MAX_BUCKETS_IN_FLIGHT = 2  # weight-sync buckets sent and not yet loaded: the object store holds at most these
 
 
 class NativeServerAdapter(BaseRollout):
@@ -97,8 +99,10 @@ class NativeServerAdapter(BaseRollout):
         self._server = None
         self._writer = None  # SharedWeightsWriter once mapped; False: shared memory is not available
         self._attached = None  # the actor's SharedWeights once the server computes on them; False: it does not
-        self.last_sync: dict[str, float] = {}
+        self.last_sync: dict[str, float] = {}  # SyncReport.as_dict of the last sync
+        self.last_metrics: dict[str, float] = {}  # its weight_sync/{route,bytes,seconds,verified}
         self.route: weight_sync.SyncRoute | None = None  # chosen at the first sync (choose_route), logged once
+        self.transport: weight_sync.Transport | None = None  # carries out the route
         self.src_rank = rank
         self.placement = sampler_placement(self.config)
         self.sampler = None
@@ -178,8 +182,51 @@ class NativeServerAdapter(BaseRollout):
                 placement=self.placement, shared_weights=bool(current().shared_weights), trainer_memory=trainer,
                 server_memory=server, src_rank=self.src_rank, dst_replica=self.replica_rank,
                 bucket_bytes=self.bucket_bytes))
-            print(f"[rl-tpu] weight sync route: {self.route.describe()}", flush=True)
+            print(weight_sync.took_line(self._planned(), self.route), flush=True)
         return self.route
+
+    def _planned(self) -> str:
+        """What ``--print-config`` planned for this replica (:func:`verl_backend.weight_sync.route.known_blockers`:
+        the facts knowable before Ray), to log beside the route taken."""
+        from verl.utils.device import get_device_name
+
+        from verl_backend.settings import current
+        from verl_backend.weight_sync.route import known_blockers
+
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        trainer, server = known_blockers(get_device_name() == "cpu", ranks,
+                                         int(getattr(self.model_config, "lora_rank", 0) or 0))
+        if not self.colocated:  # the second hop of a pool's sync: from the gloo engine's receiver to its server
+            trainer = "the rollout runs in a pool of its own: the weights arrive over the gloo engine"
+        return weight_sync.choose_route(weight_sync.SyncFacts(
+            placement=self.placement, shared_weights=bool(current().shared_weights), trainer_memory=trainer,
+            server_memory=server)).transport
+
+    async def _transport(self) -> weight_sync.Transport:
+        """The transport of this replica's route (made at the first sync)."""
+        if self.transport is None:
+            if self.placement == "worker":
+                from verl_backend.weight_sync.in_worker import InWorker
+
+                if self.is_leader:
+                    await self._choose_route()
+                self.transport = InWorker(self.sampler, self._server_handle() if self.is_leader else None)
+                return self.transport
+            route = await self._choose_route()
+            server = self._server_handle()
+            if route.transport == "trainer_memory":
+                from verl_backend.weight_sync.trainer_memory import TrainerMemory
+
+                self.transport = TrainerMemory(server, self._attached)
+            elif route.transport == "shared_memory":
+                from verl_backend.weight_sync.shared_memory import SharedMemory
+
+                self.transport = SharedMemory(server, self._writer)
+            else:
+                from verl_backend.weight_sync.object_store import ObjectStore
+
+                self.transport = ObjectStore(server, route.bucket_bytes, MAX_BUCKETS_IN_FLIGHT)
+        return self.transport
 
     async def resume(self, tags: list[str]):
         return None
@@ -194,7 +241,7 @@ class NativeServerAdapter(BaseRollout):
         Records ``last_sync`` (:meth:`verl_backend.weight_sync.SyncReport.as_metrics`: version, transport, bytes,
         copied bytes, seconds, buckets).
 
-        A stream that can be closed (the ``gloo`` engine's :class:`~verl_backend.rollout.pool_sync.ReceivedWeights`)
+        A stream that can be closed (the ``gloo`` engine's :class:`~verl_backend.weight_sync.pool_stream.ReceivedWeights`)
         is closed on the way out, raised or not: what this replica did not read is drained, so the trainer and the
         other replicas finish the sync instead of waiting for the group's timeout.
 
@@ -218,82 +265,27 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
-        start, n = time.perf_counter(), 0
-
-        def cpu_full(it):
-            for name, t in it:
-                if hasattr(t, "full_tensor"):
-                    t = t.full_tensor()
-                yield name, t.detach().to("cpu")
-
-        def report(transport: str, nbytes: float, copied: float, buckets: int = 0) -> None:
-            self.last_sync = weight_sync.SyncReport(
-                version=global_steps, transport=transport, bytes=float(nbytes), copied_bytes=float(copied),
-                seconds=time.perf_counter() - start, buckets=buckets).as_metrics()
-
-        if self.placement == "worker":  # in-process, on this worker's device: every rank loads its own sampler
-            if self.is_leader:
-                await self._choose_route()
-
-            def counted(it):
-                nonlocal n
-                for name, t in it:
-                    t = t.full_tensor() if hasattr(t, "full_tensor") else t
-                    n += t.numel() * t.element_size()
-                    yield name, t.detach()
-
-            if self.sampler.device.type == "cpu":  # each tensor is copied as it comes: views suffice (gloo engine)
-                _allow_views(weights)
-            self.sampler.load_state_dict(counted(weights))
-            if self.is_leader:
-                await self._server_handle().set_global_steps.remote(global_steps)
-            report("in_worker", n, n)
-            where = "the trainer worker's" if self.colocated else "the rollout worker's own"
-            self._report_first_sync(transport="in process", detail=f"loaded on {where} device")
-            return
-        if not self.is_leader:
-            for _ in cpu_full(weights):
+        if self.placement != "worker" and not self.is_leader:  # only walk the export (collective under FSDP)
+            for _ in full_cpu(weights):
                 pass
             return
-        server = self._server_handle()
-        route = await self._choose_route()
-        if route.transport == "trainer_memory":  # the server reads the trainer's parameters: check they are in place
-            await server.begin_weight_update.remote()
-            try:
-                in_place, copied = self._attached.publish(cpu_full(weights))
-            finally:
-                await server.end_weight_update.remote([], global_steps)
-            report(route.transport, in_place + copied, copied)
+        transport = await self._transport()
+        report = await transport.send(weights, global_steps)  # the one send, whatever the route
+        self.last_sync = report.as_dict()
+        self.last_metrics = report.as_metrics()
+        if transport.name == "in_worker":
+            where = "the trainer worker's" if self.colocated else "the rollout worker's own"
+            self._report_first_sync(transport="in process", detail=f"loaded on {where} device")
+        elif transport.name == "trainer_memory":
             self._report_first_sync(transport="shared memory", detail="in place: the rollout computes on the "
-                                    f"trainer's parameters, {copied / 1e6:.0f} MB copied")
-            return
-        if route.transport == "shared_memory":
-            _allow_views(weights)  # the writer copies each tensor into its slot as it comes
-            writer = self._writer
-            await server.begin_weight_update.remote()
-            try:
-                written, sent = writer.write(cpu_full(weights))
-            except BaseException:
-                try:  # resume the server; its own complaint (a half-written model) is not the cause
-                    await server.end_weight_update.remote([], global_steps)
-                except Exception:
-                    pass
-                raise
-            await server.end_weight_update.remote(written, global_steps)  # raises if a released model is partial
-            report(route.transport, sent, sent)
+                                    f"trainer's parameters, {report.copied_bytes / 1e6:.0f} MB copied")
+        elif transport.name == "shared_memory":
             self._report_first_sync(transport="shared memory")
-            return
-        from verl_backend.rollout.bucket_sync import send_buckets
+        else:
+            from verl_backend.settings import current
 
-        def send(flat, meta, last, total):  # ray.put copies the staging buffer into the object store
-            return server.update_weights_bucket.remote(ray.put(flat), meta, last, global_steps, total=total)
-
-        sent, n = await send_buckets(cpu_full(weights), route.bucket_bytes, send, MAX_BUCKETS_IN_FLIGHT)
-        report(route.transport, sent, sent, n)
-        from verl_backend.settings import current
-
-        self._report_first_sync(transport="object store",
-                                detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
+            self._report_first_sync(transport="object store",
+                                    detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
 
     def _report_first_sync(self, transport: str, detail: str = "") -> None:
         """Say once what the first sync did: ``transport`` in words, ``detail``, bytes and seconds."""
@@ -306,11 +298,3 @@ class NativeServerAdapter(BaseRollout):
                   f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
                   flush=True)
 
-
-def _allow_views(weights) -> None:
-    """Tell a weight stream that can hand out views of a reused buffer (the ``gloo`` engine's shared-memory path,
-    :class:`verl_backend.rollout.pool_sync.ReceivedWeights`) that this consumer copies each tensor before asking for
-    the next; any other stream is left as it is."""
-    allow = getattr(weights, "allow_views", None)
-    if callable(allow):
-        allow()

@@ -6,7 +6,7 @@ sampler in the worker process and registers it here: the trainer worker (hybrid 
 VeRL's ``CheckpointEngineWorker`` holding the chip (standalone replicas). The rollout server (which VeRL's agent loop
 talks to) holds no model and forwards each batch to that worker through VeRL's own ``execute_checkpoint_engine``
 actor method, served by :class:`InWorkerGenerate` on the worker's engine (:class:`NativeCheckpointEngine`, or
-:class:`verl_backend.rollout.pool_sync.GlooCheckpointEngine` between pools). Weight sync then loads on the device.
+:class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine` between pools). Weight sync then loads on the device.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def worker_sampler() -> Any:
 class InWorkerGenerate:
     """``native_generate`` for a checkpoint engine whose worker process holds the sampler: the trainer worker's
     (:class:`NativeCheckpointEngine`, hybrid) or a standalone rollout worker's (VeRL's ``CheckpointEngineWorker`` on a
-    rollout slice, :class:`verl_backend.rollout.pool_sync.GlooCheckpointEngine`). The rollout server reaches it through
+    rollout slice, :class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`). The rollout server reaches it through
     the worker's ``execute_checkpoint_engine`` actor method."""
 
     def native_generate(self, prompts: list[list[int]], key,

@@ -16,6 +16,9 @@ Weights arrive from the trainer in one of two ways, neither needing NCCL nor a s
   :meth:`begin_weight_update` and :meth:`end_weight_update`. While the rollout sleeps (VeRL's
   ``free_cache_engine``, on by default) those pages are given back to the OS.
 - otherwise: packed buckets through the Ray object store (:meth:`update_weights_bucket`).
+
+Whatever the transport (:mod:`verl_backend.weight_sync`), received tensors enter the sampler in one place,
+:meth:`NativeRolloutServer.apply`, and every sync ends in :meth:`NativeRolloutServer.weights_live`.
 """
 
 from __future__ import annotations
@@ -282,7 +285,7 @@ class NativeRolloutServer:
         have been loaded (a batch already running finishes first on the old weights), so no batch ever sees a
         half-updated model. Returns the number of bytes received.
         """
-        from rl_tpu.collectives import unpack_bucket
+        from verl_backend.weight_sync.object_store import ObjectStore
 
         if self.trainer_weights is not None:
             raise RuntimeError("this rollout computes on the trainer's weights in shared memory (read-only): a bucket "
@@ -294,12 +297,12 @@ class NativeRolloutServer:
         while self._batch_running:  # never copy weights under a running batch
             await asyncio.sleep(0.005)
         start = time.perf_counter()
-        self.sampler.load_state_dict(unpack_bucket(flat, metadata))
         self._buckets_loaded += 1
         total = self._buckets_total
-        if (total is not None and self._buckets_loaded >= total) or (total is None and last):
+        final = (total is not None and self._buckets_loaded >= total) or (total is None and last)
+        self.apply(ObjectStore().receive(flat, metadata), global_steps, final=final)
+        if final:
             self._updating = False
-            self.set_global_steps(global_steps)
             trim_host_heap()
         self.stats["weight_sync_s"] += time.perf_counter() - start
         return int(flat.nbytes)
@@ -376,15 +379,38 @@ class NativeRolloutServer:
         Raises:
             rl_tpu.shared_weights.SharedWeightsError: the weights were released and not all slots were written.
         """
-        try:
-            if self.shared is not None:  # with the trainer's own weights (attach_trainer_weights) nothing to check
-                self.shared.mark_written(written)
-            if self.sampler is not None:  # written by another process: the sampler's packed copies are stale
-                self.sampler.weights_changed()
-            self.set_global_steps(global_steps)
+        try:  # written by another process: the sampler's packed copies are stale (weights_live drops them)
+            if self.trainer_weights is not None:  # the trainer's own weights (attach_trainer_weights): nothing to check
+                from verl_backend.weight_sync.trainer_memory import TrainerMemory
+
+                TrainerMemory().receive(self, global_steps)
+            else:
+                from verl_backend.weight_sync.shared_memory import SharedMemory
+
+                SharedMemory().receive(self, written, global_steps)
         finally:
             self._updating = False
             self.stats["weight_sync_s"] += time.perf_counter() - self._sync_started
+
+    def apply(self, named_tensors, version: int | None, final: bool = True) -> int:
+        """Seam (a): the one place a received ``(name, tensor)`` stream enters this server's sampler
+        (:func:`verl_backend.weight_sync.apply.load`); ``final``: the sync's last part, the weights go live
+        (:meth:`weights_live`). Returns the bytes loaded."""
+        from verl_backend.weight_sync.apply import load
+
+        n = load(self.sampler, named_tensors, version)
+        if final:
+            self.weights_live(version, written_elsewhere=False)
+        return n
+
+    def weights_live(self, version: int | None, written_elsewhere: bool) -> None:
+        """Seam (b): every transport ends here once the new weights are in place: this server serves ``version``
+        from now on (:func:`verl_backend.weight_sync.apply.live`, where a verification of the sync runs).
+        ``written_elsewhere``: another process wrote them (shared memory): the packed copies are dropped."""
+        from verl_backend.weight_sync.apply import live
+
+        self.set_global_steps(version)
+        live(self.sampler, version, written_elsewhere)
 
     def set_global_steps(self, global_steps: int | None) -> None:
         """Record the step of the weights now served (``sampler_placement=worker``: the worker loaded them)."""

@@ -1,4 +1,6 @@
-"""Weight sync between pools: the trainer's weights to rollout replicas on another slice, without NCCL.
+"""VeRL's checkpoint engine ``gloo``: weight sync between pools, the trainer's weights to rollout replicas on another
+slice, without NCCL, by the two pool transports (:mod:`~verl_backend.weight_sync.pool_broadcast`,
+:mod:`~verl_backend.weight_sync.pool_shared_memory`).
 
 When the rollout runs in a pool of its own (VeRL's standalone replicas: ``trainer_mode=separate_async``, a rollout
 slice), VeRL's :class:`~verl.checkpoint_engine.base.CheckpointEngineManager` drives a checkpoint engine on both
@@ -24,7 +26,7 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
 
 Same host (the CPU backend's ``separate_async``, a TPU host that holds both pools): the bytes skip gloo's TCP
 loopback. In ``prepare`` the source makes a shared-memory file of two halves of ``bucket_size``
-(:mod:`verl_backend.rollout.pool_shm`); each rollout worker maps it read-only if it is on the same host (boot id)
+(:mod:`verl_backend.weight_sync.pool_shared_memory`); each rollout worker maps it read-only if it is on the same host (boot id)
 and sees the same file (a nonce). One all-reduce at the start of the sync picks the transport for the whole group:
 shared memory only if every receiver mapped it, else the byte broadcast above, unchanged (never a mix). Then the
 source packs each bucket into the free half and broadcasts only its header; each receiver copies the bucket out into
@@ -38,15 +40,15 @@ host: 0.94 s against 1.97 s by broadcast (a plain memory copy: 0.035 s; into fre
 copies each tensor as it comes may opt in to read-only views of the half instead (:class:`ReceivedWeights`): 0.22 s
 against 1.28 s by broadcast in another run.
 
-The source returns the sync's figures (bytes, buckets, seconds, and ``weight_sync/pool_shared_memory`` 1 or 0),
-which VeRL merges into the step's metrics; its :class:`~verl_backend.weight_sync.SyncReport` names the transport
-(``pool_shared_memory`` or ``pool_broadcast``).
+The plan (:func:`~verl_backend.weight_sync.route.choose_route`, shown by ``--print-config``) says which of the two a
+sync should take; the collective confirms it, and the source logs ``planned X, took Y, because ...`` once per
+outcome. The source returns the sync's figures, which VeRL merges into the step's metrics: the four
+``weight_sync/{route,bytes,seconds,verified}`` every transport reports, and ``weight_sync/pool_*`` (bytes, buckets,
+seconds, ``pool_shared_memory`` 1 or 0).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import time
 from collections.abc import Generator, Iterable
@@ -55,43 +57,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from verl.checkpoint_engine.base import (
-    CheckpointEngine,
-    CheckpointEngineRegistry,
-    TensorMeta,
-    split_weight_chunks,
-)
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from verl_backend import weight_sync
 from verl_backend.rollout.inworker import InWorkerGenerate
-from verl_backend.rollout.pool_shm import BucketFile, BucketMapping, map_bucket_file
-from verl_backend.rollout.pool_stream import (
-    PoolSyncError,
-    ReceivedWeights,
-    merge_chunks,
+from verl_backend.settings import current
+from verl_backend.weight_sync.base import SyncReport
+from verl_backend.weight_sync.pool_broadcast import PoolBroadcast, all_min, broadcast, plan_choice
+from verl_backend.weight_sync.pool_shared_memory import (
+    BucketFile,
+    BucketMapping,
+    PoolSharedMemory,
+    map_bucket_file,
 )
+from verl_backend.weight_sync.pool_stream import PoolSyncError, ReceivedWeights, merge_chunks
+from verl_backend.weight_sync.route import SyncFacts, choose_route
 
 __all__ = ["GlooCheckpointEngine", "PoolSyncError", "ReceivedWeights"]
 
 logger = logging.getLogger(__name__)
 
-_HEADER = 3  # int64: payload bytes, JSON bytes, 1 on the last bucket (_ABORTED: the source stopped; no bytes follow)
-_ABORTED = -1
-_ALIGN = 64  # bytes: each chunk starts at a multiple, so a receiver's ``.view(dtype)`` of it is legal for any dtype
-_TOLD: set[str] = set()  # reasons a receiver could not use shared memory, logged once per process
+_TOLD: set[str] = set()  # lines logged once per process (why a receiver could not use shared memory; the route)
 
 
 def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address().strip("[]") if ray.is_initialized() else "127.0.0.1"
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise PoolSyncError(f"weight stream names dtype {name!r}, which this torch does not have")
-    return dtype
 
 
 @CheckpointEngineRegistry.register("gloo")
@@ -117,7 +108,8 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self._file: BucketFile | None = None  # source: this sync's shared-memory buckets
         self._mapping: BucketMapping | None = None  # receiver: the source's file, mapped read-only
         self._shared = False  # this sync's transport: shared memory (True) or the byte broadcast
-        self.last_report: weight_sync.SyncReport | None = None
+        self.last_report: SyncReport | None = None
+        self._no_file = ""  # why the source made no shared-memory file
 
     # -- set-up, once per sync ---------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -129,10 +121,15 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self._close_shared()  # a sync that failed before finalize
         host = _node_ip()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        try:
-            self._file = BucketFile(self.bucket_size)
-        except OSError as exc:
-            logger.info("weight sync: no shared-memory file (%s); buckets go over gloo", exc)
+        self._no_file = ""
+        if not current().shared_weights:
+            self._no_file = "rl_tpu.shared_weights=false"
+        else:
+            try:
+                self._file = BucketFile(self.bucket_size)
+            except OSError as exc:
+                self._no_file = str(exc)
+                logger.info("weight sync: no shared-memory file (%s); buckets go over gloo", exc)
         return {"host": host, "port": self._store.port, "shm": self._file.handle() if self._file else None}
 
     @classmethod
@@ -155,7 +152,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
 
     def init_process_group(self, rank: int, world_size: int, master: dict) -> None:
         """Join the sync's gloo group (ranks < 0 stay out); a rollout worker also maps the source's shared-memory
-        file if it can (see :func:`~verl_backend.rollout.pool_shm.map_bucket_file`)."""
+        file if it can (see :func:`~verl_backend.weight_sync.pool_shared_memory.map_bucket_file`)."""
         self.rank = rank
         if rank < 0:
             return
@@ -182,44 +179,31 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self._file, self._mapping, self._shared = None, None, False
 
     # -- the sync -------------------------------------------------------------------------------------------------------
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([tensor], opts).wait()
+    def _transport(self, can_map: bool) -> PoolBroadcast:
+        """The one collective that picks the sync's transport for the whole group: shared memory if every rank could
+        use the file, else the byte broadcast."""
+        self._shared = bool(all_min(self.group, int(can_map)))
+        if self._shared:
+            return PoolSharedMemory(self.group, self.bucket_size, file=self._file, mapping=self._mapping)
+        return PoolBroadcast(self.group, self.bucket_size)
 
-    def _all_min(self, flag: int) -> int:
-        tensor = torch.tensor([flag], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([tensor], opts).wait()
-        return int(tensor)
-
-    def _choose_transport(self, can_map: bool) -> None:
-        """The one collective that picks shared memory (every rank could use the file) or the byte broadcast."""
-        self._shared = bool(self._all_min(int(can_map)))
-
-    def _send_bucket(self, buffer: torch.Tensor, length: int, metas: list[dict], last: bool, index: int) -> None:
-        """Bucket ``index``: header, JSON, then the bytes (broadcast) or nothing (shared memory: the bytes are in
-        half ``index % 2``; the receivers' copy of bucket ``index - 1`` is awaited, so its half may be reused)."""
-        header = json.dumps(metas).encode()
-        self._broadcast(torch.tensor([length, len(header), int(last)], dtype=torch.int64))
-        self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        if not self._shared:
-            if length:
-                self._broadcast(buffer[:length])
-            return
-        if index:
-            self._all_min(1)  # every receiver has copied bucket index - 1
-        if last:
-            self._all_min(1)  # ... and this one: the sync is done when the source returns
+    def planned(self) -> str:
+        """The transport :func:`~verl_backend.weight_sync.route.choose_route` plans for this sync between pools
+        (``rl_tpu.shared_weights``, ``rl_tpu.rollout_slice``: the plan ``--print-config`` shows)."""
+        s = current()
+        why = f"the rollout pool is on other hosts (rl_tpu.rollout_slice={s.rollout_slice})" if s.rollout_slice \
+            else None
+        return choose_route(SyncFacts(placement="server", shared_weights=bool(s.shared_weights), trainer_memory=None,
+                                      server_memory=None, pool=True, pool_memory=why)).transport
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None):
-        """Broadcast ``weights`` (``(name, tensor)`` pairs, any device, DTensors gathered) from the source rank.
+        """Stream ``weights`` (``(name, tensor)`` pairs, any device, DTensors gathered) from the source rank.
 
         Every trainer rank must call it with its own generator: producing a tensor is collective over the trainer.
-        Returns the source's figures (``weight_sync/pool_*``: bytes, buckets, seconds, and ``pool_shared_memory``
-        1.0 if the bytes went through the shared-memory file, 0.0 if broadcast) for VeRL's step metrics; ``{}`` on
-        the other ranks.
+        Returns the source's figures for VeRL's step metrics: ``weight_sync/{route,bytes,seconds,verified}`` (the
+        same names as every transport, :meth:`~verl_backend.weight_sync.base.SyncReport.as_metrics`) and
+        ``weight_sync/pool_*`` (bytes, buckets, seconds, ``pool_shared_memory`` 1.0 or 0.0); ``{}`` on the other
+        ranks.
 
         Raises:
             PoolSyncError: called before :meth:`init_process_group`.
@@ -237,80 +221,24 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             for _ in gathered():
                 pass
             return {}
-        self._broadcast(torch.tensor([-1 if global_steps is None else int(global_steps)], dtype=torch.int64))
-        self._choose_transport(self._file is not None)
-        halves = (self._file.half(0), self._file.half(1)) if self._shared else None
-        buffer = halves[0] if halves else torch.empty(self.bucket_size, dtype=torch.uint8)
-        metas, offset, total, buckets, sending = [], 0, 0, 0, False
-        try:
-            async for meta, chunk in split_weight_chunks(gathered(), self.bucket_size):
-                # after an odd-sized bf16 tensor, a float32 one starts aligned (never past the bucket's end)
-                offset = min(-(-offset // _ALIGN) * _ALIGN, self.bucket_size)
-                if offset + meta.chunk_size > self.bucket_size:
-                    sending = True
-                    self._send_bucket(buffer, offset, metas, last=False, index=buckets)
-                    metas, offset, buckets, sending = [], 0, buckets + 1, False
-                    buffer = halves[buckets % 2] if halves else buffer
-                buffer[offset:offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
-                metas.append({"name": meta.name, "shape": list(meta.shape), "dtype": str(meta.dtype),
-                              "chunk_offset": meta.chunk_offset, "chunk_size": meta.chunk_size, "offset": offset})
-                offset += meta.chunk_size
-                total += meta.chunk_size
-        except Exception:  # the weight export failed: tell the receivers, so they raise instead of waiting timeout_s
-            if not sending:  # (a failed collective leaves the group unusable: nothing more is sent on it)
-                self._broadcast(torch.tensor([0, 0, _ABORTED], dtype=torch.int64))
-            raise
-        self._send_bucket(buffer, offset, metas, last=True, index=buckets)
-        del buffer, halves  # views of the file: finalize unmaps it
-        seconds = time.perf_counter() - start
-        transport = "pool_shared_memory" if self._shared else "pool_broadcast"
-        self.last_report = weight_sync.SyncReport(version=global_steps, transport=transport, bytes=float(total),
-                                                  copied_bytes=float(total), seconds=seconds, buckets=buckets + 1)
+        broadcast(self.group, torch.tensor([-1 if global_steps is None else int(global_steps)], dtype=torch.int64))
+        transport = self._transport(self._file is not None)
+        report = await transport.send(gathered(), global_steps)
+        report.seconds = time.perf_counter() - start
+        self.last_report = report
+        took, because = plan_choice(self._file is not None, self._shared, self._no_file)
+        planned = self.planned()
+        line = (f"[rl-tpu] weight sync route: planned {planned}, took {took}, because {because} (trainer rank 0 -> "
+                f"{self.group.size() - 1} rollout workers, {self.bucket_size >> 20} MiB buckets)")
+        if line not in _TOLD:
+            _TOLD.add(line)
+            print(line, flush=True)
         logger.info("weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers by %s, %.2f s",
-                    global_steps, total / 2**20, buckets + 1, self.bucket_size >> 20, self.group.size() - 1,
-                    transport, seconds)
-        return {"weight_sync/pool_bytes": float(total), "weight_sync/pool_buckets": float(buckets + 1),
-                "weight_sync/pool_seconds": seconds, "weight_sync/pool_shared_memory": float(self._shared)}
-
-    def _chunks(self, keep: bool = True, views: bool = False,
-                control: dict | None = None) -> Generator[tuple[TensorMeta, torch.Tensor]]:
-        """The stream's chunks, bucket by bucket (``keep=False``, or ``control["keep"]`` set false while iterating:
-        drained, the shared buckets not even copied; ``views``: chunks of the shared file's half itself, not of a
-        copy).
-
-        Raises:
-            PoolSyncError: the source stopped mid-stream (its weight export raised; the cause is in its log).
-        """
-        control = {"keep": keep} if control is None else control
-        for index in itertools.count():
-            keep = control["keep"]
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            self._broadcast(header)
-            length, meta_len, last = (int(x) for x in header)
-            if last == _ABORTED:
-                raise PoolSyncError(f"weight sync: the trainer's weight export stopped after {index} buckets (the "
-                                    "cause is in the trainer's log)")
-            meta_bytes = torch.zeros(meta_len, dtype=torch.uint8)
-            self._broadcast(meta_bytes)
-            if not self._shared:
-                buffer = torch.empty(length, dtype=torch.uint8)  # fresh per bucket: the consumer may keep its views
-                if length:
-                    self._broadcast(buffer)
-            else:
-                if index:
-                    self._all_min(1)  # the consumer is done with bucket index - 1: the source may reuse its half
-                read = self._mapping.view if views else self._mapping.copy_out
-                buffer = read(index % 2, length) if keep else torch.empty(0, dtype=torch.uint8)
-            for m in json.loads(meta_bytes.numpy().tobytes()) if keep else ():
-                if not control["keep"]:  # the consumer stopped mid-bucket: the rest is drained
-                    break
-                meta = TensorMeta(name=m["name"], shape=torch.Size(m["shape"]), dtype=_dtype(m["dtype"]),
-                                  chunk_offset=m["chunk_offset"], chunk_size=m["chunk_size"], offset=m["offset"])
-                yield meta, buffer[meta.offset:meta.offset + meta.chunk_size]
-            if last:
-                if self._shared:
-                    self._all_min(1)  # the consumer is done with the last bucket: the sync ends for the source
-                return
+                    global_steps, report.bytes / 2**20, report.buckets, self.bucket_size >> 20, self.group.size() - 1,
+                    report.transport, report.seconds)
+        return {**report.as_metrics(), "weight_sync/pool_bytes": report.bytes,
+                "weight_sync/pool_buckets": float(report.buckets), "weight_sync/pool_seconds": report.seconds,
+                "weight_sync/pool_shared_memory": float(self._shared)}
 
     def receive_weights(self, global_steps: int | None = None) -> ReceivedWeights:
         """Iterate the result for ``(name, tensor)`` (CPU) as buckets arrive; a tensor larger than a bucket once all
@@ -325,7 +253,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 drained, so the source finishes), the source's export stopped mid-stream, or this is not a rollout
                 worker's rank.
         """
-        return ReceivedWeights(self, global_steps)
+        return ReceivedWeights(lambda views, keep: self._receive(global_steps, views, keep))
 
     def _receive(self, global_steps: int | None, views: bool,
                  keep: bool = True) -> Generator[tuple[str, torch.Tensor], None, None]:
@@ -333,16 +261,16 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         if self.rank is None or self.rank <= 0:
             raise PoolSyncError("checkpoint_engine gloo: receive_weights on a rank that is not a rollout worker")
         version = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(version)
-        self._choose_transport(self._mapping is not None)
+        broadcast(self.group, version)
+        transport = self._transport(self._mapping is not None)
         sent = None if int(version) < 0 else int(version)
         if global_steps is not None and sent is not None and sent != int(global_steps):
-            for _ in self._chunks(keep=False):  # drained, so the source is not left waiting on this worker
+            for _ in transport.receive(keep=False):  # drained, so the source is not left waiting on this worker
                 pass
             raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
                                 f"step {global_steps}")
         control = {"keep": keep}
-        chunks = self._chunks(views=views, control=control)
+        chunks = transport.receive(views=views, control=control)
         try:
             yield from merge_chunks(chunks, self.bucket_size)
         finally:  # the consumer raised or stopped early: drain the rest, so the source and other workers finish

@@ -1,4 +1,7 @@
-"""The object-store weight sync's sending loop: ``(name, tensor)`` pairs packed into buckets and handed on as they
+"""Transport ``object_store`` (route 3): buckets through Ray's object store, to a rollout server on any host (the
+route when nothing cheaper applies: another host, ``rl_tpu.shared_weights=false``, a file that cannot be mapped).
+
+The sending loop: ``(name, tensor)`` pairs packed into buckets and handed on as they
 are made, so the trainer holds one bucket at a time, not the export.
 
 VeRL's weight export is a generator, and some of its tensors exist only while they are sent: the merged weights of a
@@ -10,12 +13,16 @@ as its own bytes, not copied into a buffer), then an empty bucket marked last wi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
 import torch
 
-from rl_tpu.collectives import bucket_layout, iter_buckets, pack_bucket
+from rl_tpu.collectives import bucket_layout, iter_buckets, pack_bucket, unpack_bucket
+from verl_backend.weight_sync.base import SyncReport, Transport, full_cpu
+
+MAX_BUCKETS_IN_FLIGHT = 2  # buckets sent and not yet loaded: the object store holds at most these
 
 #: send(flat uint8 bytes, metadata, last, total) -> awaitable of the bytes the receiver loaded; it must take the bytes
 #: before it returns (``ray.put`` copies them): the buffer is reused. ``total`` (the bucket count, the closing empty
@@ -62,3 +69,32 @@ async def send_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket
     for p in pending:
         loaded += await p
     return loaded, n + 1
+
+
+class ObjectStore(Transport):
+    """Args: ``server`` (the rollout server actor handle), ``bucket_bytes``, ``max_in_flight``."""
+
+    name = "object_store"
+
+    def __init__(self, server=None, bucket_bytes: int = 512 << 20, max_in_flight: int = MAX_BUCKETS_IN_FLIGHT):
+        self.server, self.bucket_bytes, self.max_in_flight = server, int(bucket_bytes), max_in_flight
+
+    def describe(self) -> str:
+        return "object store"
+
+    async def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None) -> SyncReport:
+        import ray
+
+        start, server = time.perf_counter(), self.server
+
+        def send(flat, meta, last, total):  # ray.put copies the staging buffer into the object store
+            return server.update_weights_bucket.remote(ray.put(flat), meta, last, version, total=total)
+
+        sent, n = await send_buckets(full_cpu(weights), self.bucket_bytes, send, self.max_in_flight)
+        return SyncReport(version=version, transport=self.name, bytes=float(sent), copied_bytes=float(sent),
+                          seconds=time.perf_counter() - start, buckets=n)
+
+    def receive(self, flat, metadata: list) -> Iterable[tuple[str, torch.Tensor]]:
+        """Rollout side: one bucket's ``(name, tensor)`` views (the server's ``update_weights_bucket`` hands them to
+        its ``apply``)."""
+        return unpack_bucket(flat, metadata)

@@ -1,4 +1,9 @@
-"""Same-host shared memory for the ``gloo`` checkpoint engine (:mod:`verl_backend.rollout.pool_sync`).
+"""Transport ``pool_shared_memory`` (route 5): the ``gloo`` checkpoint engine's stream
+(:class:`~verl_backend.weight_sync.pool_broadcast.PoolBroadcast`) when every rollout worker is on trainer rank 0's
+host: each bucket is packed into a shared-memory file and only its header goes over gloo. One all-reduce at the start
+of the sync (in :mod:`verl_backend.weight_sync.gloo_engine`) confirms that every receiver mapped the file, else the
+whole group takes ``pool_broadcast`` (never a mix). The source packs bucket k+1 into the free half while the receivers
+copy bucket k out; a one-number all-reduce per bucket says a half may be reused.
 
 The source (trainer rank 0) makes one anonymous shared-memory file per sync (Linux ``memfd_create``) with two
 bucket-sized halves: :class:`BucketFile`. Each rollout worker maps it read-only through ``/proc/<pid>/fd/<fd>``
@@ -23,6 +28,7 @@ import warnings
 import torch
 
 from rl_tpu.shared_weights import SharedWeightsReader, shared_memory_supported
+from verl_backend.weight_sync.pool_broadcast import PoolBroadcast, all_min
 
 HEADER = 4096  # bytes before half 0: the nonce, and the halves start on a page
 _NONCE = 16  # bytes
@@ -144,3 +150,40 @@ def map_bucket_file(handle: dict | None) -> tuple[BucketMapping | None, str]:
         reader.close()
         return None, "the trainer's pid names another process here (another pid namespace: nonce differs)"
     return BucketMapping(reader), ""
+
+
+class PoolSharedMemory(PoolBroadcast):
+    """:class:`PoolBroadcast` with the bytes in a shared-memory file: ``file`` (:class:`BucketFile`) on the source,
+    ``mapping`` (:class:`BucketMapping`) on a receiver."""
+
+    name = "pool_shared_memory"
+
+    def __init__(self, group, bucket_size: int, file: BucketFile | None = None,
+                 mapping: BucketMapping | None = None) -> None:
+        super().__init__(group, bucket_size)
+        self.file, self.mapping = file, mapping
+
+    def describe(self) -> str:
+        return "shared-memory buckets"
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.file.half(0), self.file.half(1)
+
+    def after_header(self, buffer: torch.Tensor, length: int, index: int, last: bool) -> None:
+        """The bytes are in half ``index % 2`` already; the receivers' copy of bucket ``index - 1`` is awaited, so its
+        half may be reused (and of the last one: the sync is done when the source returns)."""
+        if index:
+            all_min(self.group, 1)
+        if last:
+            all_min(self.group, 1)
+
+    def read(self, length: int, index: int, keep: bool, views: bool) -> torch.Tensor:
+        if index:
+            all_min(self.group, 1)  # the consumer is done with bucket index - 1: the source may reuse its half
+        if not keep:
+            return torch.empty(0, dtype=torch.uint8)
+        return (self.mapping.view if views else self.mapping.copy_out)(index % 2, length)
+
+    def after_read(self, last: bool) -> None:
+        if last:
+            all_min(self.group, 1)  # the consumer is done with the last bucket: the sync ends for the source

@@ -1,19 +1,19 @@
-"""The receiving side of the ``gloo`` engine's stream (:mod:`verl_backend.rollout.pool_sync`): what a rollout worker
-iterates for ``(name, tensor)`` pairs, how it finishes its part of a sync it did not read to the end, and VeRL's
-chunk merge driven without an event loop.
+"""The receiving side of the ``gloo`` engine's stream (:mod:`verl_backend.weight_sync.gloo_engine`): what a rollout
+worker iterates for ``(name, tensor)`` pairs, how it finishes its part of a sync it did not read to the end, and
+VeRL's chunk merge driven without an event loop. Imports nothing of the package: the engine hands
+:class:`ReceivedWeights` the function that opens its stream.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 from verl.checkpoint_engine.base import merge_weight_chunks
 
-if TYPE_CHECKING:
-    from verl_backend.rollout.pool_sync import GlooCheckpointEngine
+#: open(views, keep) -> the receiver's stream of ``(name, tensor)`` (``keep=False``: the whole sync drained)
+OpenStream = Callable[[bool, bool], Generator]
 
 
 class PoolSyncError(RuntimeError):
@@ -21,7 +21,7 @@ class PoolSyncError(RuntimeError):
 
 
 class ReceivedWeights:
-    """What :meth:`GlooCheckpointEngine.receive_weights` returns: iterate it once for ``(name, tensor)`` pairs.
+    """What :meth:`~verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine.receive_weights` returns: iterate it once for ``(name, tensor)`` pairs.
 
     A consumer that copies each tensor before asking for the next one (the native rollout's in-process CPU load and
     its shared-memory writer) may call :meth:`allow_views` before iterating: through shared memory it then gets
@@ -29,8 +29,8 @@ class ReceivedWeights:
     a sync, ``benchmarks/bench_weight_sync.py``). Others get fresh buffers they may keep.
     """
 
-    def __init__(self, engine: GlooCheckpointEngine, global_steps: int | None) -> None:
-        self._engine, self._global_steps, self.views = engine, global_steps, False
+    def __init__(self, open_stream: OpenStream) -> None:
+        self._open, self.views = open_stream, False
         self._stream: Generator | None = None
 
     def allow_views(self) -> None:
@@ -40,7 +40,7 @@ class ReceivedWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._stream is not None:
             raise PoolSyncError("weight sync: the received weights were iterated twice (they stream once)")
-        self._stream = self._engine._receive(self._global_steps, self.views)
+        self._stream = self._open(self.views, True)
         return self._stream
 
     def close(self) -> None:
@@ -54,7 +54,7 @@ class ReceivedWeights:
         """
         if self._stream is None or inspect.getgeneratorstate(self._stream) == inspect.GEN_CREATED:
             # (closing an unstarted generator runs nothing): the whole sync, drained
-            self._stream = self._engine._receive(self._global_steps, views=False, keep=False)
+            self._stream = self._open(False, False)
             try:
                 for _ in self._stream:
                     pass
