@@ -109,6 +109,39 @@ def test_aot_only_is_refused_off_the_tpu_backend(capsys):
     assert err == ["verl: error: --aot-only compiles a TPU job's graphs: use --backend tpu, not cpu"]
 
 
+def test_a_lowering_subprocess_dies_with_verl(tmp_path):
+    """The lowering and compile subprocesses have sessions of their own (a TorchTPU crash must not signal verl), so
+    a `timeout` that ended verl left them lowering for minutes. Now they die with it: verl (here a parent running
+    the same _run) is killed while its child sleeps, and the child is gone by the deadline."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = ("import os, sys; from pathlib import Path; from verl_backend.driver.aot.run import _run; "
+              f"_run([sys.executable, '-c', {child!r}], 'a child', 300, Path({str(tmp_path / 'log')!r}), "
+              "dict(os.environ))")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child_pid = int(pid_file.read_text())
+    os.kill(child_pid, 0)  # alive while its parent is
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child_pid, signal.SIGKILL)
+        pytest.fail(f"the child {child_pid} outlived its parent")
+
+
 def test_slice_names_map_to_libtpu_topologies():
     assert aot_run.jax_topology("v6e-8") == ("v6e:2x4", "v6e", 32)
     assert aot_run.jax_topology("v6e-8:2x4")[0] == "v6e:2x4"

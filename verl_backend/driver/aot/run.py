@@ -79,12 +79,24 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the ``verl`` process dies (Linux ``PR_SET_PDEATHSIG``). The child has
+    a session of its own (a TorchTPU crash must not signal ``verl``), so a ``timeout`` or Ctrl-C that ends ``verl``
+    would otherwise leave it lowering on its own for minutes."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+
+
 def _run(cmd: list[str], what: str, timeout_s: float, log: Path, env: dict) -> None:
-    """Run ``cmd``, output into ``log``; a timeout, a signal or a non-zero exit is one :class:`AotError` line."""
+    """Run ``cmd``, output into ``log``; a timeout, a signal or a non-zero exit is one :class:`AotError` line. The
+    subprocess dies with this process (:func:`_die_with_parent`)."""
     with open(log, "w") as out:
         try:
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                  start_new_session=True)
+                                  start_new_session=True,
+                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         except subprocess.TimeoutExpired:
             raise AotError(f"{what} took longer than {timeout_s:.0f} s and was stopped; its output is in {log}") \
                 from None
