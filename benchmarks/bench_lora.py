@@ -19,6 +19,15 @@ Columns (means over steps 2..N; step 1 is warm-up):
 - ``peak PSS GiB``: the whole run's largest summed proportional set size.
 
     python benchmarks/bench_lora.py [--steps 3] [--rank 16] [--threads 1] [--copy] [--keep DIR]
+
+``--sync-only``: no job; one LoRA sync in this process on the default model (SmolLM2-135M-Instruct, fp32, an adapter
+of ``--rank`` on all linear layers with a non-zero B), merged (``merged_lora_weights``, the merged model into the
+rollout's weights) against adapter-only (``lora_adapter_payload`` through 4 MiB object-store buckets, merged on
+receipt by ``AdapterMerger`` onto the base read from the model's safetensors; "+ refill": the rollout also rewrites
+its unadapted weights from the files, as after giving its pages back while asleep). Bytes on the wire, seconds per
+sync (median of ``--repeats``), and whether the rollout's weights are bitwise the merged ones.
+
+    python benchmarks/bench_lora.py --sync-only [--rank 16] [--threads 1] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -69,6 +78,71 @@ def trainable_millions(rank: int | None) -> float:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6
 
 
+def sync_table(rank: int, threads: int, repeats: int) -> list[dict]:
+    """Merged vs adapter-only LoRA sync on the default model, in this process (see ``--sync-only``)."""
+    import statistics
+    import time
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.collectives import iter_buckets, pack_bucket, unpack_bucket
+    from verl_backend.lora_sync import AdapterMerger, SafetensorsBase, lora_adapter_payload, merged_lora_weights
+    from verl_backend.models import ensure_default_model
+
+    torch.set_num_threads(threads)
+    path = str(ensure_default_model())
+    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trainer = get_peft_model(load(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    rollout = load()
+    own = rollout.state_dict()
+
+    def into_rollout(stream) -> int:
+        n = 0
+        with torch.no_grad():
+            for name, t in stream:
+                own[name].copy_(t)
+                n += t.numel() * t.element_size()
+        return n
+
+    def merged() -> int:
+        return into_rollout(merged_lora_weights(trainer))
+
+    base = SafetensorsBase(path)
+
+    def adapter(refill: bool):
+        def run() -> int:
+            merger, wire = AdapterMerger(base), 0
+            for bucket in iter_buckets(lora_adapter_payload(trainer), 4 << 20):
+                flat, meta = pack_bucket(bucket)
+                wire += flat.numel()
+                into_rollout(merger(unpack_bucket(flat.numpy(), meta)))
+            if refill:
+                into_rollout(merger.unadapted())
+            merger.finish()
+            return wire
+        return run
+
+    want = {n: t.clone() for n, t in merged_lora_weights(trainer)}
+    rows = []
+    for name, fn in (("merged model", merged), ("adapter only", adapter(False)),
+                     ("adapter only + refill", adapter(True))):
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            nbytes = fn()
+            seconds.append(time.perf_counter() - start)
+        exact = all(torch.equal(own[n], t) for n, t in want.items())
+        rows.append({"name": name, "mb": nbytes / 1e6, "s": statistics.median(seconds), "exact": exact})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run (step 1 is warm-up; >= 2)")
@@ -78,7 +152,18 @@ def main() -> int:
                     "(rl_tpu.shared_weights=false, Ray object store)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
     ap.add_argument("--keep", help="keep the run folders (logs, metrics) here instead of a temporary folder")
+    ap.add_argument("--sync-only", action="store_true", help="no job: merged vs adapter-only sync in this process")
+    ap.add_argument("--repeats", type=int, default=5, help="--sync-only: syncs timed per row (median)")
     args = ap.parse_args()
+    if args.sync_only:
+        rows = sync_table(args.rank, args.threads, args.repeats)
+        load = os.getloadavg()
+        print(f"\nLoRA sync, SmolLM2-135M-Instruct fp32, rank {args.rank} all-linear, {args.threads} torch thread(s), "
+              f"median of {args.repeats}; load average {load[0]:.1f}\n")
+        print("| sync | MB on the wire | s per sync | rollout weights bitwise the merged model |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['name']} | {r['mb']:.1f} | {r['s']:.3f} | {'yes' if r['exact'] else 'NO'} |")
+        return 0
     if args.steps < 2:
         print("bench_lora: error: --steps must be >= 2 (step 1 is warm-up)", file=sys.stderr)
         return 2
