@@ -347,7 +347,8 @@ class VerifyResult:
     """One sync's verification: ``ok``; the probe's ``max_abs_diff``, ``mean_abs_diff``, ``score`` (its difference
     as a fraction of its bound, :func:`probe_score`) and ``probe_ok``; ``seconds`` (the rollout side's);
     ``differing`` (tensors whose fingerprint differs, else stale packed copies), ``first_tensor`` (the first of them,
-    or ``None``) and the one-line ``message``."""
+    or ``None``), ``unchecked`` (fingerprints sent under names the model does not have, e.g. an adapter-only LoRA
+    payload's matrices: the rollout merges them, so only the probe checks them) and the one-line ``message``."""
 
     ok: bool
     max_abs_diff: float
@@ -357,6 +358,7 @@ class VerifyResult:
     seconds: float
     first_tensor: str | None = None
     differing: list[str] = field(default_factory=list)
+    unchecked: int = 0
     message: str = ""
 
     def as_metrics(self) -> dict[str, float]:
@@ -406,13 +408,14 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
     score = probe_score(got, want, *dtypes)
     probe_ok = score <= 1.0  # NaN fails
     differing: list[str] = []
+    unchecked = 0
     if trainer_fps:
         own = sampler._tensors
         dtype = _compute_dtype(sampler)
         for name, fp in trainer_fps.items():  # in the trainer's order: the first named is the first sent
             t = own.get(name)
-            if t is None:
-                differing.append(f"{name} (not in the rollout's model)")
+            if t is None:  # not a model tensor (an adapter-only LoRA payload's A/B): the probe covers what it became
+                unchecked += 1
             elif _differs(fingerprint(t, dtype), fp):
                 differing.append(name)
     if not probe_ok and not differing:  # the sources are the trainer's: the copies the sampler computes with?
@@ -435,7 +438,7 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
                    f"{'passed' if probe_ok else 'failed'})")
     result = VerifyResult(ok=ok, max_abs_diff=max_diff, mean_abs_diff=mean_diff, score=score, probe_ok=probe_ok,
                           seconds=time.perf_counter() - start, first_tensor=first, differing=differing,
-                          message=message)
+                          unchecked=unchecked, message=message)
     if not ok and raise_on_mismatch:
         raise WeightSyncMismatch(message)
     return result
