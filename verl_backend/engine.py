@@ -132,13 +132,19 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """VeRL's weight export; with the parameters in shared memory, each yields its own storage (one rank
         holds whole tensors, so ``full_tensor()``'s copy is skipped) and the rollout adapter finds it already in
-        place. With LoRA: the merged model's weights under its Hugging Face names in the trainer's dtype
-        (:func:`verl_backend.lora_sync.merged_lora_weights`) whatever ``model.lora.merge`` says, and no peft config:
-        the native rollout has no adapter slots, it samples on the merged model."""
-        if self._is_lora:
-            from verl_backend.lora_sync import merged_lora_weights
+        place. With LoRA: the adapter only (:func:`verl_backend.lora_sync.lora_adapter_payload`: A, B and scaling per
+        adapted matrix under self-describing names), whatever ``model.lora.merge`` says; the rollout merges it onto
+        the base weights it loaded from the model path (:func:`verl_backend.lora_sync.received_stream`).
 
-            return merged_lora_weights(self.module), None
+        VeRL's own protocol (a ``peft_config`` returned, ``base_sync_done``) is not used: its checkpoint-engine path
+        (``update_weights`` with any backend but ``naive``) calls this with ``base_sync_done=False`` every sync and
+        drops the ``peft_config``, so it would send the whole base each time; and a peft config makes VeRL's naive
+        path set vLLM/SGLang adapter state. The payload's names carry all the receiver needs on every transport,
+        and the rollout never starts from dummy weights (it loads the model path), so no base sync is needed."""
+        if self._is_lora:
+            from verl_backend.lora_sync import lora_adapter_payload
+
+            return lora_adapter_payload(self.module), None
         if self.shared_weights is None:
             return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done,
                                                 **kwargs)

@@ -356,6 +356,58 @@ class AdapterMerger:
         return merged
 
 
+# the rollout process's receiver: one merger per process, its base the model path the rollout was loaded from
+_receiver: dict = {"path": None, "merger": None, "used": False}
+
+
+def set_base_path(model_path: str) -> None:
+    """Where this process's rollout loaded its base model from (the rollout server, an in-worker sampler): an
+    adapter payload received here is merged onto that model's files."""
+    if _receiver["path"] != model_path:
+        _receiver.update(path=model_path, merger=None)
+
+
+def received_stream(named_tensors):
+    """The receive seam's transform (:func:`verl_backend.weight_sync.apply.received`): adapter payload tensors become
+    merged ``(Hugging Face name, tensor)`` pairs, anything else passes through. A sync may arrive in several pieces
+    (buckets): the merger's state spans them until :func:`end_of_sync`."""
+    for name, tensor in named_tensors:
+        if PAYLOAD_MARK not in name:
+            yield name, tensor
+            continue
+        merger = _receiver["merger"]
+        if merger is None:
+            if _receiver["path"] is None:
+                raise ValueError("adapter-only LoRA sync: this process received an adapter but knows no base model "
+                                 "to merge it onto (lora_sync.set_base_path was not called)")
+            merger = _receiver["merger"] = AdapterMerger(SafetensorsBase(_receiver["path"]))
+        _receiver["used"] = True
+        yield from merger(((name, tensor),))
+
+
+def adapter_sync_open() -> bool:
+    """This process is between the first adapter tensor of a sync and :func:`end_of_sync`."""
+    return bool(_receiver["used"])
+
+
+def unadapted_for_refill():
+    """This sync's unadapted base tensors from the files (a rollout that gave its weights' pages back)."""
+    merger = _receiver["merger"]
+    return merger.unadapted() if merger is not None else iter(())
+
+
+def end_of_sync() -> bool:
+    """End of one sync on the receiving side: ``True`` when it was adapter-only.
+
+    Raises:
+        ValueError: a matrix's A, B or scaling never arrived (:meth:`AdapterMerger.finish`).
+    """
+    used, _receiver["used"] = _receiver["used"], False
+    if used:
+        _receiver["merger"].finish()
+    return used
+
+
 def save_lora_checkpoint(module: torch.nn.Module, checkpoint_dir: str, rank: int = 0) -> tuple[str, str] | None:
     """Make a LoRA checkpoint usable outside VeRL: its ``huggingface/`` folder becomes the merged model under the base
     model's names (VeRL 0.9.1 writes the peft model's names there, ``base_model.model.….base_layer.weight``, which

@@ -86,7 +86,7 @@ def _config(**over):
 
 @pytest.mark.parametrize("over, cpu, shared, rollout_slice, transports", [
     ({}, True, True, None, ["trainer_memory"]),
-    ({"actor_rollout_ref.model.lora_rank": 16}, True, True, None, ["shared_memory"]),
+    ({"actor_rollout_ref.model.lora_rank": 16}, True, True, None, ["object_store"]),  # adapter only, merged there
     ({"trainer.n_gpus_per_node": 2}, True, True, None, ["shared_memory", "shared_memory"]),
     ({}, True, False, None, ["object_store"]),
     ({"actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement": "worker",
@@ -142,4 +142,4 @@ def test_print_config_shows_the_planned_route(tmp_path):
     proc = verl("train", "--backend", "cpu", "--output-dir", str(tmp_path), "--print-config",
                 "actor_rollout_ref.model.lora_rank=16")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rollout replica 0: shared memory, copied once (" in proc.stdout and "LoRA (lora_rank=16)" in proc.stdout
+    assert "rollout replica 0: Ray object store" in proc.stdout and "LoRA (lora_rank=16)" in proc.stdout

@@ -109,6 +109,10 @@ class NativeServerAdapter(BaseRollout):
         if self.placement == "worker":
             from verl.utils.device import get_device_name
 
+            from verl_backend.lora_sync import set_base_path
+
+            set_base_path(self.model_config.local_path)  # an adapter-only LoRA sync merges onto these files
+
             from verl_backend.rollout.inworker import set_worker_sampler
             from verl_backend.rollout.sampling import build_sampler
 
@@ -174,7 +178,12 @@ class NativeServerAdapter(BaseRollout):
 
             shared = bool(current().shared_weights) and self.placement == "server"
             trainer = server = "rl_tpu.shared_weights=false"
-            if shared:
+            lora = int(getattr(self.model_config, "lora_rank", 0) or 0)
+            if shared and lora > 0:  # adapter-only sync: the server merges what it receives (object store)
+                from verl_backend.weight_sync.route import known_blockers
+
+                trainer, server = known_blockers(True, 1, lora)
+            elif shared:
                 trainer = await self._trainer_weights()
                 if trainer is not None:
                     server = None if await self._shared_writer() is not None else self._writer_reason
@@ -292,8 +301,9 @@ class NativeServerAdapter(BaseRollout):
         if not getattr(self, "_reported", False):
             self._reported = True
             s = self.last_sync
-            rank = int(getattr(self.model_config, "lora_rank", 0) or 0)  # LoRA: the engine sends the merged model
-            what = f" (merged weights: base + LoRA rank {rank} adapter)" if rank else ""
+            rank = int(getattr(self.model_config, "lora_rank", 0) or 0)  # LoRA: the engine sends the adapter only
+            what = (f" (adapter only, LoRA rank {rank}, {s['bytes'] / 1e6:.1f} MB: the rollout merges it onto its base "
+                    "weights)") if rank else ""
             print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {transport}"
                   f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
                   flush=True)

@@ -143,7 +143,10 @@ class NativeRolloutServer:
         self.max_prompt_len = int(getattr(self.config, "prompt_length", 512))
         self.response_length = int(getattr(self.config, "response_length", 512))
         if self.worker_method is None:
+            from verl_backend.lora_sync import set_base_path
+
             self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
+            set_base_path(self.model_path)  # an adapter-only LoRA sync merges onto these files
             if self.device.type == "cpu" and current().shared_weights:
                 from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
 
@@ -400,6 +403,13 @@ class NativeRolloutServer:
 
         n = load(self.sampler, named_tensors, version)
         if final:
+            from verl_backend.lora_sync import adapter_sync_open, unadapted_for_refill
+
+            if adapter_sync_open():  # LoRA, adapter only: the unadapted weights never change...
+                self._adapter_syncs = True
+                if self.shared is not None and not self.shared.resident:  # ...unless their pages went while asleep
+                    self.sampler.load_state_dict(unadapted_for_refill())  # from the files' page cache, not the wire
+                    self.shared.resident = True
             self.weights_live(version, written_elsewhere=False)
         return n
 
@@ -433,7 +443,10 @@ class NativeRolloutServer:
             await asyncio.sleep(0.005)
         if self.sampler is not None:
             self.sampler.weights_changed()
-        if self.shared is not None and self._shared_attached and self.free_when_asleep:
+        # a trainer writing all of them, or adapter-only LoRA syncs (which rewrite them from the files): the pages
+        # can go while the actor updates
+        if self.shared is not None and (self._shared_attached or getattr(self, "_adapter_syncs", False)) \
+                and self.free_when_asleep:
             self.shared.release()
         trim_host_heap()
 

@@ -138,9 +138,12 @@ def known_blockers(cpu: bool, trainer_ranks: int, lora_rank: int) -> tuple[str |
     elif trainer_ranks > 1:
         trainer = "FSDP shards the parameters over several ranks: the rollout needs whole tensors"
     elif lora_rank > 0:
-        trainer = (f"LoRA (lora_rank={lora_rank}): the engine sends the merged model, it cannot share LoRA "
-                   "parameters in place")
-    return trainer, None if cpu else "the rollout server samples on an accelerator"
+        trainer = (f"LoRA (lora_rank={lora_rank}): the engine sends the adapter only, the rollout merges it into "
+                   "its own weights")
+    server = None if cpu else "the rollout server samples on an accelerator"
+    if lora_rank > 0 and server is None:
+        server = "an adapter is a few MB: the rollout server receives it whole and merges it itself"
+    return trainer, server
 
 
 def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None) -> tuple[list, str]:
