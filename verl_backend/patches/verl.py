@@ -263,6 +263,63 @@ def _step_begin_hook(original):
     return on_step_begin
 
 
+def _worker_sync_metrics(original):
+    import functools
+
+    @functools.wraps(original)  # keeps VeRL's dispatch attributes (register)
+    async def update_weights(self, *args, **kwargs):
+        """Patched ``ActorRolloutRefWorker.update_weights`` (VeRL 0.9.1): its colocated (``naive``) path returns
+        nothing; the native adapter's figures of the sync (``weight_sync/{route,bytes,seconds,verified}``,
+        :meth:`verl_backend.weight_sync.SyncReport.as_metrics`) are returned instead, as the ``gloo`` engine's are."""
+        result = await original(self, *args, **kwargs)
+        if result is None:
+            result = dict(getattr(getattr(self, "rollout", None), "last_metrics", None) or {}) or None
+        return result
+
+    return update_weights
+
+
+def _manager_sync_metrics(original):
+    from verl.utils.ray_utils import auto_await
+
+    raw = getattr(original, "__wrapped__", original)  # the coroutine function under auto_await
+
+    async def update_weights(self, global_steps: int = None):
+        """Patched ``CheckpointEngineManager.update_weights`` (VeRL 0.9.1): the colocated (``naive``) sync also
+        merges what the trainer workers return (the patched worker's ``weight_sync/*``), returns it and keeps it for
+        the step's metrics (:func:`_consume_with_naive_sync`); other engines unchanged."""
+        if self.backend != "naive":
+            return await raw(self, global_steps=global_steps)
+        import ray
+
+        merged: dict = {}
+        for result in ray.get(self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)):
+            if isinstance(result, dict):
+                merged.update(result)
+        self._rl_tpu_sync_metrics = merged
+        return merged
+
+    return auto_await(update_weights)
+
+
+def _consume_with_naive_sync(original):
+    def _consume_sync_metrics(self):
+        """Patched ``PPOTrainer._consume_sync_metrics`` (VeRL 0.9.1): the colocated sync's ``weight_sync/*`` (kept
+        by the patched manager, whose return the sync trainers drop) join the step's metrics, as the separate pools'
+        do."""
+        metrics = dict(original(self) or {})
+        for name in ("checkpoint_manager", "standalone_checkpoint_manager"):
+            manager = getattr(self, name, None)
+            pending = getattr(manager, "_rl_tpu_sync_metrics", None)
+            if pending:
+                manager._rl_tpu_sync_metrics = {}
+                for key, value in pending.items():
+                    metrics.setdefault(key, value)
+        return metrics
+
+    return _consume_sync_metrics
+
+
 def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str | None = None,
               when: Callable[[], bool] | None = None) -> Patch:
     """The record of a patch that wraps ``module.path`` (``"Cls.attr"`` or ``"name"``) with ``make(original)``;
@@ -367,6 +424,14 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
               "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
               "empty hook, no upstream issue)"),
+    _wrapping("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", _worker_sync_metrics,
+              "the colocated (naive) weight sync returns no figures: weight_sync/{route,bytes,seconds,verified} "
+              "reach metrics.jsonl as the gloo engine's do (rl-tpu feature, no upstream issue)"),
+    _wrapping("verl.checkpoint_engine.base", "CheckpointEngineManager.update_weights", _manager_sync_metrics,
+              "the naive branch drops what the trainer workers return (no upstream issue found)"),
+    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._consume_sync_metrics", _consume_with_naive_sync,
+              "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics "
+              "(no upstream issue found)"),
     Patch(target=f"{_ROLLOUT}[('native', 'async')]", module="verl.workers.rollout.base", library="verl",
           versions=VERSIONS, why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this "
           "private dict (no upstream issue found)", upstream=None, apply=_register_native_rollout,

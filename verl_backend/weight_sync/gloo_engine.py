@@ -60,7 +60,7 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from verl_backend.rollout.inworker import InWorkerGenerate
-from verl_backend.settings import current
+from verl_backend.settings import SettingsMissingError, current
 from verl_backend.weight_sync.base import SyncReport
 from verl_backend.weight_sync.pool_broadcast import PoolBroadcast, all_min, broadcast, plan_choice
 from verl_backend.weight_sync.pool_shared_memory import (
@@ -83,6 +83,16 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address().strip("[]") if ray.is_initialized() else "127.0.0.1"
+
+
+def _pool_settings() -> tuple[bool, str | None]:
+    """``(rl_tpu.shared_weights, rl_tpu.rollout_slice)``; the defaults ``(True, None)`` in a process no ``verl train``
+    job started (the engine is VeRL's, usable on its own: tests, ``benchmarks/bench_weight_sync.py``)."""
+    try:
+        s = current()
+    except SettingsMissingError:
+        return True, None
+    return bool(s.shared_weights), s.rollout_slice or None
 
 
 @CheckpointEngineRegistry.register("gloo")
@@ -122,7 +132,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         host = _node_ip()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._no_file = ""
-        if not current().shared_weights:
+        if not _pool_settings()[0]:
             self._no_file = "rl_tpu.shared_weights=false"
         else:
             try:
@@ -190,10 +200,9 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
     def planned(self) -> str:
         """The transport :func:`~verl_backend.weight_sync.route.choose_route` plans for this sync between pools
         (``rl_tpu.shared_weights``, ``rl_tpu.rollout_slice``: the plan ``--print-config`` shows)."""
-        s = current()
-        why = f"the rollout pool is on other hosts (rl_tpu.rollout_slice={s.rollout_slice})" if s.rollout_slice \
-            else None
-        return choose_route(SyncFacts(placement="server", shared_weights=bool(s.shared_weights), trainer_memory=None,
+        shared, rollout_slice = _pool_settings()
+        why = f"the rollout pool is on other hosts (rl_tpu.rollout_slice={rollout_slice})" if rollout_slice else None
+        return choose_route(SyncFacts(placement="server", shared_weights=shared, trainer_memory=None,
                                       server_memory=None, pool=True, pool_memory=why)).transport
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None):
