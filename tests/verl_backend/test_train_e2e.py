@@ -88,6 +88,10 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
         # the native rollout's log-probs are the trainer's own (same weights after each sync): this is what
         # makes the CPU default's bypass mode (old log-probs = rollout log-probs) exact
         assert m["training/rollout_probs_diff_max"] < 1e-3
+        # every sync's figures, the same names on every transport (route 1: trainer_memory, zero copy)
+        assert m["weight_sync/route"] == 1.0 and m["weight_sync/bytes"] > 0 and m["weight_sync/seconds"] >= 0
+        assert m["weight_sync/verified"] in (0.0, 1.0)
+    assert "weight sync route: planned trainer_memory, took trainer_memory, because " in log
     # trainer and rollout share this host, one FSDP rank: the rollout computes on the trainer's own parameters in
     # shared memory, nothing is copied (step 2's log-probs above were sampled from the weights the optimizer
     # updated in place)
