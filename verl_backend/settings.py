@@ -102,6 +102,11 @@ SETTINGS: tuple[Setting, ...] = (
             "server) on CPU devices and gloo, one rank per chip of a fake slice: --slice, default v6e-4 (4 ranks), "
             "reserved on a Ray cluster from `rl-tpu cluster up --fake-slice v6e-4` ($RAY_ADDRESS)",
             flag="--tpu-dry-run", reader="driver"),
+    Setting("tpu_dry_run_compile", bool, True, "with rl_tpu.tpu_dry_run: the driver also lowers the job's graphs "
+            "with TorchTPU and compiles them with libtpu for the fake slice's chip and topology (the --aot-only code "
+            "path, in subprocesses while the job trains; needs .venv-aot from .ci/aot_venv, else skipped in one "
+            "line); the run's summary says how many compiled and the per-chip HBM; off: only the graph list "
+            "(aot/graphs.json in the run folder)", reader="driver"),
     Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",
             minimum=1, env="RL_TPU_SLICE_TIMEOUT_S"),
     Setting("rollout_slice", str, "", "TPU slice for the rollout replicas apart from the trainer's rl_tpu.slice, "

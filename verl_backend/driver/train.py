@@ -139,7 +139,10 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     config = compose_config(merged + extra)
     check_whole_numbers(config)
     check_adv_estimator(config)  # fed by VeRL 0.9.1's V1 trainer, or one line
-    if config_path == backend.default_config:
+    if config_path and Path(config_path).resolve() == Path(backend.default_config
+                                                           or profile("cpu").default_config).resolve():
+        # the embedded default (--backend cpu's, and the dry run's), also when given to --aot-only as --config: the
+        # TPU dry run and `--backend tpu --aot-only --config <it>` are then the same job (aot/graphs.json)
         fit_default_micro_batches(config, _keys(cli_overrides))
     guard_bypass(config, _keys(file_overrides + cli_overrides))
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
@@ -190,6 +193,14 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
     trim_host_heap()
     console.say(job_line(config, backend.name, settings.num_threads, out))
+    tpu_compile = None
+    if settings.tpu_dry_run:  # the same job's graphs lowered and compiled for the fake slice's chip, meanwhile
+        from verl_backend.driver.aot.dry_run import DryRunCompile
+
+        tpu_compile = DryRunCompile(config, settings.slice, out, enabled=settings.tpu_dry_run_compile).start()
+        if tpu_compile.running:
+            console.say(f"[rl-tpu] TPU compile check: lowering {tpu_compile.folder / 'graphs.json'}'s graphs with "
+                        f"TorchTPU and compiling them for {settings.slice} with libtpu, beside the training")
     start = time.time()
     rollouts = config.trainer.get("rollout_data_dir")
     with StepLines(out / "metrics.jsonl", config.trainer.total_training_steps, console.say,
@@ -199,6 +210,14 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     validation = config.trainer.get("validation_data_dir")
     summary = write_report(out, wall_s=time.time() - start, validation_dir=Path(validation) if validation else None)
     console.say(summary)
+    if tpu_compile is not None:  # never a failure of the run: compiled, skipped or failed, in one line
+        from verl_backend.driver.aot.dry_run import compile_line, record
+
+        if tpu_compile.running:
+            console.say("[rl-tpu] TPU compile check: waiting for the lowering and compile subprocesses")
+        entry = tpu_compile.finish()
+        record(out, entry)
+        console.say(compile_line(entry))
     if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
         return _export(config, out, settings, console)
     return 0

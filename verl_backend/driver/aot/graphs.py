@@ -80,3 +80,31 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
         out.append(GraphRequest("decode", b, 1, cache))
         b //= 2
     return out
+
+
+def job_workers(config) -> int:
+    """The trainer workers of a composed config (``trainer.n_gpus_per_node × trainer.nnodes``): one per chip."""
+    return int(config_get(config, "trainer.n_gpus_per_node", 1)) * int(config_get(config, "trainer.nnodes", 1))
+
+
+def graph_list(config) -> list[dict]:
+    """The job's (graph, input shapes) list as ``--aot-only`` lowers it (:func:`job_graphs` over
+    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache"}``; what the TPU dry run
+    records in its run folder (``aot/graphs.json``)."""
+    return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(config, job_workers(config))]
+
+
+def graph_list_differences(ours: list[dict], theirs: list[dict]) -> list[str]:
+    """Where two (graph, input shapes) lists differ, one line each (empty: the same list, in the same order): a
+    graph in one only, a graph at other shapes, or the same graphs in another order."""
+    def key(g):
+        return (g["kind"], int(g["batch"]), int(g.get("seq", 0)), int(g.get("cache", 0)))
+
+    a, b = [key(g) for g in ours], [key(g) for g in theirs]
+    names = {key(g): g.get("graph") or GraphRequest(*key(g)).name for g in [*ours, *theirs]}
+    lines = [f"only in the first list: {names[k]}" for k in a if k not in b]
+    lines += [f"only in the second list: {names[k]}" for k in b if k not in a]
+    if not lines and a != b:
+        lines.append("the same graphs in another order" if sorted(a) == sorted(b) else
+                     "the same graphs, some listed more often in one list")
+    return lines

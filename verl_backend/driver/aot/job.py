@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from verl_backend.driver.aot.graphs import config_get as _get
-from verl_backend.driver.aot.graphs import job_graphs
+from verl_backend.driver.aot.graphs import job_graphs, job_workers
 from verl_backend.driver.aot.run import (AotError, errors, jax_topology, lower_and_compile, per_chip_bytes,
                                          plan_comparison, table)
 
@@ -61,8 +61,7 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
     if not slice_name:
         raise AotError("--aot-only compiles for a slice's chip: give --slice, e.g. --slice v6e-8")
     topo, generation, hbm_gib = jax_topology(slice_name)
-    workers = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
-    jobs = aot_jobs(config, workers, model_path=model_path)
+    jobs = aot_jobs(config, job_workers(config), model_path=model_path)
     print(f"[rl-tpu] --aot-only: lowering {sum(len(j['graphs']) for j in jobs)} graph shapes of "
           f"{jobs[0]['model_type']} with TorchTPU, compiling for {slice_name} ({topo}) with libtpu, no chip",
           flush=True)

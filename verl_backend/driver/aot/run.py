@@ -82,21 +82,34 @@ def _env(extra: dict | None = None) -> dict:
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the ``verl`` process dies (Linux ``PR_SET_PDEATHSIG``). The child has
     a session of its own (a TorchTPU crash must not signal ``verl``), so a ``timeout`` or Ctrl-C that ends ``verl``
-    would otherwise leave it lowering on its own for minutes."""
-    import ctypes
+    would otherwise leave it lowering on its own for minutes. libc is opened in the parent (:func:`_libc`): the
+    child of a threaded parent (the TPU dry run lowers from a thread of the driver) calls no ``dlopen`` before exec.
+    The signal comes when the thread that started the child ends: :func:`_run` waits in that thread until then."""
+    _LIBC[0].prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        import ctypes
+
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
 
 
 def _run(cmd: list[str], what: str, timeout_s: float, log: Path, env: dict) -> None:
     """Run ``cmd``, output into ``log``; a timeout, a signal or a non-zero exit is one :class:`AotError` line. The
     subprocess dies with this process (:func:`_die_with_parent`)."""
+    linux = sys.platform.startswith("linux")
+    if linux:
+        _libc()  # opened here, not in the child (see _die_with_parent)
     with open(log, "w") as out:
         try:
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
                                   start_new_session=True,
-                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                  preexec_fn=_die_with_parent if linux else None)
         except subprocess.TimeoutExpired:
             raise AotError(f"{what} took longer than {timeout_s:.0f} s and was stopped; its output is in {log}") \
                 from None
