@@ -250,7 +250,8 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     samplers = re.findall(r"\[rl-tpu\] native sampler \(torch\.bfloat16, cpu\): packed prefill off, lean decode off, "
                           r"packed weights off, compiled off", log)
     assert len(samplers) == 4, samplers
-    routes = set(re.findall(r"weight sync route: trainer rank (\d) -> rollout replica \d: in the trainer worker", log))
+    routes = set(re.findall(r"weight sync route: planned in_worker, took in_worker, because [^\n]*?"
+                         r"\(trainer rank (\d) -> rollout replica \d: in the trainer worker", log))
     assert routes == {"0", "1", "2", "3"}, routes
     assert re.search(r"\[rl-tpu\] actor: FSDP2 wraps the model \(several ranks", log)  # said by rank 0
     assert "so the model runs unwrapped" not in log
@@ -259,6 +260,36 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert "runs eagerly" not in log
     graphs = [int(n) for n in re.findall(r"compiled trainer blocks: graph (\d+) of at most 16", log)]
     assert graphs and max(graphs) <= 4, graphs  # per process: buckets x {update, no-grad forward}, over 2 steps
+
+
+@pytest.mark.slow
+def test_dry_run_lowered_and_compiled_its_graphs_for_the_fake_slice(dry_run):
+    """rl_tpu.tpu_dry_run_compile (default on): the job's graphs (aot/graphs.json, the list --aot-only lowers for the
+    same job: test_tpu_dry_run_compile.py) lowered by TorchTPU and compiled by libtpu for v6e:2x2 beside the training,
+    in the summary and its last lines; without .venv-aot, skipped in one line, the run unharmed."""
+    from verl_backend.driver.aot.dry_run import SKIPPED_NO_TORCH_TPU
+    from verl_backend.driver.aot.graphs import graph_list, graph_list_differences
+    from verl_backend.driver.aot.run import AotError, aot_python
+
+    out, proc, log = dry_run
+    assert proc.returncode == 0, log[-5000:]
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(out / "config.yaml")  # its interpolations resolved where read, as in the driver
+    recorded = json.loads((out / "aot" / "graphs.json").read_text())
+    assert graph_list_differences(recorded, graph_list(config)) == []
+    entry = json.loads((out / "summary.json").read_text())["tpu_compile"]
+    lines = [ln for ln in log.splitlines() if ln.startswith("[rl-tpu] TPU compile check: ")]
+    assert lines[-1] == f"[rl-tpu] TPU compile check: {entry['line']}", lines
+    try:
+        aot_python()
+    except AotError:
+        assert entry["status"] == "skipped" and entry["line"] == SKIPPED_NO_TORCH_TPU
+        return
+    assert entry["status"] == "compiled", entry["line"]
+    assert entry["topology"] == "v6e:2x2" and entry["compiled"] == len(recorded) + 2  # block, lm_head: fwd + bwd
+    assert 0 < entry["per_chip"]["training_peak"] < entry["hbm_bytes"] == 32 * 2**30
+    print(f"compile check: {entry['seconds']:.0f} s beside training, waited {entry['waited_s']:.1f} s after it")
 
 
 @pytest.mark.slow
