@@ -18,7 +18,7 @@ took Y, because ...``. The transports, cheapest first; the number is ``weight_sy
                             sync, no bytes are copied (the sync only checks every tensor is in place). The default
                             CPU job. (:mod:`.trainer_memory`)
  2  ``shared_memory``       the server keeps its own weights in a shared-memory file on this host: each tensor is
-                            written into it once (FSDP over several ranks). (:mod:`.shared_memory`)  
+                            written into it once (FSDP over several ranks). (:mod:`.shared_memory`)
  3  ``object_store``        anything else (another host, ``rl_tpu.shared_weights=false``, a file that cannot be
                             mapped): buckets of ``bucket_bytes`` through Ray's object store, streamed (a bounded
                             number in flight). (:mod:`.object_store`)
