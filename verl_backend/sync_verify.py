@@ -81,7 +81,7 @@ import torch
 
 __all__ = [
     "Probe", "SyncProof", "VerifyResult", "WeightSyncMismatch", "check_sync", "fingerprint", "fingerprint_stream",
-    "make_probe", "stash_trainer_probe", "take_proof", "trainer_proof",
+    "make_probe", "register_trainer_module", "take_proof", "trainer_proof",
     "probe_bound", "probe_score", "rollout_probe", "stale_packed_copies", "trainer_fingerprints", "trainer_probe", "verify_sync",
 ]
 
@@ -283,6 +283,8 @@ def fingerprint_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], into: 
     """Pass ``named_tensors`` (the trainer's weight stream) through unchanged, fingerprinting each tensor into
     ``into`` (name -> :func:`fingerprint` at ``dtype``) as it goes; complete once the stream is consumed."""
     for name, tensor in named_tensors:
+        if hasattr(tensor, "full_tensor"):  # gathered once here: the transport takes the whole tensor
+            tensor = tensor.full_tensor()
         into[name] = fingerprint(tensor, dtype)
         yield name, tensor
 
@@ -503,27 +505,26 @@ def check_sync(sampler, proof: SyncProof, replica: int | str, raise_on_mismatch:
 
 
 # ------------------------------------------------------- the engine -> adapter hand-over inside a trainer worker
-_PENDING: dict[str, tuple[Probe, torch.Tensor, str]] = {}  # role -> (probe, log-probs, dtype name)
+_MODULES: dict[str, torch.nn.Module] = {}  # role -> the trainer's module in this process
 
 
-def stash_trainer_probe(module: torch.nn.Module, role: str = "actor", seed: int = 0) -> None:
-    """The trainer's engine, as it exports its weights for a sync (``get_per_tensor_param``, every rank, right after
-    the optimizer step): score the probe on ``module`` now and keep it for this process's rollout adapter
-    (:func:`take_proof`), which knows the version and the rollout's dtype."""
-    stream, proof = trainer_proof(module, (), None, seed=seed)
-    _PENDING[role] = (proof.probe, proof.logprobs, proof.dtype)
+def register_trainer_module(module: torch.nn.Module | None, role: str = "actor") -> None:
+    """The trainer's engine names its module (an HF causal LM, peft- or FSDP-wrapped) to this process's rollout
+    adapter, which scores the probe on it at each sync (:func:`take_proof`); ``None`` withdraws it."""
+    if module is None:
+        _MODULES.pop(role, None)
+    else:
+        _MODULES[role] = module
 
 
 def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
                rollout_dtype: torch.dtype | str | None, role: str = "actor"):
-    """The rollout adapter, before sending: ``(stream to send, SyncProof)`` from the engine's stashed probe, the
-    stream fingerprinted at ``rollout_dtype`` as it passes; ``(weights, None)`` when no probe was stashed (the sync
-    then goes unverified: ``weight_sync/verified`` 0)."""
-    pending = _PENDING.pop(role, None)
-    if pending is None:
+    """The rollout adapter, on every rank, as VeRL hands it the export right after the optimizer step:
+    ``(stream to send, SyncProof)`` (:func:`trainer_proof` on the registered module: the probe scored now, the
+    stream fingerprinted at ``rollout_dtype`` as it passes); ``(weights, None)`` when no module is registered in this
+    process (a standalone rollout replica fed by the pool transports: the sync goes unverified,
+    ``weight_sync/verified`` 0)."""
+    module = _MODULES.get(role)
+    if module is None:
         return weights, None
-    probe, logprobs, dtype = pending
-    if isinstance(rollout_dtype, str):
-        rollout_dtype = getattr(torch, rollout_dtype)
-    proof = SyncProof(version=version, probe=probe, logprobs=logprobs, dtype=dtype)
-    return fingerprint_stream(weights, proof.fingerprints, rollout_dtype), proof
+    return trainer_proof(module, weights, version, rollout_dtype)

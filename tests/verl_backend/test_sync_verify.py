@@ -210,14 +210,66 @@ def test_compiled_steps_with_packed_copies_left_stale_are_caught() -> None:
     assert job.verify(fps).ok
 
 
-def test_engine_stash_and_adapter_take() -> None:
-    """The engine scores the probe as it exports (stash), the adapter fingerprints what it sends (take): verified;
-    a sync with no stashed probe goes unverified (no proof)."""
+def test_engine_registers_its_module_and_the_adapter_takes_a_proof() -> None:
+    """The engine registers its module; the adapter scores the probe on it at each sync and fingerprints what it
+    sends: verified. Withdrawn (no trainer module in this process): no proof, the sync goes unverified."""
     job = Job()
-    job.step()
-    sv.stash_trainer_probe(job.trainer)
-    stream, proof = sv.take_proof(job.trainer.state_dict().items(), job.version, "float32")
-    job.sampler.load_state_dict(stream)
-    assert proof.version == 1 and sv.check_sync(job.sampler, proof, replica=0).ok
+    sv.register_trainer_module(job.trainer)
+    try:
+        job.step()
+        stream, proof = sv.take_proof(job.trainer.state_dict().items(), job.version, "float32")
+        job.sampler.load_state_dict(stream)
+        assert proof.version == 1 and sv.check_sync(job.sampler, proof, replica=0).ok
+    finally:
+        sv.register_trainer_module(None)
     weights = job.trainer.state_dict().items()
     assert sv.take_proof(weights, 2, "float32") == (weights, None)
+
+
+def test_the_server_verifies_the_in_place_route_and_stops_on_stale_packed_copies(tiny_model_dir, job_settings):
+    """The default CPU job's route (the server computes on the trainer's shared-memory parameters): the server's
+    ``verify_sync`` passes a sync whose packed copies were dropped (``end_weight_update``), and stops, in one line
+    naming the replica, the version and the layer, one whose copies were left stale."""
+    pytest.importorskip("verl")
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.shared_weights import SharedWeights
+    from verl_backend.rollout.server import NativeRolloutServer
+
+    cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32")
+    server = NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.01,
+                                 replica_rank=2)
+    trainer = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    published = SharedWeights(trainer, name="test_sync_verify_trainer")
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    assert server.attach_trainer_weights(published.handle(node_id=node)) is None
+
+    async def sync(version: int, announce: bool) -> dict:
+        await server.generate(f"warm{version}", [1, 5, 9, 13], {"temperature": 0.0, "max_tokens": 4})  # packs
+        adam_like_step(trainer, version)  # the optimizer, in the trainer's process: no version bump here
+        stream, proof = sv.trainer_proof(trainer, trainer.state_dict().items(), version, "float32")
+        await server.begin_weight_update()
+        published.publish(stream)
+        if announce:
+            await server.end_weight_update([], global_steps=version)
+        else:  # a server that forgot Sampler.weights_changed()
+            server.set_global_steps(version)
+            server._updating = False
+        return await server.verify_sync(proof)
+
+    async def scenario():  # one event loop: the server's batch loop lives on it
+        assert (await sync(1, announce=True))["weight_sync/verified"] == 1.0
+        with pytest.raises(sv.WeightSyncMismatch) as caught:
+            await sync(2, announce=False)
+        return caught
+
+    try:
+        err = asyncio.run(scenario())
+        line = str(err.value)
+        assert "\n" not in line and "rollout replica 2, weight version 2" in line and "(packed copy)" in line
+    finally:
+        published.close()

@@ -427,6 +427,28 @@ class NativeRolloutServer:
         if global_steps is not None:
             self.global_steps = int(global_steps)
 
+    async def verify_sync(self, proof) -> dict:
+        """Prove the sync just made live is the trainer's model (:func:`verl_backend.sync_verify.check_sync`: the
+        probe through this sampler's own path, fingerprints), generation held meanwhile; returns
+        ``weight_sync/verified`` and the verification's metrics ({} when the sampler lives in a worker: the adapter
+        verifies there).
+
+        Raises:
+            verl_backend.sync_verify.WeightSyncMismatch: one line naming this replica, the version and the tensor.
+        """
+        from verl_backend.sync_verify import check_sync
+
+        if self.sampler is None:
+            return {}
+        self._updating = True
+        try:
+            while self._batch_running:
+                await asyncio.sleep(0.002)
+            result = await asyncio.to_thread(check_sync, self.sampler, proof, self.replica_rank)
+        finally:
+            self._updating = False
+        return result.as_metrics()
+
     def get_stats(self) -> dict:
         return dict(self.stats)
 
