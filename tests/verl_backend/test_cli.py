@@ -118,6 +118,21 @@ def test_default_config_composes_with_backend_defaults(tmp_path):
     assert (tmp_path / "data" / "basic_arithmetic_train.parquet").is_file()
 
 
+@pytest.mark.parametrize("example", ["chain_sum_cpu", "gsm8k_cpu", "ppo_cpu"])
+def test_an_example_that_needs_no_model_folder_composes_and_fits_this_host(example, tmp_path):
+    """A ``--config`` file replaces the embedded default job: an example must be a whole job (a partial one ran
+    VeRL's own defaults, 256 prompts a step, and was refused by the host-memory plan at 370 GiB)."""
+    proc = verl("train", "--backend", "cpu", "--config", f"examples/{example}.yaml", "--output-dir", str(tmp_path),
+                "--print-config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fits = [line for line in proc.stdout.splitlines() if line.startswith("#   this host:")]
+    assert len(fits) == 1 and fits[0].endswith(": fits"), fits
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert cfg["data"]["train_batch_size"] <= 16, cfg["data"]["train_batch_size"]
+    if example == "chain_sum_cpu":
+        assert (tmp_path / "data" / "chain_sum_train.parquet").is_file()
+
+
 def test_command_line_beats_config_file_beats_backend_defaults(tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"train_batch_size": 2, "max_response_length": 32},

@@ -173,3 +173,24 @@ def test_moe_attention_adapters_merge_and_fused_experts_are_refused(tmp_path, de
         for sync in (lora_adapter_payload, merged_lora_weights):
             with pytest.raises(ValueError, match="ParamWrapper layer: the native rollout merges Linear and Embedding"):
                 next(sync(wrapped))
+
+
+def test_the_receive_seam_counts_the_payload_not_the_merge(family) -> None:
+    """:func:`verl_backend.weight_sync.apply.load` (every transport's entry into a sampler) reports the bytes that
+    arrived: the adapter's A, B and scalings, not the merged matrices it makes of them (``weight_sync/bytes``)."""
+    from verl_backend import lora_sync
+    from verl_backend.weight_sync.apply import live, load
+
+    name, path = family
+    trainer = _trainer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    rollout = Sampler(model, pad_token_id=0, eos_token_ids=[])
+    lora_sync.set_base_path(str(path))
+    payload = list(lora_adapter_payload(trainer))
+    n = load(rollout, iter(payload), version=1)
+    live(rollout, 1, written_elsewhere=False)
+    assert n == sum(t.numel() * t.element_size() for _, t in payload)
+    merged = dict(merged_lora_weights(trainer))
+    assert n < sum(merged[k].numel() * merged[k].element_size() for k in merged if "proj" in k) / 2
+    state = model.state_dict()
+    assert all(torch.equal(state[k], merged[k]) for k in merged if "proj" in k)  # and it was merged in

@@ -32,7 +32,8 @@ def received(named_tensors: Iterable[tuple[str, Any]], version: int | None) -> I
 
 def load(sampler: Any, named_tensors: Iterable[tuple[str, Any]], version: int | None) -> int:
     """Load a received stream into ``sampler`` (:meth:`rl_tpu.sampler.Sampler.load_state_dict`, in place); returns the
-    bytes loaded."""
+    bytes received (the payload as it arrived: under adapter-only LoRA the adapter's A, B and scalings, not the merged
+    matrices :func:`received` makes of them)."""
     n = 0
 
     def counted(it) -> Iterator[tuple[str, Any]]:
@@ -41,7 +42,7 @@ def load(sampler: Any, named_tensors: Iterable[tuple[str, Any]], version: int | 
             n += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    sampler.load_state_dict(counted(received(named_tensors, version)))
+    sampler.load_state_dict(received(counted(named_tensors), version))
     return n
 
 
