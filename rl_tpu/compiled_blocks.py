@@ -24,8 +24,10 @@ failure there is an error of the step, not a fallback.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -86,6 +88,7 @@ class CompiledBlocks:
         self.signatures: set[tuple] = set()
         self._eager_signatures: set[tuple] = set()
         self.eager_reason: str | None = None
+        self._eager_depth = threading.local()
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._name = type(getattr(model, "_fsdp_wrapped_module", model)).__name__
         self._blocks = decoder_blocks(model)
@@ -95,8 +98,21 @@ class CompiledBlocks:
             block.forward = self._wrap(eager, compiled)
         self.blocks = len(self._blocks)
 
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run every block eagerly inside the ``with`` (this thread), compiling nothing and counting no signature: for
+        a forward outside training whose shape no step has (the weight-sync probe, :mod:`verl_backend.sync_verify`),
+        so it neither costs a graph nor counts against ``max_graphs``."""
+        self._eager_depth.depth = getattr(self._eager_depth, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._eager_depth.depth -= 1
+
     def _wrap(self, eager: Callable, compiled: Callable) -> Callable:
         def forward(*args, **kwargs):
+            if getattr(self._eager_depth, "depth", 0):
+                return eager(*args, **kwargs)
             sig = _signature(args, kwargs)
             if sig in self._eager_signatures:
                 return eager(*args, **kwargs)

@@ -124,14 +124,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return BadInputError, DeviceError, TopologyError, ClusterError
 
 
-def _user_error(exc: BaseException) -> BaseException | None:
-    """The outermost user-fixable error in ``exc``'s chain, or ``None``.
+def _user_error(exc: BaseException, kinds: tuple[type[BaseException], ...] | None = None) -> BaseException | None:
+    """The outermost user-fixable error (or one of ``kinds``) in ``exc``'s chain, or ``None``.
 
     Follows Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker; its ``cause``) and ``__cause__``, so both a
     worker's own error and one the driver re-raised from a VeRL failure (``raise BadInputError(...) from exc``) count.
     Ray re-raises a worker's error as a class deriving from both ``RayTaskError`` and the error's own class.
     """
-    kinds = _user_errors()
+    kinds = kinds or _user_errors()
     ray_exceptions = sys.modules.get("ray.exceptions")  # not imported: no Ray error can be in the chain
     wrapper = getattr(ray_exceptions, "RayTaskError", ())
     seen = set()
@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         if user is not None:
             print(f"verl: error: {user}", file=sys.stderr)
             return 2
+        from verl_backend.sync_verify import WeightSyncMismatch
+
+        mismatch = _user_error(exc, (WeightSyncMismatch,))
+        if mismatch is not None:  # the rollout computes with something other than the trainer's model: stop, one line
+            print(f"verl: error: {mismatch}", file=sys.stderr)
+            return 1
         from verl_backend.driver.runner import ActorFailedError
 
         if isinstance(exc, ActorFailedError):  # a dead actor, no restart left

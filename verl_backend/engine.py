@@ -105,6 +105,14 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
                   f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
                   "(rl_tpu.compile_trainer)", flush=True)
+        inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        if not self.engine_config.forward_only and callable(getattr(inner, "get_output_embeddings", None)) and \
+                inner.get_output_embeddings() is not None:  # the actor (a critic's value head is no LM head)
+            from verl_backend.sync_verify import register_trainer_module
+
+            # every sync verified: this process's rollout adapter scores a probe on the actor's module
+            register_trainer_module(self.module, probe_context=self.compiled_blocks.eager
+                                    if self.compiled_blocks is not None else None)
         self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
             from rl_tpu.host_memory import BackwardHeapTrim, freeze_long_lived_objects

@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -505,16 +505,19 @@ def check_sync(sampler, proof: SyncProof, replica: int | str, raise_on_mismatch:
 
 
 # ------------------------------------------------------- the engine -> adapter hand-over inside a trainer worker
-_MODULES: dict[str, torch.nn.Module] = {}  # role -> the trainer's module in this process
+_MODULES: dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]] = {}  # role -> module
 
 
-def register_trainer_module(module: torch.nn.Module | None, role: str = "actor") -> None:
+def register_trainer_module(module: torch.nn.Module | None, role: str = "actor",
+                            probe_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
     """The trainer's engine names its module (an HF causal LM, peft- or FSDP-wrapped) to this process's rollout
-    adapter, which scores the probe on it at each sync (:func:`take_proof`); ``None`` withdraws it."""
+    adapter, which scores the probe on it at each sync (:func:`take_proof`); ``None`` withdraws it.
+    ``probe_context``: entered around the probe's forward (the compiled trainer's
+    :meth:`rl_tpu.compiled_blocks.CompiledBlocks.eager`: the probe's shape costs no graph)."""
     if module is None:
         _MODULES.pop(role, None)
     else:
-        _MODULES[role] = module
+        _MODULES[role] = (module, probe_context or contextlib.nullcontext)
 
 
 def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
@@ -524,7 +527,9 @@ def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
     stream fingerprinted at ``rollout_dtype`` as it passes); ``(weights, None)`` when no module is registered in this
     process (a standalone rollout replica fed by the pool transports: the sync goes unverified,
     ``weight_sync/verified`` 0)."""
-    module = _MODULES.get(role)
-    if module is None:
+    entry = _MODULES.get(role)
+    if entry is None:
         return weights, None
-    return trainer_proof(module, weights, version, rollout_dtype)
+    module, probe_context = entry
+    with probe_context():
+        return trainer_proof(module, weights, version, rollout_dtype)

@@ -111,6 +111,23 @@ def test_a_shape_that_keeps_changing_falls_back_to_eager_in_one_line():
     assert len(blocks._eager_signatures) == 2  # lengths 24 and 28 ran eagerly; 16 kept its graph
 
 
+def test_a_forward_inside_eager_compiles_nothing_and_counts_no_shape():
+    """The weight-sync probe's forward (a shape no step has) runs inside ``eager()``: the same numbers, no graph, no
+    signature counted; outside it the next new shape is graph 2 as before."""
+    eager = tiny("llama")
+    compiled = copy.deepcopy(eager)
+    lines = []
+    blocks = CompiledBlocks(compiled, "aot_eager", max_graphs=2, say=lines.append)
+    loss_of(compiled, padded_batch(0, length=24))
+    assert blocks.graphs == 1
+    probe = padded_batch(1, batch=2, length=16)
+    with torch.no_grad(), blocks.eager():
+        assert loss_of(compiled, probe).item() == loss_of(eager, probe).item()
+    assert blocks.graphs == 1 and len(lines) == 1 and blocks.eager_reason is None
+    loss_of(compiled, padded_batch(2, length=20))
+    assert blocks.graphs == 2
+
+
 def test_micro_batches_of_changing_length_padded_to_a_bucket_share_one_graph():
     """VeRL pads each micro batch to its own longest sequence; padded on to a power of two, lengths 17..40 all go to
     the 64 bucket (the smallest), one graph, and the real positions' logits are those of the unpadded batch."""

@@ -50,6 +50,7 @@ def test_lora_run_trains_and_syncs_merged_weights(run):
     for m in train:  # the adapter's bytes (rank 8 on 2 layers x 7 matrices of the 64-wide model), not the model's
         if "weight_sync/bytes" in m:
             assert 0 < m["weight_sync/bytes"] <= 0.2e6, m["weight_sync/bytes"]
+            assert m["weight_sync/verified"] == 1.0, m  # the merged adapter computes the trainer's probe
     assert abs(train[0]["actor/ppo_kl"]) <= 1e-6  # rollout and trainer computed the same log-probs
     for m in train:
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
@@ -120,6 +121,7 @@ def test_lora_on_the_tpu_engines_path_trains_syncs_merged_and_checkpoints(tpu_pa
     for m in train:  # the adapter's bytes (rank 8 on 2 layers x 7 matrices of the 64-wide model), not the model's
         if "weight_sync/bytes" in m:
             assert 0 < m["weight_sync/bytes"] <= 0.2e6, m["weight_sync/bytes"]
+            assert m["weight_sync/verified"] == 1.0, m  # the merged adapter computes the trainer's probe
     assert abs(train[0]["actor/ppo_kl"]) <= 1e-6
     for m in train:
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0

@@ -273,3 +273,22 @@ def test_the_server_verifies_the_in_place_route_and_stops_on_stale_packed_copies
         assert "\n" not in line and "rollout replica 2, weight version 2" in line and "(packed copy)" in line
     finally:
         published.close()
+
+
+def test_a_mismatch_raised_in_a_ray_worker_is_one_line_for_the_driver() -> None:
+    """``verl`` prints a :class:`WeightSyncMismatch` found anywhere in the Ray error chain as its one line (exit 1),
+    not Ray's wrapped traceback; another error is not taken for it (negative control)."""
+    from ray.exceptions import RayTaskError
+
+    from verl_backend.cli import _user_error
+    from verl_backend.sync_verify import WeightSyncMismatch
+
+    line = "weight sync not verified: rollout replica 0, weight version 2: first differing tensor model.norm.weight"
+    wrapped = RayTaskError("update_weights", "Traceback ...", WeightSyncMismatch(line)).as_instanceof_cause()
+    outer = RuntimeError("the trainer's step failed")
+    outer.__cause__ = wrapped
+    found = _user_error(outer, (WeightSyncMismatch,))
+    assert type(found) is WeightSyncMismatch and str(found) == line
+    other = RuntimeError("the trainer's step failed")
+    other.__cause__ = RayTaskError("update_weights", "Traceback ...", ValueError("x")).as_instanceof_cause()
+    assert _user_error(other, (WeightSyncMismatch,)) is None

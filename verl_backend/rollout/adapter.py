@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Generator
 
 import ray
@@ -274,14 +275,24 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
+        from verl_backend.sync_verify import take_proof
+
+        # every rank (the probe's forward is collective under FSDP): the trainer's probe now, fingerprints as it sends
+        start = time.perf_counter()
+        weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
+        probe_seconds = time.perf_counter() - start  # the trainer's side of the verification (its probe forward)
         if self.placement != "worker" and not self.is_leader:  # only walk the export (collective under FSDP)
             for _ in full_cpu(weights):
                 pass
             return
         transport = await self._transport()
         report = await transport.send(weights, global_steps)  # the one send, whatever the route
+        verify = await self._verify_sync(proof) if proof is not None else {}
+        report.verified = verify.get("weight_sync/verified", 0.0) == 1.0
         self.last_sync = report.as_dict()
-        self.last_metrics = report.as_metrics()
+        self.last_metrics = {**report.as_metrics(), **verify}
+        if proof is not None:
+            self.last_metrics["weight_sync/verify_trainer_seconds"] = probe_seconds
         if transport.name == "in_worker":
             where = "the trainer worker's" if self.colocated else "the rollout worker's own"
             self._report_first_sync(transport="in process", detail=f"loaded on {where} device")
@@ -295,6 +306,26 @@ class NativeServerAdapter(BaseRollout):
 
             self._report_first_sync(transport="object store",
                                     detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
+
+    async def _verify_sync(self, proof) -> dict:
+        """The rollout proves it computes with the weights just sent (:mod:`verl_backend.sync_verify`): this
+        process's own sampler (``sampler_placement=worker``), else the replica's server. Returns the metrics
+        (``weight_sync/verified`` ...).
+
+        Raises:
+            verl_backend.sync_verify.WeightSyncMismatch: one line naming the replica, the version and the tensor.
+        """
+        from verl_backend.sync_verify import WeightSyncMismatch, check_sync
+
+        if self.placement == "worker":
+            return check_sync(self.sampler, proof, self.replica_rank).as_metrics()
+        try:
+            return await self._server_handle().verify_sync.remote(proof)
+        except Exception as exc:  # Ray's wrapper carries the server's traceback: the one line is the message
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, WeightSyncMismatch):
+                raise WeightSyncMismatch(str(cause)) from None
+            raise
 
     def _report_first_sync(self, transport: str, detail: str = "") -> None:
         """Say once what the first sync did: ``transport`` in words, ``detail``, bytes and seconds."""
