@@ -279,13 +279,17 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> float
 
 
 def fingerprint_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict[str, float],
-                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       dtype: torch.dtype | None = None,
+                       also: dict[torch.dtype, dict[str, float]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass ``named_tensors`` (the trainer's weight stream) through unchanged, fingerprinting each tensor into
-    ``into`` (name -> :func:`fingerprint` at ``dtype``) as it goes; complete once the stream is consumed."""
+    ``into`` (name -> :func:`fingerprint` at ``dtype``) and into each ``also[d]`` at ``d`` as it goes; complete once
+    the stream is consumed."""
     for name, tensor in named_tensors:
         if hasattr(tensor, "full_tensor"):  # gathered once here: the transport takes the whole tensor
             tensor = tensor.full_tensor()
         into[name] = fingerprint(tensor, dtype)
+        for other, fps in (also or {}).items():
+            fps[name] = fingerprint(tensor, other)
         yield name, tensor
 
 
@@ -458,6 +462,9 @@ class SyncProof:
         dtype: the dtype name the trainer computed the probe in (``"float32"``).
         fingerprints: name -> :func:`fingerprint` at the rollout's dtype of every tensor sent, in the order sent;
             complete once the stream :func:`trainer_proof` returned is consumed.
+        fingerprints_at: when the sender did not know the rollout's dtype (the ``gloo`` engine between pools):
+            dtype name -> such fingerprints at that dtype, one set per candidate; :func:`check_sync` takes the set of
+            the sampler's dtype (``fingerprints`` is then the first candidate's).
     """
 
     version: int | None
@@ -465,6 +472,14 @@ class SyncProof:
     logprobs: torch.Tensor
     dtype: str
     fingerprints: dict[str, float] = field(default_factory=dict)
+    fingerprints_at: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def fingerprints_for(self, dtype: torch.dtype) -> dict[str, float] | None:
+        """The fingerprints to compare a rollout computing in ``dtype`` with (``None``: none were taken at it, the
+        probe alone checks the sync)."""
+        if not self.fingerprints_at:
+            return self.fingerprints
+        return self.fingerprints_at.get(str(dtype).removeprefix("torch."))
 
 
 def _stop_ids(module: torch.nn.Module) -> list[int]:
@@ -476,11 +491,12 @@ def _stop_ids(module: torch.nn.Module) -> list[int]:
 
 
 def trainer_proof(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
-                  rollout_dtype: torch.dtype | str | None = None, seed: int = 0,
+                  rollout_dtype: torch.dtype | str | tuple | None = None, seed: int = 0,
                   probe: Probe | None = None) -> tuple[Iterator[tuple[str, torch.Tensor]], SyncProof]:
     """Trainer side of one sync, right after the optimizer step and before sending (every FSDP rank calls it: the
     probe's forward is collective there): the probe's log-probs from ``module`` now, and ``weights`` passed through
-    :func:`fingerprint_stream` at ``rollout_dtype`` (the rollout's ``actor_rollout_ref.rollout.dtype``).
+    :func:`fingerprint_stream` at ``rollout_dtype`` (the rollout's ``actor_rollout_ref.rollout.dtype``; a tuple of
+    dtypes when the sender does not know it: one set of fingerprints per dtype, :attr:`SyncProof.fingerprints_at`).
 
     Returns:
         ``(stream to send, proof)``; ``proof.fingerprints`` fills as the stream is consumed.
@@ -491,15 +507,21 @@ def trainer_proof(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
             else int(inner.config.vocab_size)
         probe = make_probe(vocab, seed=seed, avoid=_stop_ids(inner))
     logprobs, dtype = trainer_probe(module, probe, return_dtype=True)
-    if isinstance(rollout_dtype, str):
-        rollout_dtype = getattr(torch, rollout_dtype)
+    candidates = [getattr(torch, d) if isinstance(d, str) else d
+                  for d in (rollout_dtype if isinstance(rollout_dtype, (tuple, list)) else (rollout_dtype,))]
     proof = SyncProof(version=version, probe=probe, logprobs=logprobs, dtype=str(dtype).removeprefix("torch."))
-    return fingerprint_stream(weights, proof.fingerprints, rollout_dtype), proof
+    also: dict[torch.dtype, dict[str, float]] = {}
+    if len(candidates) > 1:
+        proof.fingerprints_at = {str(d).removeprefix("torch."): {} for d in candidates}
+        proof.fingerprints = proof.fingerprints_at[str(candidates[0]).removeprefix("torch.")]
+        also = {d: proof.fingerprints_at[str(d).removeprefix("torch.")] for d in candidates[1:]}
+    return fingerprint_stream(weights, proof.fingerprints, candidates[0], also), proof
 
 
 def check_sync(sampler, proof: SyncProof, replica: int | str, raise_on_mismatch: bool = True) -> VerifyResult:
     """Rollout side of one sync: :func:`verify_sync` of ``sampler`` (its new weights live) against ``proof``."""
-    return verify_sync(sampler, proof.probe, proof.logprobs, proof.fingerprints, replica=replica,
+    fps = proof.fingerprints_for(_compute_dtype(sampler))
+    return verify_sync(sampler, proof.probe, proof.logprobs, fps, replica=replica,
                        version=proof.version, trainer_dtype=getattr(torch, proof.dtype),
                        raise_on_mismatch=raise_on_mismatch)
 
@@ -521,12 +543,12 @@ def register_trainer_module(module: torch.nn.Module | None, role: str = "actor",
 
 
 def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
-               rollout_dtype: torch.dtype | str | None, role: str = "actor"):
+               rollout_dtype: torch.dtype | str | tuple | None, role: str = "actor"):
     """The rollout adapter, on every rank, as VeRL hands it the export right after the optimizer step:
     ``(stream to send, SyncProof)`` (:func:`trainer_proof` on the registered module: the probe scored now, the
     stream fingerprinted at ``rollout_dtype`` as it passes); ``(weights, None)`` when no module is registered in this
-    process (a standalone rollout replica fed by the pool transports: the sync goes unverified,
-    ``weight_sync/verified`` 0)."""
+    process (a standalone rollout replica fed by the pool transports: there the proof comes from the ``gloo``
+    engine's source, after the stream, :attr:`~verl_backend.weight_sync.pool_stream.ReceivedWeights.proof`)."""
     entry = _MODULES.get(role)
     if entry is None:
         return weights, None

@@ -83,6 +83,8 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
         assert m["weight_sync/pool_bytes"] == model_bytes
         assert m["weight_sync/pool_seconds"] > 0
         assert m["weight_sync/pool_shared_memory"] == 1.0  # the fake slices share this host: the shared-memory path
+        # the trainer's proof crossed the group; the standalone replica checked its live weights and said so
+        assert m["weight_sync/verified"] == 1.0 and m["weight_sync/verify_max_abs_diff"] < 1e-3, m
         assert m["timing_s/old_log_prob"] > 0  # bypass off: pi_old's log-probs computed, saved/restored in between
     # the rollout slice's replica (rank 1: the trainer's colocated replica is 0) samples in the CheckpointEngineWorker
     # that holds its chip, which loads what the gloo engine delivered into its own sampler

@@ -78,6 +78,8 @@ def test_separate_async_syncs_through_gloo_and_resumes_after_a_killed_rollout_re
         assert m["weight_sync/pool_bytes"] == model_bytes
         assert m["weight_sync/pool_buckets"] >= model_bytes / 2**20
         assert m["weight_sync/pool_shared_memory"] == 1.0  # both pools on this host: the shared-memory path
+        # the trainer's proof crossed the group; the standalone replica checked its live weights and said so
+        assert m["weight_sync/verified"] == 1.0 and m["weight_sync/verify_max_abs_diff"] < 1e-3, m
         assert 0 <= m[STALE] <= BOUND - 1, m[STALE]  # VeRL drops what its bound does not allow
         assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"))
     assert abs(rows[0]["actor/ppo_kl"]) <= 1e-6  # step 1: rollout and trainer hold the same weights

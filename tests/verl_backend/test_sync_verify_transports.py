@@ -26,9 +26,8 @@ The object store needs Ray (``ray.put``): a private local instance (``address="l
 cluster). The rollout server runs in this process behind :class:`ActorHandle` (``.remote`` calls, arguments pickled,
 top-level ``ObjectRef`` s resolved, as Ray does), so its sampler can be inspected and faults injected. The pool
 transports run VeRL's ``gloo`` checkpoint engine with the source and one rollout worker in two threads of this process
-(a real gloo group over loopback), the receiver loading into an in-worker sampler (a rollout slice's second hop). In a
-job the proof does not cross pools yet (pool-fed standalone replicas stay unverified, ``weight_sync/verified`` 0):
-here it is handed over in this process, to show the check catches these faults on those routes too.
+(a real gloo group over loopback), the receiver loading into an in-worker sampler (a rollout slice's second hop); the
+proof crosses the group after the last bucket and the worker's verdict goes back to the source, as in a job.
 
 Measured (this tiny 2-layer Llama, SmolLM2's 49152-token vocabulary, float32 both sides), the same on every route:
 faithful syncs probe max |diff| 9.5e-7 (score 0.003 of the bound); the lost norm weight moves the probe by 5.7e-6
@@ -283,7 +282,13 @@ class ObjectStoreRoute(ServerRoute):
 
 class PoolRoute(Route):
     """VeRL's ``gloo`` checkpoint engine, the source (trainer rank 0) and one rollout worker as two threads; the
-    worker's second hop loads into its in-worker sampler (:class:`InWorker`), where the check runs."""
+    worker's second hop loads into its in-worker sampler (:class:`InWorker`), where the check runs.
+
+    As in a job: the trainer's module is registered in the source's process, the engine takes the proof itself
+    (:func:`~verl_backend.sync_verify.take_proof`, fingerprints at every candidate dtype: it does not know the rollout
+    pool's), the fault strikes between its fingerprinting and the transport, the proof crosses the gloo group after
+    the last bucket, the worker checks its live weights against it as the native adapter does and reports its verdict
+    (:meth:`ReceivedWeights.report_verdict`), and the source's metrics carry it (``weight_sync/verified``)."""
 
     def __init__(self, path, shared: bool) -> None:
         from verl_backend.rollout.sampling import build_sampler
@@ -294,11 +299,30 @@ class PoolRoute(Route):
         self.sampler = build_sampler(str(path), _rollout_config(), "cpu")
         self.second_hop = InWorker(self.sampler)
         self.served = 0
+        self.metrics: dict = {}  # the source's metrics of the last sync
+        self.result = None  # the worker's check of the last sync (VerifyResult)
 
-    def send(self, stream, version):
+    def sync(self, version: int, fault=None):
+        sv.register_trainer_module(self.trainer)
+        try:
+            report, received = self.send(self.trainer.state_dict().items(), version, fault)
+        finally:
+            sv.register_trainer_module(None)
+        return report, received.proof
+
+    def send(self, stream, version, fault=None):
         from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
 
         source = GlooCheckpointEngine(bucket_size=1 << 20, is_master=True, timeout_s=60)
+        choose = source._transport
+
+        def faulty(can_map):  # the fault strikes after the engine fingerprinted the stream, on the way out
+            transport = choose(can_map)
+            send = transport.send
+            transport.send = lambda weights, v: send(fault(weights) if fault else weights, v)
+            return transport
+
+        source._transport = faulty
         worker = GlooCheckpointEngine(bucket_size=1 << 20, timeout_s=60)
         master = source.prepare()
         assert worker.prepare() == {}
@@ -319,11 +343,16 @@ class PoolRoute(Route):
         try:
             worker.init_process_group(rollout["rank"][0], rollout["world_size"][0], rollout["master"][0])
             received = worker.receive_weights(global_steps=version)
-            try:  # the adapter's update_weights: the one send of the second hop, the stream closed either way
+            received.promise_verdict()
+            try:  # the adapter's update_weights: the one send of the second hop, the check, the stream closed
                 asyncio.run(self.second_hop.send(received, version))
+                self.served = version
+                assert received.proof is not None and received.proof.version == version
+                self.result = sv.check_sync(self.sampler, received.proof, self.replica, raise_on_mismatch=False)
+                received.report_verdict("verified" if self.result.ok else "failed", self.result.max_abs_diff,
+                                        self.result.seconds)
             finally:
                 received.close()
-            self.served = version
         finally:
             thread.join(timeout=60)
             source.finalize()
@@ -331,8 +360,11 @@ class PoolRoute(Route):
         assert not thread.is_alive(), "the source is still sending"
         if "error" in out:
             raise out["error"]
-        assert out["metrics"]["weight_sync/pool_shared_memory"] == float(self.shared)
-        return source.last_report
+        self.metrics = out["metrics"]
+        assert self.metrics["weight_sync/pool_shared_memory"] == float(self.shared)
+        assert self.metrics["weight_sync/verified"] == float(self.result.ok)  # the worker's verdict reached the source
+        assert self.metrics["weight_sync/verify_max_abs_diff"] == pytest.approx(self.result.max_abs_diff)
+        return source.last_report, received
 
 
 class PoolBroadcastRoute(PoolRoute):
@@ -383,7 +415,7 @@ def _silent_success(route: Route, report, version: int, wrong: str | None = None
     """What the run sees of a faulty sync without the check: the transport's report, the new version served; and
     the fault is real: the rollout's tensor ``wrong`` is not the trainer's."""
     assert isinstance(report, SyncReport) and report.transport == route.name and report.version == version
-    assert not report.verified and route.served == version
+    assert not report.verified and route.served == version  # (pool: the worker's verdict, a failure, reached it)
     if wrong is not None:
         assert not torch.equal(route.sampler._tensors[wrong].detach(), route.trainer.state_dict()[wrong]), wrong
 
@@ -403,6 +435,9 @@ def test_faithful_syncs_verify(route) -> None:
         print(f"[{route.name}] v{version} faithful: verify_max_abs_diff {diff:.3g}, score {score:.3g}")
     if route.name == "trainer_memory":  # the optimizer step was the sync: nothing copied
         assert report.copied_bytes == 0 and report.bytes > 0
+    if isinstance(route, PoolRoute):  # the proof crossed the group, the worker's verdict came back to the source
+        assert report.verified and route.metrics["weight_sync/verified"] == 1.0, route.metrics
+        assert route.metrics["weight_sync/verify_trainer_seconds"] > 0
 
 
 def test_a_tensor_lost_on_the_way_is_named(route) -> None:

@@ -275,8 +275,14 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
-        from verl_backend.sync_verify import take_proof
+        from verl_backend.sync_verify import WeightSyncMismatch, take_proof
 
+        # a rollout worker fed by the gloo engine (a pool of its own): the trainer's proof comes after the stream,
+        # and the engine's source waits for this worker's verdict (ReceivedWeights.report_verdict)
+        verdict = getattr(weights, "report_verdict", None)
+        if verdict is not None:
+            weights.promise_verdict()  # reported below, or "unverified" by close() on the way out
+        received = weights
         # every rank (the probe's forward is collective under FSDP): the trainer's probe now, fingerprints as it sends
         start = time.perf_counter()
         weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
@@ -284,14 +290,27 @@ class NativeServerAdapter(BaseRollout):
         if self.placement != "worker" and not self.is_leader:  # only walk the export (collective under FSDP)
             for _ in full_cpu(weights):
                 pass
+            if verdict is not None:
+                verdict("not_serving")  # the replica's leader checks the weights it serves
             return
         transport = await self._transport()
         report = await transport.send(weights, global_steps)  # the one send, whatever the route
-        verify = await self._verify_sync(proof) if proof is not None else {}
+        trainer_side = proof is not None
+        if proof is None:
+            proof = getattr(received, "proof", None)  # from another pool's trainer, read after the stream
+        try:
+            verify = await self._verify_sync(proof) if proof is not None else {}
+        except WeightSyncMismatch:
+            if verdict is not None:
+                verdict("failed")
+            raise
         report.verified = verify.get("weight_sync/verified", 0.0) == 1.0
+        if verdict is not None:
+            verdict("verified" if report.verified else "unverified",
+                    verify.get("weight_sync/verify_max_abs_diff", 0.0), verify.get("weight_sync/verify_seconds", 0.0))
         self.last_sync = report.as_dict()
         self.last_metrics = {**report.as_metrics(), **verify}
-        if proof is not None:
+        if trainer_side:
             self.last_metrics["weight_sync/verify_trainer_seconds"] = probe_seconds
         if transport.name == "in_worker":
             where = "the trainer worker's" if self.colocated else "the rollout worker's own"

@@ -18,6 +18,12 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
   consumer may keep the yielded views), and a tensor larger than a bucket while its chunks arrive
   (:func:`~verl.checkpoint_engine.base.merge_weight_chunks`);
 - versioned: each sync carries the trainer step (``global_steps``), checked on every receiver;
+- verified: every trainer rank takes the trainer's proof (:func:`verl_backend.sync_verify.take_proof`: the probe on
+  its module, the stream fingerprinted at :data:`POOL_FINGERPRINT_DTYPES`), the source broadcasts it after the last
+  bucket (:attr:`ReceivedWeights.proof`), and every rollout worker answers a verdict once its weights are live
+  (:meth:`ReceivedWeights.report_verdict`, one all-reduce; the native adapter checks with
+  :func:`~verl_backend.sync_verify.check_sync`), which the source returns as ``weight_sync/verified`` and
+  ``weight_sync/verify_*``;
 - nobody waits for the timeout on a fault: a receiver whose consumer raises or stops early drains the rest of the
   stream when it is closed (the native adapter closes it, raised or not), and a source whose weight export raises
   sends an abort header, so every receiver raises :class:`PoolSyncError` in one line; each chunk starts at a
@@ -62,7 +68,15 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl_backend.rollout.inworker import InWorkerGenerate
 from verl_backend.settings import SettingsMissingError, current
 from verl_backend.weight_sync.base import SyncReport
-from verl_backend.weight_sync.pool_broadcast import PoolBroadcast, all_min, broadcast, plan_choice
+from verl_backend.weight_sync.pool_broadcast import (
+    PoolBroadcast,
+    all_min,
+    broadcast,
+    exchange_verdict,
+    plan_choice,
+    receive_object,
+    send_object,
+)
 from verl_backend.weight_sync.pool_shared_memory import (
     BucketFile,
     BucketMapping,
@@ -75,6 +89,10 @@ from verl_backend.weight_sync.route import SyncFacts, choose_route
 __all__ = ["GlooCheckpointEngine", "PoolSyncError", "ReceivedWeights"]
 
 logger = logging.getLogger(__name__)
+
+#: the dtypes the source fingerprints the stream at for the rollout's check: it does not know the rollout pool's
+#: ``actor_rollout_ref.rollout.dtype``; the receiver compares the set of its own (:meth:`SyncProof.fingerprints_for`)
+POOL_FINGERPRINT_DTYPES = ("float32", "bfloat16", "float16")
 
 _TOLD: set[str] = set()  # lines logged once per process (why a receiver could not use shared memory; the route)
 
@@ -218,9 +236,14 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             PoolSyncError: called before :meth:`init_process_group`.
             Exception: what the weight generator raised (the receivers are told first, and raise PoolSyncError).
         """
+        from verl_backend.sync_verify import take_proof
+
         start = time.perf_counter()
         if self.rank is None:
             raise PoolSyncError("checkpoint_engine gloo: send_weights before init_process_group")
+        # every trainer rank (the probe's forward is collective under FSDP): the trainer's proof of this version
+        weights, proof = take_proof(weights, global_steps, POOL_FINGERPRINT_DTYPES)
+        probe_seconds = time.perf_counter() - start
 
         def gathered():
             for name, tensor in weights:
@@ -234,7 +257,14 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         transport = self._transport(self._file is not None)
         report = await transport.send(gathered(), global_steps)
         report.seconds = time.perf_counter() - start
+        # the proof after the last bucket; then every rollout worker checks its weights once live and says so
+        send_object(self.group, proof)
+        counts, max_diff, verify_seconds = exchange_verdict(self.group)
+        report.verified = (proof is not None and counts["verified"] > 0 and counts["failed"] == 0
+                           and counts["unverified"] == 0)
         self.last_report = report
+        if proof is not None and not report.verified:
+            logger.warning("weight sync %s: not verified by every rollout worker (%s)", global_steps, counts)
         took, because = plan_choice(self._file is not None, self._shared, self._no_file)
         planned = self.planned()
         line = (f"[rl-tpu] weight sync route: planned {planned}, took {took}, because {because} (trainer rank 0 -> "
@@ -245,7 +275,10 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         logger.info("weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers by %s, %.2f s",
                     global_steps, report.bytes / 2**20, report.buckets, self.bucket_size >> 20, self.group.size() - 1,
                     report.transport, report.seconds)
-        return {**report.as_metrics(), "weight_sync/pool_bytes": report.bytes,
+        verify = {} if proof is None else {"weight_sync/verify_max_abs_diff": max_diff,
+                                           "weight_sync/verify_seconds": verify_seconds,
+                                           "weight_sync/verify_trainer_seconds": probe_seconds}
+        return {**report.as_metrics(), **verify, "weight_sync/pool_bytes": report.bytes,
                 "weight_sync/pool_buckets": float(report.buckets), "weight_sync/pool_seconds": report.seconds,
                 "weight_sync/pool_shared_memory": float(self._shared)}
 
@@ -262,11 +295,14 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 drained, so the source finishes), the source's export stopped mid-stream, or this is not a rollout
                 worker's rank.
         """
-        return ReceivedWeights(lambda views, keep: self._receive(global_steps, views, keep))
+        received = ReceivedWeights(lambda views, keep: self._receive(global_steps, views, keep, received),
+                                   lambda *verdict: exchange_verdict(self.group, *verdict))
+        return received
 
-    def _receive(self, global_steps: int | None, views: bool,
-                 keep: bool = True) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """The stream a rollout worker iterates (``keep=False``: the whole sync drained, nothing yielded)."""
+    def _receive(self, global_steps: int | None, views: bool, keep: bool,
+                 received: ReceivedWeights) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The stream a rollout worker iterates (``keep=False``: the whole sync drained, nothing yielded); once it
+        has ended, the trainer's proof is read into ``received`` (:meth:`ReceivedWeights.ended`)."""
         if self.rank is None or self.rank <= 0:
             raise PoolSyncError("checkpoint_engine gloo: receive_weights on a rank that is not a rollout worker")
         version = torch.zeros(1, dtype=torch.int64)
@@ -276,13 +312,21 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         if global_steps is not None and sent is not None and sent != int(global_steps):
             for _ in transport.receive(keep=False):  # drained, so the source is not left waiting on this worker
                 pass
+            received.ended(receive_object(self.group))
             raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
                                 f"step {global_steps}")
-        control = {"keep": keep}
-        chunks = transport.receive(views=views, control=control)
+        control, state = {"keep": keep}, {"ended": False}
+
+        def stream():
+            yield from transport.receive(views=views, control=control)
+            state["ended"] = True  # the last bucket came (not the source's abort): the proof follows
+
+        chunks = stream()
         try:
             yield from merge_chunks(chunks, self.bucket_size)
         finally:  # the consumer raised or stopped early: drain the rest, so the source and other workers finish
             control["keep"] = False
             for _ in chunks:
                 pass
+            if state["ended"]:
+                received.ended(receive_object(self.group))

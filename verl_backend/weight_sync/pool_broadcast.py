@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import time
 from collections.abc import Generator, Iterable
 
@@ -53,6 +54,49 @@ def all_min(group, flag: int) -> int:
     opts.reduceOp = dist.ReduceOp.MIN
     group.allreduce([tensor], opts).wait()
     return int(tensor)
+
+
+def send_object(group, obj) -> None:
+    """Broadcast a picklable ``obj`` (``None`` too) from the group's rank 0: its length, then its bytes."""
+    data = pickle.dumps(obj)
+    broadcast(group, torch.tensor([len(data)], dtype=torch.int64))
+    broadcast(group, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def receive_object(group):
+    """A receiver's side of :func:`send_object`."""
+    length = torch.zeros(1, dtype=torch.int64)
+    broadcast(group, length)
+    data = torch.zeros(int(length), dtype=torch.uint8)
+    broadcast(group, data)
+    return pickle.loads(data.numpy().tobytes())
+
+
+#: what a rollout worker says of a sync once its weights are live (:func:`exchange_verdict`)
+VERDICTS = ("failed", "unverified", "verified", "not_serving")
+
+
+def exchange_verdict(group, verdict: str | None = None, max_abs_diff: float = 0.0,
+                     seconds: float = 0.0) -> tuple[dict[str, int], float, float]:
+    """One collective of the whole group after a sync: every rollout worker gives its verdict (one of
+    :data:`VERDICTS`; ``not_serving``: a rank that only walked the stream, its replica's leader checks), its probe's
+    max |difference| and its check's seconds; the source gives ``None``. Returns, on every rank, the count of each
+    verdict, the largest difference and the longest check.
+
+    Raises:
+        ValueError: ``verdict`` is not one of :data:`VERDICTS`.
+    """
+    counts = torch.zeros(len(VERDICTS), dtype=torch.float64)
+    if verdict is not None:
+        if verdict not in VERDICTS:
+            raise ValueError(f"weight sync verdict {verdict!r} is not one of {VERDICTS}")
+        counts[VERDICTS.index(verdict)] = 1
+    figures = torch.tensor([max_abs_diff, seconds], dtype=torch.float64)
+    for tensor, op in ((counts, dist.ReduceOp.SUM), (figures, dist.ReduceOp.MAX)):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        group.allreduce([tensor], opts).wait()
+    return {v: int(c) for v, c in zip(VERDICTS, counts.tolist())}, float(figures[0]), float(figures[1])
 
 
 class PoolBroadcast(Transport):
@@ -164,4 +208,5 @@ def plan_choice(file_made: bool, shared: bool, why_no_file: str) -> tuple[str, s
     return "pool_broadcast", "a rollout worker could not map trainer rank 0's shared-memory file (its log says why)"
 
 
-__all__ = ["PoolBroadcast", "PoolSyncError", "all_min", "broadcast", "plan_choice"]
+__all__ = ["VERDICTS", "PoolBroadcast", "PoolSyncError", "all_min", "broadcast", "exchange_verdict", "plan_choice",
+           "receive_object", "send_object"]

@@ -29,9 +29,34 @@ class ReceivedWeights:
     a sync, ``benchmarks/bench_weight_sync.py``). Others get fresh buffers they may keep.
     """
 
-    def __init__(self, open_stream: OpenStream) -> None:
+    def __init__(self, open_stream: OpenStream, send_verdict: Callable[..., None] | None = None) -> None:
         self._open, self.views = open_stream, False
         self._stream: Generator | None = None
+        self._send_verdict = send_verdict
+        self._verdict_due = self._promised = False
+        #: the trainer's :class:`~verl_backend.sync_verify.SyncProof` of this sync, once the stream has ended
+        #: (``None`` before, or when the trainer had none to send)
+        self.proof = None
+
+    def promise_verdict(self) -> None:
+        """Promise, before iterating, to check the weights once live and :meth:`report_verdict` (or :meth:`close`);
+        the source waits for it. A consumer that does not promise is counted ``unverified`` as the stream ends."""
+        self._promised = True
+
+    def ended(self, proof) -> None:
+        """The engine: the stream ended and ``proof`` came after it; this worker owes the source its verdict."""
+        self.proof, self._verdict_due = proof, self._send_verdict is not None
+        if not self._promised:
+            self.report_verdict("unverified")
+
+    def report_verdict(self, verdict: str, max_abs_diff: float = 0.0, seconds: float = 0.0) -> None:
+        """Tell the source (and through it the step's metrics) whether this worker's weights were verified once they
+        were live: ``verdict`` one of :data:`~verl_backend.weight_sync.pool_broadcast.VERDICTS`, with the check's
+        probe max |difference| and seconds. Once per sync (later calls do nothing); :meth:`close` says
+        ``unverified`` for a worker that did not. Collective over the sync's group: every rollout worker reports."""
+        if self._verdict_due:
+            self._verdict_due = False
+            self._send_verdict(verdict, max_abs_diff, seconds)
 
     def allow_views(self) -> None:
         """Promise to copy each tensor before asking for the next one, and never to write it."""
@@ -46,7 +71,8 @@ class ReceivedWeights:
     def close(self) -> None:
         """Finish this worker's part of the sync without keeping anything: the rest of a stream the consumer left
         (it raised, or stopped early), or the whole stream if it never started, so the source and the other
-        rollout workers are not left waiting. Idempotent.
+        rollout workers are not left waiting; then, if the stream ended and this worker gave no verdict, it tells
+        the source ``unverified`` (:meth:`report_verdict`). Idempotent.
 
         Raises:
             RuntimeError: a gloo error while draining (a :class:`PoolSyncError` of the drained stream, another
@@ -60,11 +86,12 @@ class ReceivedWeights:
                     pass
             except PoolSyncError:
                 pass
-            return
-        try:
-            self._stream.close()
-        except PoolSyncError:
-            pass
+        else:
+            try:
+                self._stream.close()
+            except PoolSyncError:
+                pass
+        self.report_verdict("unverified")  # the source waits for every worker's verdict
 
 
 def merge_chunks(chunks, bucket_size: int) -> Generator[tuple[str, torch.Tensor], None, None]:
