@@ -65,6 +65,9 @@ SETTINGS: tuple[Setting, ...] = (
     # --- the trainer's and rollout's fast paths (read in the workers)
     Setting("shared_weights", bool, True, "weight sync through shared memory when trainer and rollout share a host "
             "(false: the Ray object store)", env="RL_TPU_SHARED_WEIGHTS"),
+    Setting("verify_weight_sync", bool, True, "after every weight sync the rollout proves it computes with the "
+            "trainer's model (a probe's log-probs through its own sampler, per-tensor fingerprints; a mismatch stops "
+            "the job in one line); false: syncs unverified, weight_sync/verified 0"),
     Setting("shared_prefix", bool, True, "the trainer holds each prompt once for its GRPO samples (Prefix Grouper); "
             "set it as VeRL's actor_rollout_ref.actor.use_prefix_grouper", env="RL_TPU_SHARED_PREFIX",
             mirrors="actor_rollout_ref.actor.use_prefix_grouper"),

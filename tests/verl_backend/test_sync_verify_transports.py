@@ -347,10 +347,12 @@ class PoolRoute(Route):
             try:  # the adapter's update_weights: the one send of the second hop, the check, the stream closed
                 asyncio.run(self.second_hop.send(received, version))
                 self.served = version
-                assert received.proof is not None and received.proof.version == version
-                self.result = sv.check_sync(self.sampler, received.proof, self.replica, raise_on_mismatch=False)
-                received.report_verdict("verified" if self.result.ok else "failed", self.result.max_abs_diff,
-                                        self.result.seconds)
+                self.result = None
+                if received.proof is not None:  # (rl_tpu.verify_weight_sync=false: none sent)
+                    assert received.proof.version == version
+                    self.result = sv.check_sync(self.sampler, received.proof, self.replica, raise_on_mismatch=False)
+                    received.report_verdict("verified" if self.result.ok else "failed", self.result.max_abs_diff,
+                                            self.result.seconds)
             finally:
                 received.close()
         finally:
@@ -362,8 +364,9 @@ class PoolRoute(Route):
             raise out["error"]
         self.metrics = out["metrics"]
         assert self.metrics["weight_sync/pool_shared_memory"] == float(self.shared)
-        assert self.metrics["weight_sync/verified"] == float(self.result.ok)  # the worker's verdict reached the source
-        assert self.metrics["weight_sync/verify_max_abs_diff"] == pytest.approx(self.result.max_abs_diff)
+        if self.result is not None:  # the worker's verdict reached the source
+            assert self.metrics["weight_sync/verified"] == float(self.result.ok)
+            assert self.metrics["weight_sync/verify_max_abs_diff"] == pytest.approx(self.result.max_abs_diff)
         return source.last_report, received
 
 
@@ -511,3 +514,15 @@ def test_packed_copies_left_stale_are_caught(route, monkeypatch) -> None:
     monkeypatch.undo()  # announced, the copies are rebuilt and the same sync verifies
     route.sampler.weights_changed()
     assert route.verify(proof)["weight_sync/verified"] == 1.0
+
+
+@pytest.mark.parametrize("route", ["pool_shared_memory"], indirect=True)
+def test_verification_off_takes_no_proof_and_reports_unverified(route, job_settings) -> None:
+    """``rl_tpu.verify_weight_sync=false`` (the job's settings record, as a worker gets it): the engine takes no proof,
+    none crosses the group, the worker's verdict is ``unverified`` and the metrics say so, with no verify figures."""
+    job_settings(verify_weight_sync=False)
+    route.step(1)
+    report, proof = route.sync(1)
+    assert proof is None and not report.verified
+    assert route.metrics["weight_sync/verified"] == 0.0
+    assert not any(k.startswith("weight_sync/verify_") for k in route.metrics), route.metrics

@@ -275,6 +275,7 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
+        from verl_backend.settings import current
         from verl_backend.sync_verify import WeightSyncMismatch, take_proof
 
         # a rollout worker fed by the gloo engine (a pool of its own): the trainer's proof comes after the stream,
@@ -285,7 +286,9 @@ class NativeServerAdapter(BaseRollout):
         received = weights
         # every rank (the probe's forward is collective under FSDP): the trainer's probe now, fingerprints as it sends
         start = time.perf_counter()
-        weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
+        proof = None
+        if current().verify_weight_sync:
+            weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
         probe_seconds = time.perf_counter() - start  # the trainer's side of the verification (its probe forward)
         if self.placement != "worker" and not self.is_leader:  # only walk the export (collective under FSDP)
             for _ in full_cpu(weights):
@@ -296,7 +299,7 @@ class NativeServerAdapter(BaseRollout):
         transport = await self._transport()
         report = await transport.send(weights, global_steps)  # the one send, whatever the route
         trainer_side = proof is not None
-        if proof is None:
+        if proof is None and current().verify_weight_sync:
             proof = getattr(received, "proof", None)  # from another pool's trainer, read after the stream
         try:
             verify = await self._verify_sync(proof) if proof is not None else {}

@@ -103,6 +103,14 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address().strip("[]") if ray.is_initialized() else "127.0.0.1"
 
 
+def _verify_setting() -> bool:
+    """``rl_tpu.verify_weight_sync``; on (its default) in a process no ``verl train`` job started."""
+    try:
+        return bool(current().verify_weight_sync)
+    except SettingsMissingError:
+        return True
+
+
 def _pool_settings() -> tuple[bool, str | None]:
     """``(rl_tpu.shared_weights, rl_tpu.rollout_slice)``; the defaults ``(True, None)`` in a process no ``verl train``
     job started (the engine is VeRL's, usable on its own: tests, ``benchmarks/bench_weight_sync.py``)."""
@@ -242,7 +250,9 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         if self.rank is None:
             raise PoolSyncError("checkpoint_engine gloo: send_weights before init_process_group")
         # every trainer rank (the probe's forward is collective under FSDP): the trainer's proof of this version
-        weights, proof = take_proof(weights, global_steps, POOL_FINGERPRINT_DTYPES)
+        proof = None
+        if _verify_setting():
+            weights, proof = take_proof(weights, global_steps, POOL_FINGERPRINT_DTYPES)
         probe_seconds = time.perf_counter() - start
 
         def gathered():
