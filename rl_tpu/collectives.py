@@ -1,4 +1,4 @@
-"""Process groups and collectives over ``torch.distributed``, and bucketed weight broadcast.
+"""The default process group over ``torch.distributed``, and bucketed weight broadcast.
 
 The same calls run on ``gloo`` (CPU), ``nccl`` (CUDA) and ``tpu_dist`` (TorchTPU). Weight sync packs many
 parameters into a few flat byte buckets so that a 135M-parameter model needs a handful of collectives instead of
@@ -24,9 +24,6 @@ from rl_tpu.device import DeviceBackend, get_backend
 __all__ = [
     "CollectiveError",
     "TensorMeta",
-    "all_gather",
-    "all_reduce",
-    "broadcast",
     "broadcast_parameters_bucketed",
     "init_process_group_from_env",
     "iter_buckets",
@@ -112,48 +109,6 @@ def init_process_group_from_env(
         timeout=timedelta(seconds=timeout_s),
     )
     return rank, world
-
-
-# -------------------------------------------------------------------------------------------- collectives
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
-
-
-def all_reduce(t: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Reduce ``t`` across ranks in place and return it.
-
-    Args:
-        op: ``"sum"``, ``"avg"`` (sum then divide by the group size: gloo has no AVG), ``"max"``, ``"min"``,
-            ``"product"``.
-
-    Raises:
-        CollectiveError: an unknown ``op``.
-    """
-    if op == "avg":
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        return t.div_(dist.get_world_size(group)) if t.is_floating_point() else t.floor_divide_(
-            dist.get_world_size(group))
-    if op not in _OPS:
-        raise CollectiveError(f"all_reduce op {op!r}: choose one of avg, {', '.join(_OPS)}")
-    dist.all_reduce(t, op=_OPS[op], group=group)
-    return t
-
-
-def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape and dtype on all ranks), in rank order."""
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
-
-
-def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Overwrite ``t`` on every rank with rank ``src``'s ``t`` (in place) and return it. ``src`` is a global rank."""
-    dist.broadcast(t, src=src, group=group)
-    return t
 
 
 # --------------------------------------------------------------------------------------------- buckets

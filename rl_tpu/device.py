@@ -27,7 +27,6 @@ __all__ = [
     "apply_tpu_runtime",
     "detect_backend",
     "get_backend",
-    "maybe_compile",
     "require_tpu",
     "set_num_threads",
     "torch_tpu_installed",
@@ -226,15 +225,6 @@ def apply_tpu_runtime(cfg: TPURuntimeConfig) -> None:
             "unset, or use --backend cpu"
         )
     tpu.set_eager_mode(getattr(tpu.EagerMode, cfg.eager_mode_enum_name))
-
-
-def maybe_compile(module: Any, backend: DeviceBackend | str, enabled: bool) -> Any:
-    """``torch.compile(module, backend=backend.compile_backend)`` when ``enabled``, else ``module`` unchanged."""
-    if not enabled:
-        return module
-    import torch
-
-    return torch.compile(module, backend=get_backend(backend).compile_backend)
 
 
 def set_num_threads(n: int) -> int:

@@ -11,9 +11,6 @@ import argparse
 import sys
 
 
-BACKENDS = ("tpu", "cpu", "cuda")
-PLATFORM_NAME = {"cpu": "cpu", "tpu": "tpu", "cuda": "nvidia"}
-
 EPILOG = """\
 examples:
   verl train --backend cpu                                  # embedded default: GRPO, SmolLM2-135M, basic_arithmetic
@@ -131,16 +128,12 @@ def _user_error(exc: BaseException, kinds: tuple[type[BaseException], ...] | Non
     worker's own error and one the driver re-raised from a VeRL failure (``raise BadInputError(...) from exc``) count.
     Ray re-raises a worker's error as a class deriving from both ``RayTaskError`` and the error's own class.
     """
-    kinds = kinds or _user_errors()
+    from verl_backend.errors import in_cause_chain
+
     ray_exceptions = sys.modules.get("ray.exceptions")  # not imported: no Ray error can be in the chain
     wrapper = getattr(ray_exceptions, "RayTaskError", ())
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, kinds) and not isinstance(exc, wrapper):  # the error itself, not Ray's copy of it
-            return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return None
+    # the error itself, not Ray's copy of it
+    return in_cause_chain(exc, kinds or _user_errors(), exclude=wrapper)
 
 
 def main(argv: list[str] | None = None) -> int:

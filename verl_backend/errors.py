@@ -55,3 +55,20 @@ def recorded_bad_input() -> str | None:
         return value.decode() if value is not None else None
     except Exception:
         return None
+
+
+def in_cause_chain(exc: BaseException | None, kinds: type[BaseException] | tuple[type[BaseException], ...],
+                   exclude: type[BaseException] | tuple[type[BaseException], ...] = ()) -> BaseException | None:
+    """The outermost exception in ``exc``'s cause chain that is one of ``kinds`` and none of ``exclude``, or ``None``.
+
+    The chain is Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker: its ``cause``) where there is one, else
+    ``__cause__`` (``raise ... from exc``); a cycle ends the walk. The one walk behind ``verl``'s one-line user errors
+    (:mod:`verl_backend.cli`) and the restart after a dead Ray actor (:mod:`verl_backend.driver.runner`).
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, kinds) and not isinstance(exc, exclude):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None

@@ -6,7 +6,8 @@ It registers, in every process that imports VeRL (driver, TaskRunner, trainer wo
 - the FSDP2 training engine for devices ``cpu`` and ``tpu`` (:mod:`verl_backend.engine`);
 - the ``native`` rollout (replica + in-worker adapter, :mod:`verl_backend.rollout`; the adapter's entry in VeRL's
   private rollout table is one of the patches);
-- the ``ray_object_store`` checkpoint engine for disaggregated weight sync;
+- the checkpoint engines ``native`` (the in-worker sampler's weight sync, :mod:`verl_backend.rollout.inworker`)
+  and ``gloo`` (weight sync between a trainer pool and a rollout pool, :mod:`verl_backend.weight_sync.gloo_engine`);
 - the narrow patches of VeRL 0.9.1 and TransferQueue in :mod:`verl_backend.patches`, after refusing in one line a
   version of either outside the tested range;
 - a filter that lets a VeRL warning repeated per sample through once per process (:class:`RepeatedWarningFilter`).
@@ -74,7 +75,7 @@ def _quiet_repeated_warnings() -> None:
 def register() -> None:
     """Register everything above with VeRL's registries (idempotent).
 
-    The platforms are registered now (they are light). The engine, the rollout and the checkpoint engine are
+    The platforms are registered now (they are light). The engine, the rollout and the checkpoint engines are
     registered when the process imports the VeRL registry they belong to (post-import hooks): importing VeRL's
     FSDP engine costs ~190 MiB and ~5 s, and most VeRL processes (agent loop, reward loop, load balancer,
     TransferQueue) never need it.

@@ -28,6 +28,20 @@ PLACEMENT_DRIVER = textwrap.dedent("""
 """)
 
 
+def working_console_script(name: str, *command: str, bin_dir: Path = BIN) -> Path:
+    """``bin_dir/name``, the console script a job runs, after ``name *command --help`` exits 0 there.
+
+    Skips only when the script is not installed in this environment (the package is not installed with its
+    scripts); one that is installed and does not start fails the test, with its stderr.
+    """
+    script = bin_dir / name
+    if not script.is_file():
+        pytest.skip(f"the {name!r} console script is not installed in {bin_dir} (`pip install -e .` installs it)")
+    r = subprocess.run([str(script), *command, "--help"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, f"`{name} {' '.join(command)} --help` exits {r.returncode}: {r.stderr[-2000:]}"
+    return script
+
+
 @pytest.fixture(scope="module")
 def jobs(fake_cluster):
     return Jobs(fake_cluster.dashboard_url)
@@ -134,8 +148,7 @@ def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
     """A 1-step `verl train --backend cpu --slice v6e-4` run on a tiny model, submitted as a Ray job, reaches
     SUCCEEDED: the dry run of a TPU job, its four trainer workers (one per fake chip) on the slice that
     ray.util.tpu reserved for VeRL's resource pool."""
-    if subprocess.run([str(BIN / "verl"), "train", "--help"], capture_output=True, env=ENV, timeout=300).returncode:
-        pytest.skip("`verl train --help` does not work in this environment")
+    working_console_script("verl", "train")
     out = tmp_path / "run"
     n = 2  # prompts x samples = 4 sequences = 1 per worker
     job_id = jobs.submit([

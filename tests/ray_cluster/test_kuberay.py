@@ -85,11 +85,12 @@ def test_schema_errors_and_bad_names():
 def test_cli_writes_and_validates(tmp_path):
     rl_tpu = str(Path(sys.executable).parent / "rl-tpu")
     out = tmp_path / "job.yaml"
+    config = "verl_backend/configs/grpo_cpu.yaml"  # the CPU default job
     r = subprocess.run([rl_tpu, "kuberay", "job", "--slice", "v5p-16", "--name", "grpo", "-o", str(out),
-                        "--", "--config", "examples/grpo_cpu.yaml"], capture_output=True, text=True, timeout=120)
+                        "--", "--config", config], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
-    assert doc["kind"] == "RayJob" and doc["spec"]["entrypoint"].endswith("--config examples/grpo_cpu.yaml")
+    assert doc["kind"] == "RayJob" and doc["spec"]["entrypoint"].endswith(f"--config {config}")
     r = subprocess.run([rl_tpu, "kuberay", "validate", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "valid" in r.stdout
     out.write_text(out.read_text().replace("numOfHosts", "numHosts"))

@@ -22,7 +22,6 @@ from rl_tpu.device import (
     apply_tpu_runtime,
     detect_backend,
     get_backend,
-    maybe_compile,
     require_tpu,
     set_num_threads,
     torch_tpu_installed,
@@ -85,13 +84,6 @@ def test_tpu_runtime_config() -> None:
     if not hasattr(torch, "tpu"):
         with pytest.raises(DeviceError, match="TorchTPU"):
             apply_tpu_runtime(TPURuntimeConfig())
-
-
-def test_maybe_compile() -> None:
-    m = torch.nn.Linear(2, 2)
-    assert maybe_compile(m, "cpu", enabled=False) is m
-    compiled = maybe_compile(m, BACKENDS["cpu"], enabled=True)
-    assert compiled is not m and hasattr(compiled, "_orig_mod")  # compiled lazily, on first call
 
 
 def test_set_num_threads() -> None:

@@ -532,6 +532,31 @@ def test_task_runner_in_driver_is_verls_own_class():
     assert task_runner_class("actor") is TaskRunnerV1
 
 
+def test_one_cause_chain_walk_finds_a_dead_actor_and_a_user_error_through_ray():
+    """:func:`verl_backend.errors.in_cause_chain` behind both the driver's restart after a dead actor and ``verl``'s
+    one-line user errors: it follows ``__cause__`` and Ray's ``cause``, skips Ray's copy of a user error for the
+    error itself, and stops at a cycle."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from verl_backend.cli import _user_error
+    from verl_backend.driver.runner import _actor_failure
+    from verl_backend.errors import BadInputError
+
+    dead, step = RayActorError(), RuntimeError("the step failed")
+    step.__cause__ = dead
+    outer = RuntimeError("no materializable trajectories")
+    outer.__cause__ = step
+    assert _actor_failure(outer) is dead and _user_error(outer) is None
+    bad = BadInputError("data.train_files: no such file")
+    top = RuntimeError("the job failed")
+    top.__cause__ = RayTaskError("fit", "Traceback ...", bad).as_instanceof_cause()
+    assert isinstance(top.__cause__, BadInputError)  # Ray's copy is one too: the walk must pass it for its cause
+    assert _user_error(top) is bad and _actor_failure(top) is None
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert _actor_failure(a) is None and _user_error(a) is None
+
+
 def _epochs_config(tmp_path, rows: int, batch: int, steps, epochs: int = 1, files: int = 1, filter_overlong=False):
     """A VeRL-shaped config over ``files`` small train parquet files of ``rows`` rows in all (no Ray, no model)."""
     import pyarrow as pa

@@ -72,18 +72,31 @@ def test_import_verl_stays_light_until_a_process_imports_the_engine():
         from verl.workers.engine.base import EngineRegistry
         import verl.workers.engine_workers as ew
         import verl.utils.distributed as vdist
+        from verl_backend.patches import PATCHES
+        from verl_backend.patches.record import is_marked
+
+        # the patch records, found by their target (a removed or renamed one is missing here), checked by their own
+        # `applied`, which looks for the mark rl-tpu's replacement carries
+        init_pg = "verl.utils.distributed.initialize_global_process_group_ray"
+        rebind = "verl.workers.engine_workers.initialize_global_process_group_ray"
+        records = {p.target: p for p in PATCHES}
+        fn = vdist.initialize_global_process_group_ray
         print(json.dumps({
             "light": light,
             "engine": EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__,
             "ckpt": CheckpointEngineRegistry.get("native").__name__,
-            "init_pg_patched": ew.initialize_global_process_group_ray is vdist.initialize_global_process_group_ray
-            and "de-duplicated" in vdist.initialize_global_process_group_ray.__doc__,
+            "records": [t in records for t in (init_pg, rebind)],
+            "applied": [init_pg in records and records[init_pg].applied(vdist),
+                        rebind in records and records[rebind].applied(ew)],
+            "marked": is_marked(fn, init_pg) and fn.__wrapped__ is not fn,
+            "rebound": ew.initialize_global_process_group_ray is fn,
         }))
         """
     )
     assert not any(out["light"].values()), out["light"]
     assert out["engine"] == "RlTpuFSDPEngineWithLMHead" and out["ckpt"] == "NativeCheckpointEngine"
-    assert out["init_pg_patched"]
+    assert out["records"] == [True, True], "a patch record of the process-group init is gone"
+    assert out["applied"] == [True, True] and out["marked"] and out["rebound"], out
 
 
 def test_tpu_platform_registers_without_starting_libtpu_and_asks_whole_chips():

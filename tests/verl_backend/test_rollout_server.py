@@ -29,6 +29,30 @@ def _buckets(state: dict[str, torch.Tensor], n: int):
         yield flat.numpy(), meta
 
 
+async def held_in_queue(server, pending, request_id: str, passes: int = 20) -> bool:
+    """Whether generation is held: request ``request_id`` reaches the server's queue (polled to a 60 s deadline) and
+    is still there, no batch started and ``pending`` not done, after ``passes`` of the batch loop's window. A batch
+    loop that does not hold takes a queued request within one window, on any machine: its window and this wait
+    are timers of the same event loop, which fire in deadline order however loaded the host is (it is not the
+    sampler's speed that is timed, as a fixed sleep before ``not pending.done()`` would)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+
+    def queued() -> bool:
+        return any(r.request_id == request_id for r in server._queue)
+
+    while not queued():
+        assert not pending.done(), f"request {request_id!r} was answered without waiting in the queue"
+        assert loop.time() < deadline, f"request {request_id!r} never reached the server's queue"
+        await asyncio.sleep(0.001)
+    batches = server.stats["batches"]
+    for _ in range(passes):
+        await asyncio.sleep(server.batch_window_s)
+        if not queued() or server._batch_running or server.stats["batches"] != batches or pending.done():
+            return False
+    return True
+
+
 def test_buckets_load_in_any_order_and_generation_waits_for_the_last(server):
     model = server.sampler.model
     # one entry per parameter (tied embeddings / LM head counted once), as the trainer sends them
@@ -43,8 +67,7 @@ def test_buckets_load_in_any_order_and_generation_waits_for_the_last(server):
         await server.update_weights_bucket(*buckets[2], last=False, global_steps=7, total=3)
         await server.update_weights_bucket(*buckets[0], last=False, global_steps=7, total=3)
         pending = asyncio.ensure_future(server.generate("b", prompt, greedy))
-        await asyncio.sleep(0.3)
-        held = not pending.done()
+        held = await held_in_queue(server, pending, "b")
         await server.update_weights_bucket(*buckets[1], last=True, global_steps=7, total=3)
         after = await asyncio.wait_for(pending, timeout=60)
         return before, held, after
@@ -86,8 +109,7 @@ def test_shared_memory_sync_writes_weights_in_place_and_holds_generation(server)
         before = await server.generate("a", prompt, greedy)
         await server.begin_weight_update()
         pending = asyncio.ensure_future(server.generate("b", prompt, greedy))
-        await asyncio.sleep(0.3)
-        held = not pending.done()
+        held = await held_in_queue(server, pending, "b")
         written, nbytes = writer.write(target.items())
         await server.end_weight_update(written, global_steps=3)
         return before, held, await asyncio.wait_for(pending, timeout=60), nbytes

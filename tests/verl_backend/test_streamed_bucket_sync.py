@@ -22,6 +22,7 @@ def server(tiny_model_dir, job_settings):
 
 def test_the_last_bucket_first_still_holds_generation_until_all_are_loaded(server):
     from rl_tpu.collectives import pack_bucket
+    from test_rollout_server import held_in_queue
 
     model = server.sampler.model
     target = {k: torch.randn_like(v) * 0.02 for k, v in model.named_parameters()}
@@ -33,17 +34,13 @@ def test_the_last_bucket_first_still_holds_generation_until_all_are_loaded(serve
         flat, meta = buckets[2]  # the last one sent, with the count, arrives first
         await server.update_weights_bucket(flat.numpy(), meta, last=True, global_steps=3, total=3)
         pending = asyncio.ensure_future(server.generate("b", prompt, greedy))
-        await asyncio.sleep(0.3)
-        held_after_last = not pending.done()
+        assert await held_in_queue(server, pending, "b"), "generation ran with 1 of 3 buckets loaded (the last)"
         await server.update_weights_bucket(buckets[0][0].numpy(), buckets[0][1], last=False, global_steps=3)
-        await asyncio.sleep(0.3)
-        held_after_two = not pending.done()
+        assert await held_in_queue(server, pending, "b"), "generation ran with 2 of 3 buckets loaded"
         await server.update_weights_bucket(buckets[1][0].numpy(), buckets[1][1], last=False, global_steps=3)
         await asyncio.wait_for(pending, timeout=60)
-        return held_after_last, held_after_two
 
-    held_after_last, held_after_two = asyncio.run(scenario())
-    assert held_after_last and held_after_two, "generation ran while a weight sync was half done"
+    asyncio.run(scenario())
     assert server.global_steps == 3
     params = dict(model.named_parameters())
     for name, want in target.items():

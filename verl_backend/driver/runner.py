@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from verl_backend.driver.run_folder import last_checkpoint_step
-from verl_backend.errors import BadInputError, recorded_bad_input
+from verl_backend.errors import BadInputError, in_cause_chain, recorded_bad_input
 from verl_backend.patches.transfer_queue import apply_num_threads
 
 
@@ -18,13 +18,7 @@ def _actor_failure(exc: BaseException) -> BaseException | None:
     from ray import exceptions as rx
 
     failures = (rx.RayActorError, rx.WorkerCrashedError, rx.OutOfMemoryError, rx.NodeDiedError, rx.ObjectLostError)
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, failures):
-            return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return None
+    return in_cause_chain(exc, failures)
 
 
 # Not RAY_KILL: VeRL itself ray.kill()s its TransferQueue actors when a run ends, failed or not.

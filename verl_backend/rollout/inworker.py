@@ -27,10 +27,6 @@ def set_worker_sampler(sampler: Any) -> None:
     _SAMPLER = sampler
 
 
-def worker_sampler() -> Any:
-    return _SAMPLER
-
-
 class InWorkerGenerate:
     """``native_generate`` for a checkpoint engine whose worker process holds the sampler: the trainer worker's
     (:class:`NativeCheckpointEngine`, hybrid) or a standalone rollout worker's (VeRL's ``CheckpointEngineWorker`` on a

@@ -449,9 +449,6 @@ class NativeRolloutServer:
             self._updating = False
         return result.as_metrics()
 
-    def get_stats(self) -> dict:
-        return dict(self.stats)
-
     # ------------------------------------------- VeRL's server control surface
     async def wake_up(self):
         return None
