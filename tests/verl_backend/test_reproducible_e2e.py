@@ -19,7 +19,10 @@ from e2e_helpers import train_rows, verl_train, write_reward
 pytestmark = pytest.mark.slow
 
 # clocks, rates and memory differ between two runs of the same job
-NOT_REPRODUCIBLE = ("timing", "perf/", "time", "seconds", "throughput", "memory", "mem_", "/mfu")
+# the sync check's probe differences are float32 rounding between trainer and rollout (~1e-6): they follow the
+# training metrics' order-of-summation rounding, relatively much larger, so they are not compared
+NOT_REPRODUCIBLE = ("timing", "perf/", "time", "seconds", "throughput", "memory", "mem_", "/mfu",
+                    "verify_probe_score", "verify_max_abs_diff")
 
 
 @pytest.fixture(scope="module")
