@@ -286,8 +286,8 @@ class NativeServerAdapter(BaseRollout):
         received = weights
         # every rank (the probe's forward is collective under FSDP): the trainer's probe now, fingerprints as it sends
         start = time.perf_counter()
-        proof = None
-        if current().verify_weight_sync:
+        proof, verify_on = None, bool(current().verify_weight_sync)  # the job's record, read once a sync
+        if verify_on:
             weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
         probe_seconds = time.perf_counter() - start  # the trainer's side of the verification (its probe forward)
         if self.placement != "worker" and not self.is_leader:  # only walk the export (collective under FSDP)
@@ -299,7 +299,7 @@ class NativeServerAdapter(BaseRollout):
         transport = await self._transport()
         report = await transport.send(weights, global_steps)  # the one send, whatever the route
         trainer_side = proof is not None
-        if proof is None and current().verify_weight_sync:
+        if proof is None and verify_on:
             proof = getattr(received, "proof", None)  # from another pool's trainer, read after the stream
         try:
             verify = await self._verify_sync(proof) if proof is not None else {}
