@@ -351,7 +351,8 @@ def stale_packed_copies(sampler) -> list[str]:
 @dataclass
 class VerifyResult:
     """One sync's verification: ``ok``; the probe's ``max_abs_diff``, ``mean_abs_diff``, ``score`` (its difference
-    as a fraction of its bound, :func:`probe_score`) and ``probe_ok``; ``seconds`` (the rollout side's);
+    as a fraction of its bound, :func:`probe_score`) and ``probe_ok``; ``seconds`` (the rollout side's check: its probe and fingerprints); ``pack_seconds`` (packing
+    the sampler's weight copies before the probe: work the next batch would do anyway, so not the check's cost);
     ``differing`` (tensors whose fingerprint differs, else stale packed copies), ``first_tensor`` (the first of them,
     or ``None``), ``unchecked`` (fingerprints sent under names the model does not have, e.g. an adapter-only LoRA
     payload's matrices: the rollout merges them, so only the probe checks them) and the one-line ``message``."""
@@ -362,6 +363,7 @@ class VerifyResult:
     score: float
     probe_ok: bool
     seconds: float
+    pack_seconds: float = 0.0
     first_tensor: str | None = None
     differing: list[str] = field(default_factory=list)
     unchecked: int = 0
@@ -371,7 +373,8 @@ class VerifyResult:
         return {"weight_sync/verified": 1.0 if self.ok else 0.0,
                 "weight_sync/verify_max_abs_diff": float(self.max_abs_diff),
                 "weight_sync/verify_probe_score": float(self.score),
-                "weight_sync/verify_seconds": float(self.seconds)}
+                "weight_sync/verify_seconds": float(self.seconds),
+                "weight_sync/verify_pack_seconds": float(self.pack_seconds)}
 
 
 def _native_compiled_packs(sampler) -> bool:
@@ -402,7 +405,12 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
         trainer_dtype: the dtype the trainer's probe was computed in (with the rollout's: :func:`probe_bound`).
         raise_on_mismatch: raise :class:`WeightSyncMismatch` (one line) instead of returning a failed result.
     """
+    pack_start = time.perf_counter()
+    packed = getattr(sampler, "packed", None)
+    if packed is not None:  # what the next batch would pack anyway: timed apart from the check
+        packed.prepare()
     start = time.perf_counter()
+    pack_seconds = start - pack_start
     got = rollout_probe(sampler, probe)
     want = trainer_logprobs.to(torch.float32).cpu()
     if got.shape != want.shape:
@@ -443,7 +451,7 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
                    f"log-probs differ by max {max_diff:.3g}, mean {mean_diff:.3g} ({bound}: "
                    f"{'passed' if probe_ok else 'failed'})")
     result = VerifyResult(ok=ok, max_abs_diff=max_diff, mean_abs_diff=mean_diff, score=score, probe_ok=probe_ok,
-                          seconds=time.perf_counter() - start, first_tensor=first, differing=differing,
+                          seconds=time.perf_counter() - start, pack_seconds=pack_seconds, first_tensor=first, differing=differing,
                           unchecked=unchecked, message=message)
     if not ok and raise_on_mismatch:
         raise WeightSyncMismatch(message)

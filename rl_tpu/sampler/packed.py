@@ -94,6 +94,18 @@ class PackedLinears:
             self._packed = [panel_kernel.pack(m.weight, self.batch_hint) for m in self.modules]
         self._key = self._weights_key()
 
+    def stale(self) -> bool:
+        """Whether the next :meth:`applied` block packs first (copies missing, or a weight changed in this process)."""
+        return self._packed is None or self._key != self._weights_key() or self.modules != self._eligible()
+
+    def prepare(self) -> bool:
+        """Pack now what the next :meth:`applied` block would pack (nothing when the copies are current); returns
+        whether it packed. Lets a caller time the packing apart from the forward that follows."""
+        if not self.stale():
+            return False
+        self.pack()
+        return True
+
     def release(self) -> None:
         """Drop the packed copies (weights changed elsewhere, or memory is needed); the next use packs again."""
         self._packed, self._key, self._fused = None, None, {}
@@ -128,7 +140,7 @@ class PackedLinears:
         (its version counter or storage moved); a weight written by *another* process through shared memory needs
         :meth:`release`.
         """
-        if self._packed is None or self._key != self._weights_key() or self.modules != self._eligible():
+        if self.stale():
             self.pack()
         if not self.modules:
             yield False

@@ -156,6 +156,22 @@ def test_packed_copies_not_rebuilt_are_caught_and_named() -> None:
     assert job.verify(fps).ok
 
 
+@pytest.mark.skipif(not packed_linear_supported(), reason="packed weights need torch with oneDNN")
+def test_the_packing_is_timed_apart_and_the_next_batch_reuses_it() -> None:
+    """The check's own cost excludes packing the new weights: the check packs them first (timed as
+    ``pack_seconds``), and the batch after it finds the copies current instead of packing again."""
+    job = Job()
+    job.step()
+    result = job.verify(job.send())
+    assert result.ok and result.pack_seconds > 0 and result.seconds > 0
+    assert result.as_metrics()["weight_sync/verify_pack_seconds"] == result.pack_seconds
+    packed = job.sampler.packed
+    assert not packed.stale() and not packed.prepare()  # the next generate packs nothing
+    job.step()
+    job.send()  # load_state_dict: weights_changed() drops the copies
+    assert packed.stale() and packed.prepare() and not packed.stale()
+
+
 def test_bfloat16_rollout_against_a_float32_trainer() -> None:
     job = Job(torch.bfloat16)
     job.step()
