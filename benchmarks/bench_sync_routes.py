@@ -28,6 +28,10 @@ every process, :class:`bench_grpo_step.MemorySampler`).
 ``--ab-rounds R`` also runs the default job R times each with ``rl_tpu.verify_weight_sync`` on and off, alternating,
 and prints the ratio of their mean s/step: the check's cost measured end to end.
 
+``--lora-against TREE --lora-rounds R`` runs the LoRA row R times each with the code of another checkout ``TREE``
+(e.g. a ``git worktree`` of the commit before adapter-only sync; ``PYTHONPATH`` points every process of that job at
+it) and with this one, alternating, and prints both sides' s/step, sync seconds and peak PSS.
+
     python benchmarks/bench_sync_routes.py [--routes trainer_memory object_store ...] [--steps 3] [--ab-rounds 0]
         [--out results.json]
 """
@@ -36,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_step import run_ours  # noqa: E402  (the pinned config and the run, shared with the TRL comparison)
+from bench_grpo_step import BenchError, run_ours  # noqa: E402  (the pinned config and the run, shared with the TRL comparison)
 
 LORA = ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
         "actor_rollout_ref.model.target_modules=all-linear"]
@@ -55,7 +60,8 @@ ROUTES: dict[str, list[str]] = {
     "shared_memory": ["trainer.n_gpus_per_node=2"],
     "object_store": ["rl_tpu.shared_weights=false"],
     "object_store_lora": LORA,
-    "in_worker": ["+actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker"],
+    "in_worker": ["+actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement=worker",
+                  "actor_rollout_ref.rollout.checkpoint_engine.backend=native"],
     "pool_shared_memory": POOL,
     "pool_broadcast": [*POOL, "rl_tpu.shared_weights=false"],
 }
@@ -71,12 +77,22 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def measure(name: str, overrides: list[str], steps: int, timeout_s: float) -> dict:
-    """One job; the weight-sync columns from its ``metrics.jsonl``, means over steps 2..``steps``."""
-    with tempfile.TemporaryDirectory(prefix=f"sync_{name}_") as work:
-        ran = run_ours(Path(work), steps, 1, timeout_s, overrides)
-        rows = [json.loads(line)["data"] for line in (Path(work) / "verl" / "metrics.jsonl").read_text().splitlines()
-                if line.strip()]
+def measure(name: str, overrides: list[str], steps: int, timeout_s: float, tree: str | None = None) -> dict:
+    """One job; the weight-sync columns from its ``metrics.jsonl``, means over steps 2..``steps``; ``tree``: run
+    another checkout's code (``PYTHONPATH``, inherited by every process of the job)."""
+    before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    if tree is not None:  # the driver runs ``python -m``: its working folder comes first on its path
+        os.environ["PYTHONPATH"] = str(Path(tree).resolve())
+        os.chdir(tree)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"sync_{name.replace(' ', '_')}_") as work:
+            ran = run_ours(Path(work), steps, 1, timeout_s, overrides)
+            rows = [json.loads(line)["data"] for line in (Path(work) / "verl" / "metrics.jsonl").read_text().splitlines()
+                    if line.strip()]
+    finally:
+        if tree is not None:
+            os.chdir(cwd)
+            os.environ.pop("PYTHONPATH") if before is None else os.environ.__setitem__("PYTHONPATH", before)
     rows = [r for r in rows if "timing_s/step" in r][1:]
     out = {"name": name, "overrides": overrides, "steps": len(rows), "peak_pss_gib": ran["memory"]["peak_pss_total_gib"]}
     for col, key in KEYS.items():
@@ -109,17 +125,27 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--routes", nargs="+", choices=list(ROUTES), default=list(ROUTES))
+    ap.add_argument("--routes", nargs="*", choices=list(ROUTES), default=list(ROUTES),
+                    help="the rows to run (none: only the A/B runs asked for)")
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps a job (step 1 is warm-up; >= 2)")
     ap.add_argument("--ab-rounds", type=int, default=0, help="default job with the check on and off, alternating")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed a job")
+    ap.add_argument("--lora-against", metavar="TREE", help="another checkout: the LoRA row with its code and this one")
+    ap.add_argument("--lora-rounds", type=int, default=2, help="alternating rounds of --lora-against")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
     rows = []
     for name in args.routes:
-        rows.append(measure(name, ROUTES[name], args.steps, args.timeout))
-        print(f"{name}: done", flush=True)
-    print(table(rows))
+        try:
+            rows.append(measure(name, ROUTES[name], args.steps, args.timeout))
+        except BenchError as err:  # one route's failure leaves the others' rows
+            print(f"{name}: failed: {err}", flush=True)
+            continue
+        print(table(rows[-1:]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+    if rows:
+        print(table(rows))
     ab: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(args.ab_rounds):
         for side in ("on", "off"):
@@ -131,8 +157,22 @@ def main() -> int:
         on, off = statistics.fmean(ab["on"]), statistics.fmean(ab["off"])
         print(f"default job, verification on / off: {on:.2f} / {off:.2f} s/step = {on / off:.3f}x "
               f"({args.ab_rounds} rounds, alternating)")
+    lora: dict[str, list[dict]] = {"before": [], "now": []}
+    if args.lora_against:
+        for i in range(args.lora_rounds):
+            for side, tree in (("before", args.lora_against), ("now", None)):
+                r = measure(f"lora {side}", ROUTES["object_store_lora"], args.steps, args.timeout, tree)
+                lora[side].append(r)
+                print(f"round {i + 1} LoRA {side}: {r['step_s']:.2f} s/step, update_weights "
+                      f"{r['update_weights_s']:.3f} s, {(r['bytes'] or 0) / 1e6:.1f} MB/sync, peak PSS "
+                      f"{r['peak_pss_gib']:.2f} GiB", flush=True)
+        for key, label in (("step_s", "s/step"), ("update_weights_s", "update_weights s"),
+                           ("peak_pss_gib", "peak PSS GiB")):
+            b = statistics.fmean(r[key] for r in lora["before"])
+            n = statistics.fmean(r[key] for r in lora["now"])
+            print(f"LoRA {label}: before {b:.3f}, now {n:.3f} = {n / b:.3f}x ({args.lora_rounds} rounds, alternating)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "ab": ab}, indent=1))
+        Path(args.out).write_text(json.dumps({"rows": rows, "ab": ab, "lora": lora}, indent=1))
     return 0
 
 
