@@ -397,14 +397,21 @@ def unadapted_for_refill():
 
 
 def end_of_sync() -> bool:
-    """End of one sync on the receiving side: ``True`` when it was adapter-only.
+    """End of one sync on the receiving side: ``True`` when it was adapter-only. The model's files are unmapped
+    until the next sync (their pages, read for the merge, stay in the page cache, out of this process's memory).
 
     Raises:
         ValueError: a matrix's A, B or scaling never arrived (:meth:`AdapterMerger.finish`).
     """
     used, _receiver["used"] = _receiver["used"], False
-    if used:
-        _receiver["merger"].finish()
+    merger = _receiver["merger"]
+    if merger is not None:
+        _receiver["merger"] = None
+        try:
+            if used:
+                merger.finish()
+        finally:
+            merger.base.close()
     return used
 
 

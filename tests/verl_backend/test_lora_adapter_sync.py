@@ -194,3 +194,32 @@ def test_the_receive_seam_counts_the_payload_not_the_merge(family) -> None:
     assert n < sum(merged[k].numel() * merged[k].element_size() for k in merged if "proj" in k) / 2
     state = model.state_dict()
     assert all(torch.equal(state[k], merged[k]) for k in merged if "proj" in k)  # and it was merged in
+
+
+def _mapped(path) -> int:
+    """How many mappings of this process are of a file under ``path``."""
+    with open("/proc/self/maps") as f:
+        return sum(str(path) in line for line in f)
+
+
+def test_the_files_are_unmapped_between_syncs(family) -> None:
+    """The base weights' files are mapped for the merge and unmapped when the sync ends, so the pages read for it
+    leave the rollout's memory (page cache only) until the next sync, which maps them again and merges the same."""
+    from verl_backend import lora_sync
+    from verl_backend.weight_sync.apply import live, load
+
+    name, path = family
+    trainer = _trainer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    rollout = Sampler(model, pad_token_id=0, eos_token_ids=[])
+    lora_sync.set_base_path(str(path))
+    merged = dict(merged_lora_weights(trainer))
+    before = _mapped(path)  # transformers' own loads may keep theirs
+    for version in (1, 2):
+        stream = load(rollout, iter(list(lora_adapter_payload(trainer))), version=version)
+        assert stream > 0 and _mapped(path) > before  # mapped while the sync is open
+        live(rollout, version, written_elsewhere=False)
+        assert _mapped(path) == before
+        state = model.state_dict()
+        assert all(torch.equal(state[k], merged[k]) for k in merged if "proj" in k)
+
