@@ -80,8 +80,9 @@ def main() -> int:
     merge(merged, lora, scaling)
     merge_s = time.perf_counter() - start
     unmerged_hooks(base, lora, scaling)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i + 3} * {i + 7}?"}],
-                                       add_generation_prompt=True) for i in range(args.prompts)]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {i + 3} * {i + 7}?"}],
+                                           tokenize=False, add_generation_prompt=True))["input_ids"]
+               for i in range(args.prompts)]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, n=args.samples, seed=1)
     results = {}
     for label, model in (("merged", merged), ("unmerged", base)):
