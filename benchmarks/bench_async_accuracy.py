@@ -33,7 +33,7 @@ from bench_grpo_step import BenchError, run_ours
 
 def accuracy(run: Path) -> dict:
     """Validation accuracy before (if measured) and after, and training seconds, from ``run/verl``."""
-    from verl_backend.report import _val_accuracy
+    from verl_backend.driver.report import _val_accuracy
 
     rows = [json.loads(line) for line in (run / "verl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     vals = [(r["step"], _val_accuracy(r["data"])) for r in rows if _val_accuracy(r["data"]) is not None]

@@ -71,7 +71,7 @@ def run_one(name: str, model: Path | None, work: Path, steps: int, response_leng
     "why", figures..., "wall_s"}``."""
     out = work / name
     reward = work / "length_reward.py"
-    args = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
+    args = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
             "--max-restarts", "0", f"algorithm.adv_estimator={name}", *COMPANIONS.get(name, []),
             f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=4",

@@ -67,8 +67,8 @@ def _update(model, td, mode: str) -> float:
     """Seconds for one forward + backward of the micro batch in ``mode`` (``all``, ``response``, ``shared``)."""
     from verl.utils.torch_functional import logprobs_from_logits
 
-    from verl_backend.response_logits import response_logit_indices
-    from verl_backend.shared_prefix import attention_kinds, shared_prefix_inputs
+    from verl_backend.workers.response_logits import response_logit_indices
+    from verl_backend.workers.shared_prefix import attention_kinds, shared_prefix_inputs
 
     keep = response_logit_indices(td)
     labels = torch.roll(td["input_ids"].values(), shifts=-1)[keep]

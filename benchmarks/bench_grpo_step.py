@@ -14,7 +14,7 @@ TRL runs twice, once each way, and the table gives the ratio to both.
 
 Both run with glibc's default allocator settings. ``RL_TPU_COMPACT_MALLOC=1`` (set it for this script to have our run
 use it) starts every process of ``verl train --backend cpu`` with settings that keep the trainer's backward from
-fragmenting the heap, at the price of speed (``rl_tpu.host_memory.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
+fragmenting the heap, at the price of speed (``verl_backend.host_memory.heap.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
 runs TRL with the same settings.
 
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
@@ -221,8 +221,8 @@ def _mean_after_warmup(values: list[float]) -> float | None:
 def _prepare_train_file(work: Path) -> str:
     """The parquet ``verl train`` would write for the default job (for a TRL-only run)."""
     out = work / "verl" / "data"
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(work / "verl"),
-           "--print-config"]
+    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir",
+           str(work / "verl"), "--print-config"]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     found = sorted(out.glob("*_train.parquet"))
     if not found:
@@ -245,7 +245,7 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp),
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
+    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
            "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
            "trainer.test_freq=-1", "trainer.save_freq=-1", *PINNED, *(overrides or [])]
     try:
@@ -291,7 +291,7 @@ def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: fl
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                 "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     if tuned_malloc:  # the glibc settings RL_TPU_COMPACT_MALLOC=1 gives the processes of `verl train --backend cpu`
-        from rl_tpu.host_memory import HOST_MALLOC_ENV
+        from verl_backend.host_memory.heap import HOST_MALLOC_ENV
 
         env.update(HOST_MALLOC_ENV)
     cmd = [sys.executable, __file__, "--trl-worker", "--train-file", train_file, "--steps", str(steps),
@@ -454,8 +454,8 @@ def main() -> int:
                     "(two TRL runs; default)")
     ap.add_argument("--trl-malloc", choices=["default", "tuned", "both"], default="default",
                     help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
-                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, rl_tpu.host_memory.HOST_MALLOC_ENV), or both (twice the "
-                    "TRL runs)")
+                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, verl_backend.host_memory.heap.HOST_MALLOC_ENV), or "
+                    "both (twice the TRL runs)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)

@@ -88,8 +88,8 @@ def sync_table(rank: int, threads: int, repeats: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from rl_tpu.collectives import iter_buckets, pack_bucket, unpack_bucket
-    from verl_backend.lora_sync import AdapterMerger, SafetensorsBase, lora_adapter_payload, merged_lora_weights
     from verl_backend.models import ensure_default_model
+    from verl_backend.weight_sync.lora import AdapterMerger, SafetensorsBase, lora_adapter_payload, merged_lora_weights
 
     torch.set_num_threads(threads)
     path = str(ensure_default_model())

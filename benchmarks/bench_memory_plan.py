@@ -126,7 +126,7 @@ class WorkerSampler(threading.Thread):
         self.join()
 
 
-#: the e2e test's small dry-run batch (tests/verl_backend/test_tpu_dry_run.py): one sequence per rank
+#: the e2e test's small dry-run batch (tests/verl_backend/driver/test_tpu_dry_run.py): one sequence per rank
 DRY_RUN_KEYS = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
@@ -184,7 +184,7 @@ def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s
     env.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp), **(extra_env or {})})
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
            f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
            "trainer.save_freq=-1", *extra]
     sampler = WorkerSampler(run_id, interval)

@@ -10,8 +10,8 @@ and prints the sum: no run of this layout can peak below it. A real step adds wh
 micro batch, measured in a plain single-process PyTorch loop, with and without FSDP2), and each process's working data.
 
 That is the floor of the layout with plain Ray workers (``RL_TPU_FORK_SERVER=0``). By default a local CPU job's
-workers are forked from one process that has done most of these imports (``verl_backend/zygote.py``), so most of
-the import rows are held once for the whole job, not once per process.
+workers are forked from one process that has done most of these imports (``verl_backend/host_memory/fork_server.py``),
+so most of the import rows are held once for the whole job, not once per process.
 
 With ``--bench-json FILE`` (from ``bench_grpo_step.py --out FILE``) it also prints, per role, the PSS that role had
 at that run's peak sample, and the single-process TRL peaks of that run for comparison.
@@ -33,7 +33,7 @@ GIB = float(1 << 30)
 # (role as the process is named at the peak sample, what the process imports to host its class)
 ROLES = [
     ("python -m (driver: VeRL's TaskRunner)", "import verl.trainer.main_ppo, transfer_queue"),
-    ("ray::WorkerDict (trainer)", "import verl.workers.engine_workers, verl_backend.engine"),
+    ("ray::WorkerDict (trainer)", "import verl.workers.engine_workers, verl_backend.workers.engine"),
     ("ray::NativeRolloutServer", "import verl_backend.rollout.server"),
     ("ray::AgentLoopWorkerTQ", "import verl.trainer.ppo.v1.agent_loop_tq"),
     ("ray::RewardLoopWorker", "import verl.experimental.reward_loop.reward_loop, reasoning_gym"),

@@ -74,7 +74,7 @@ def main() -> None:
     out = work / "run"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
            "--max-restarts", "1", f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={args.steps}",
            "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "rl_tpu.train_size=32",
            "rl_tpu.val_size=4", f"+ray_kwargs.ray_init._temp_dir={temp_dir}"]

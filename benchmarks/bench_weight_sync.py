@@ -181,7 +181,8 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
 
     # The default CPU job: the trainer's parameters live in shared memory and the server computes on them. Here the
     # driver's copy of the model stands in for the trainer (the job does the same to FSDP2's parameter storage:
-    # verl_backend.engine.share_fsdp_parameters). A sync holds generation, checks every tensor is in place, resumes.
+    # verl_backend.workers.engine.share_fsdp_parameters). A sync holds generation, checks every tensor is in place,
+    # resumes.
     from transformers import AutoModelForCausalLM
 
     from rl_tpu.shared_weights import SharedWeights

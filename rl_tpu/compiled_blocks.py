@@ -101,8 +101,8 @@ class CompiledBlocks:
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Run every block eagerly inside the ``with`` (this thread), compiling nothing and counting no signature: for
-        a forward outside training whose shape no step has (the weight-sync probe, :mod:`verl_backend.sync_verify`),
-        so it neither costs a graph nor counts against ``max_graphs``."""
+        a forward outside training whose shape no step has (the weight-sync probe,
+        :mod:`verl_backend.weight_sync.verify`), so it neither costs a graph nor counts against ``max_graphs``."""
         self._eager_depth.depth = getattr(self._eager_depth, "depth", 0) + 1
         try:
             yield

@@ -14,9 +14,9 @@ next sync writes every slot again.
 
 The other way round is cheaper still, and the default for one trainer rank on a CPU host: the *trainer* keeps its
 own parameters in such a file (:meth:`SharedWeights.from_tensors` over FSDP2's local shards, see
-``verl_backend.engine``), and the rollout server maps it read-only with :class:`SharedWeightsReader` and computes on
-it. An optimizer step then *is* the weight sync: :meth:`SharedWeights.publish` finds every tensor already in place
-and copies 0 bytes (VeRL's colocated loop never samples while the actor updates, so no batch sees a half-written
+``verl_backend.workers.engine``), and the rollout server maps it read-only with :class:`SharedWeightsReader` and
+computes on it. An optimizer step then *is* the weight sync: :meth:`SharedWeights.publish` finds every tensor already in
+place and copies 0 bytes (VeRL's colocated loop never samples while the actor updates, so no batch sees a half-written
 step).
 
 The file lives as long as a process holds it open or mapped: a killed rollout server leaves nothing behind in

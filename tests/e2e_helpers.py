@@ -54,7 +54,7 @@ def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = 
     """Run ``verl train --backend BACKEND --output-dir OUT ARGS...`` to the end (``args``: CLI flags and Hydra
     overrides); returns the finished process with text stdout/stderr. ``default_console``: the console a user gets
     (the rest in ``OUT/train.log``), not the whole output the tests' ``VERL_TRAIN_VERBOSE=1`` asks for."""
-    cmd = [sys.executable, "-m", "verl_backend.cli", "train", "--backend", backend, "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", backend, "--output-dir", str(out),
            *pinned(args)]
     env = train_env()
     if default_console:

@@ -63,7 +63,7 @@ def in_cause_chain(exc: BaseException | None, kinds: type[BaseException] | tuple
 
     The chain is Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker: its ``cause``) where there is one, else
     ``__cause__`` (``raise ... from exc``); a cycle ends the walk. The one walk behind ``verl``'s one-line user errors
-    (:mod:`verl_backend.cli`) and the restart after a dead Ray actor (:mod:`verl_backend.driver.runner`).
+    (:mod:`verl_backend.driver.cli`) and the restart after a dead Ray actor (:mod:`verl_backend.driver.runner`).
     """
     seen = set()
     while exc is not None and id(exc) not in seen:

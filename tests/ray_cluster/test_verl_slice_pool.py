@@ -1,4 +1,4 @@
-"""VeRL's resource pools reserved as a whole TPU slice (``verl_backend.slice_pool``) on the fake slice cluster.
+"""VeRL's resource pools reserved as a whole TPU slice (``verl_backend.workers.slice_pool``) on the fake slice cluster.
 
 The probe runs VeRL 0.9.1's own ``ResourcePoolManager`` and ``RayWorkerGroup`` with the TPU platform, so
 workers ask Ray for whole chips exactly as ``verl train --backend tpu`` does; only the chips are fake.

@@ -59,7 +59,7 @@ def test_the_engines_convert_it_before_building_the_module(tmp_path, monkeypatch
     convert the default model before VeRL builds the module from it."""
     from types import SimpleNamespace
 
-    from verl_backend.engine import (
+    from verl_backend.workers.engine import (
         RlTpuFSDPEngineWithLMHead,
         RlTpuFSDPEngineWithValueHead,
         _DefaultModelHere,

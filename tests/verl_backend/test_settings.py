@@ -96,7 +96,7 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_TRIM_BACKWARD": "0",
            "RL_TPU_SHARED_WEIGHTS": "0", "RL_TPU_SHARED_PREFIX": "0"}
     env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--backend", "cpu", "--config",
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--config",
                            str(job), "--output-dir", str(tmp_path / "o"), "--print-config", "--num-threads", "3",
                            "rl_tpu.plain_module=false", "data.train_files=x.parquet", "rl_tpu.model_cache=~/.cache/rl-tpu"],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -112,7 +112,7 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     assert ours["model_cache"] == str(Path.home() / ".cache" / "rl-tpu")
     assert config["actor_rollout_ref"]["model"]["path"] == ours["model_cache"] + "/SmolLM2-135M-Instruct"
     assert "RL_TPU_SHARED_WEIGHTS is deprecated" in proc.stderr and "RL_TPU_TRIM_BACKWARD" not in proc.stderr
-    helped = subprocess.run([sys.executable, "-m", "verl_backend.cli", "train", "--help"], capture_output=True,
+    helped = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--help"], capture_output=True,
                             text=True, env=env, timeout=120).stdout
     for s in S.SETTINGS:
         assert f"rl_tpu.{s.name}=" in helped

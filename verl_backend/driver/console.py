@@ -175,9 +175,9 @@ def _pump(read_fd: int, console: Console, stop_marker: bytes) -> None:
 def capture(log_path: Path, verbose: bool = False):
     """Send fds 1 and 2 to ``log_path`` (appended) for the ``with`` block; yields the :class:`Console`.
 
-    Two phases, because the fork server (:mod:`verl_backend.zygote`) must be forked while this process has one
-    thread: first the fds point at the log file itself (nothing reaches the terminal but :meth:`Console.say`; with
-    ``verbose`` they stay on the terminal); :meth:`Console.pump` then points them at pipes that threads read into
+    Two phases, because the fork server (:mod:`verl_backend.host_memory.fork_server`) must be forked while this process
+    has one thread: first the fds point at the log file itself (nothing reaches the terminal but :meth:`Console.say`;
+    with ``verbose`` they stay on the terminal); :meth:`Console.pump` then points them at pipes that threads read into
     the log and the filtered terminal. The fds are restored on the way out, whatever happens, after what was written
     to the pipes has been read.
     """

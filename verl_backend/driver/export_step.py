@@ -134,7 +134,7 @@ def export_final_checkpoint(config, out: Path, settings) -> dict:
         ``exit_code``, ``error`` (litert export's one line, on failure), ``log``, and from the report the
         verification's top-1 agreement and the held-out accuracies (%, runtime and PyTorch) with the item count.
     """
-    from verl_backend.report import latest_hf_checkpoint
+    from verl_backend.driver.report import latest_hf_checkpoint
 
     target = target_path(settings)
     entry: dict = {"output": str(target), "quantize": settings.export_quantize, "status": "failed"}

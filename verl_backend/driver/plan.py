@@ -224,7 +224,7 @@ def slice_defaults(slice_arg: str | None, given_as: str = "rl_tpu.slice") -> tup
 
     Returns:
         ``(keys, slice)``: the VeRL overrides and the slice as ``"<type>:<topology>"`` for the settings record (the
-        TaskRunner reserves it, :mod:`verl_backend.slice_pool`); ``({}, "")`` when neither is given.
+        TaskRunner reserves it, :mod:`verl_backend.workers.slice_pool`); ``({}, "")`` when neither is given.
 
     Raises:
         BadInputError: unknown accelerator type or a topology that type does not have.

@@ -87,7 +87,7 @@ def rollout_slice_keys(value: str, trainer_slice: str = "", backend_slices: str 
     pod type when the trainer's slice is the same type), by its cluster check. The slice is then VeRL's standalone
     rollout pool of ``trainer.v1.trainer_mode=separate_async``: one VeRL node per host, one rollout worker per chip
     (``actor_rollout_ref.rollout.nnodes``/``n_gpus_per_node``), weights sent by rl-tpu's ``gloo`` checkpoint engine.
-    The TaskRunner reserves it whole with ``ray.util.tpu`` (:class:`verl_backend.slice_pool.RolloutSlice`).
+    The TaskRunner reserves it whole with ``ray.util.tpu`` (:class:`verl_backend.workers.slice_pool.RolloutSlice`).
 
     Returns:
         ``{key: value}`` to apply below the user's file and command line (``{}`` when ``value`` is empty); a user's

@@ -77,7 +77,7 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         "actor_rollout_ref.model.use_remove_padding": "true",
         "critic.model.use_remove_padding": "true",
         # GRPO's n samples of a prompt share one copy of it in the packed row (Prefix Grouper's shared-prefix
-        # forward, VeRL's own key; see verl_backend.shared_prefix): the prompt's forward and
+        # forward, VeRL's own key; see verl_backend.workers.shared_prefix): the prompt's forward and
         # backward run once per group instead of n times, for the same log-probs and gradients.
         "actor_rollout_ref.actor.use_prefix_grouper": "true",
         # torch's fused AdamW kernel (CPU since torch 2.4): one pass over each parameter instead of foreach's

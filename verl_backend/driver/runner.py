@@ -50,16 +50,16 @@ class ActorFailedError(RuntimeError):
 
 
 def fork_server_here(profile, fork_server: dict, settings) -> None:
-    """Fork :mod:`verl_backend.zygote`'s server from this process for a local CPU job (its pid and socket go into
-    ``fork_server``); nothing where it does not apply: a backend without host-memory machinery (its profile), a Ray
-    cluster (``RAY_ADDRESS``), not Linux, ``rl_tpu.fork_server=false``, or Ray already imported here (the workers
-    then start as plain processes)."""
-    from verl_backend import zygote
+    """Fork :mod:`verl_backend.host_memory.fork_server`'s server from this process for a local CPU job (its pid and
+    socket go into ``fork_server``); nothing where it does not apply: a backend without host-memory machinery (its
+    profile), a Ray cluster (``RAY_ADDRESS``), not Linux, ``rl_tpu.fork_server=false``, or Ray already imported here
+    (the workers then start as plain processes)."""
+    from verl_backend.host_memory.fork_server import fork_here
 
     if not settings.fork_server or not profile.host_memory or os.environ.get("RAY_ADDRESS") \
             or not sys.platform.startswith("linux"):
         return
-    started = zygote.fork_here()
+    started = fork_here()
     if started is not None:
         fork_server["pid"], fork_server["socket"] = started
 
@@ -120,7 +120,7 @@ class _TaskRunnerInDriver:
     def remote(self):
         import ray
 
-        from verl_backend.driver import preemption
+        from verl_backend.workers import preemption
 
         # ray.init (just run by run_ppo) leaves its core worker's failure handler on SIGTERM: a crash dump and
         # SIGABRT (exit 134). Here it ends the run at the next step boundary with a checkpoint (preemption).
@@ -167,8 +167,8 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
     for a local CPU job, enough CPU slots and the fork server's interpreter. Also sets them in this process."""
     from omegaconf import open_dict
 
-    from rl_tpu.host_memory import HOST_MALLOC_ENV
     from verl_backend import settings as job_settings
+    from verl_backend.host_memory.heap import HOST_MALLOC_ENV
 
     env = {
         "VERL_PLATFORM": os.environ["VERL_PLATFORM"],
@@ -202,6 +202,6 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
             config.ray_kwargs.ray_init.num_cpus = max(16, os.cpu_count() or 1)
         config.ray_kwargs.ray_init.setdefault("include_dashboard", False)
         if fork_server.get("socket") and not runtime_env.get("py_executable"):
-            from verl_backend.zygote import worker_py_executable
+            from verl_backend.host_memory.fork_server import worker_py_executable
 
             runtime_env["py_executable"] = worker_py_executable(fork_server["socket"])

@@ -53,15 +53,16 @@ def run_train(args) -> int:
     """``verl train``: check and compose the config, then run VeRL's trainer (see the README)."""
     from contextlib import ExitStack
 
-    fork_server: dict = {}  # the fork server started for this run (verl_backend.zygote), stopped whatever happens
+    # the fork server started for this run (verl_backend.host_memory.fork_server), stopped whatever happens
+    fork_server: dict = {}
     try:
         with ExitStack() as console_capture:  # the run's console and train.log (driver/console.py)
             return _run_train(args, fork_server, console_capture)
     finally:
         if fork_server.get("pid"):
-            from verl_backend import zygote
+            from verl_backend.host_memory.fork_server import stop
 
-            zygote.stop(fork_server["pid"])
+            stop(fork_server["pid"])
 
 
 def _keys(overrides: list[str]) -> set[str]:
@@ -187,8 +188,8 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
 
     import gc
 
-    from rl_tpu.host_memory import trim_host_heap
-    from verl_backend.report import write_report
+    from verl_backend.driver.report import write_report
+    from verl_backend.host_memory.heap import trim_host_heap
 
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
     trim_host_heap()
@@ -303,10 +304,10 @@ def _apply_profile(backend, settings):
         raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
                             f"--backend tpu only, not {backend.name}")
     if settings.compact_malloc and backend.host_memory:
-        from rl_tpu.host_memory import host_malloc_env, tune_host_malloc
+        from verl_backend.host_memory.heap import host_malloc_env, tune_host_malloc
 
         os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
-        tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.zygote)
+        tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.host_memory.fork_server)
     settings = replace(settings, num_threads=settings.num_threads or backend.default_threads)
     if settings.num_threads:
         os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)  # this process; workers get the record

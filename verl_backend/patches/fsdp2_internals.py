@@ -1,9 +1,9 @@
 """The private FSDP2 names rl-tpu reads and rebinds, in one place, for the torch versions they were checked with.
 
-Shared-memory weights (:func:`verl_backend.engine.share_fsdp_parameters`) move every ``FSDPParam``'s sharded storage
-into one shared-memory file in place, so the rollout server reads each optimizer step with no copy. torch exposes no
-public way to do that (torch 2.13's ``FSDPModule`` offers ``unshard``/``reshard``/``set_*`` only), so these private
-names of ``torch.distributed.fsdp._fully_shard`` are used, and only here:
+Shared-memory weights (:func:`verl_backend.workers.engine.share_fsdp_parameters`) move every ``FSDPParam``'s sharded
+storage into one shared-memory file in place, so the rollout server reads each optimizer step with no copy. torch
+exposes no public way to do that (torch 2.13's ``FSDPModule`` offers ``unshard``/``reshard``/``set_*`` only), so these
+private names of ``torch.distributed.fsdp._fully_shard`` are used, and only here:
 
 - ``FSDPModule._get_fsdp_state()._fsdp_param_groups[i].fsdp_params``: the module's ``FSDPParam`` objects;
 - ``FSDPParam._sharded_param_data``: the flat, padded local storage the all-gather reads;
@@ -14,7 +14,7 @@ Rebinding keeps the ``Parameter`` objects (the optimizer's references stay valid
 that is already padded (``FSDPParam.reset_sharded_param``, torch 2.13). Outside :data:`TORCH_VERSIONS`, or when a
 name is gone, :func:`fsdp_params` raises :class:`~rl_tpu.shared_weights.SharedWeightsError` with one line and the
 engine falls back to the object-store sync, saying why (``[rl-tpu] weight sync route: ...``): never a silent wrong
-weight. ``tests/verl_backend/test_fsdp2_internals.py`` checks every name on a real ``fully_shard`` module.
+weight. ``tests/verl_backend/patches/test_fsdp2_internals.py`` checks every name on a real ``fully_shard`` module.
 """
 
 from __future__ import annotations

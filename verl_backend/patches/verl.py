@@ -90,7 +90,7 @@ def _create_resource_pool(original):
         (and every pool without a slice) is VeRL's own.
         """
         from verl_backend.settings import current
-        from verl_backend.slice_pool import (
+        from verl_backend.workers.slice_pool import (
             SliceResourcePool,
             job_slice,
             rollout_slice_pool,
@@ -254,8 +254,8 @@ def _load_from_cpu(original):
 def _step_begin_hook(original):
     def on_step_begin(self):
         """Patched ``PPOTrainer.on_step_begin`` (VeRL 0.9.1, an empty hook its subclasses do not override): it
-        also ends a SIGTERM'd run at the step boundary (:func:`verl_backend.driver.preemption.at_step_begin`)."""
-        from verl_backend.driver.preemption import at_step_begin
+        also ends a SIGTERM'd run at the step boundary (:func:`verl_backend.workers.preemption.at_step_begin`)."""
+        from verl_backend.workers.preemption import at_step_begin
 
         at_step_begin(self)
         return original(self)

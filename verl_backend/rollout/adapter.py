@@ -9,9 +9,10 @@ collective under FSDP). No NCCL, no shared device memory. The route is chosen on
 applies (the package docstring has the table):
 
 - **shared memory, in place** (server on this host, CPU, one FSDP rank: the default CPU job): the actor's
-  parameters already live in a shared-memory file (:func:`verl_backend.engine.share_fsdp_parameters`, handed over
-  with :func:`verl_backend.weight_sync.hand_over`) and the server computes on them, mapped read-only (:meth:`NativeRolloutServer.attach_trainer_weights`, done at the first
-  sync). A sync copies nothing: it holds generation, checks each tensor is its slot, and tags the new step.
+  parameters already live in a shared-memory file (:func:`verl_backend.workers.engine.share_fsdp_parameters`, handed
+  over with :func:`verl_backend.weight_sync.hand_over`) and the server computes on them, mapped read-only
+  (:meth:`NativeRolloutServer.attach_trainer_weights`, done at the first sync). A sync copies nothing: it holds
+  generation, checks each tensor is its slot, and tags the new step.
 - **shared memory, copied** (server on this host, CPU): the leader maps the server's weight file
   (:class:`rl_tpu.shared_weights.SharedWeightsWriter`) and copies each tensor into place: one memory copy.
 - **Ray object store** (otherwise, or ``rl_tpu.shared_weights=false``): tensors are packed into buckets
@@ -110,7 +111,7 @@ class NativeServerAdapter(BaseRollout):
         if self.placement == "worker":
             from verl.utils.device import get_device_name
 
-            from verl_backend.lora_sync import set_base_path
+            from verl_backend.weight_sync.lora import set_base_path
 
             set_base_path(self.model_config.local_path)  # an adapter-only LoRA sync merges onto these files
 
@@ -276,7 +277,7 @@ class NativeServerAdapter(BaseRollout):
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
         from verl_backend.settings import current
-        from verl_backend.sync_verify import WeightSyncMismatch, take_proof
+        from verl_backend.weight_sync.verify import WeightSyncMismatch, take_proof
 
         # a rollout worker fed by the gloo engine (a pool of its own): the trainer's proof comes after the stream,
         # and the engine's source waits for this worker's verdict (ReceivedWeights.report_verdict)
@@ -330,14 +331,14 @@ class NativeServerAdapter(BaseRollout):
                                     detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
 
     async def _verify_sync(self, proof) -> dict:
-        """The rollout proves it computes with the weights just sent (:mod:`verl_backend.sync_verify`): this
+        """The rollout proves it computes with the weights just sent (:mod:`verl_backend.weight_sync.verify`): this
         process's own sampler (``sampler_placement=worker``), else the replica's server. Returns the metrics
         (``weight_sync/verified`` ...).
 
         Raises:
-            verl_backend.sync_verify.WeightSyncMismatch: one line naming the replica, the version and the tensor.
+            verl_backend.weight_sync.verify.WeightSyncMismatch: one line naming the replica, the version and the tensor.
         """
-        from verl_backend.sync_verify import WeightSyncMismatch, check_sync
+        from verl_backend.weight_sync.verify import WeightSyncMismatch, check_sync
 
         if self.placement == "worker":
             return check_sync(self.sampler, proof, self.replica_rank).as_metrics()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rl_tpu.host_memory import trim_host_heap
+from verl_backend.host_memory.heap import trim_host_heap
 from verl_backend.rollout.sampling import (
     build_sampler,
     rollout_threads,
@@ -143,7 +143,7 @@ class NativeRolloutServer:
         self.max_prompt_len = int(getattr(self.config, "prompt_length", 512))
         self.response_length = int(getattr(self.config, "response_length", 512))
         if self.worker_method is None:
-            from verl_backend.lora_sync import set_base_path
+            from verl_backend.weight_sync.lora import set_base_path
 
             self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
             set_base_path(self.model_path)  # an adapter-only LoRA sync merges onto these files
@@ -403,7 +403,7 @@ class NativeRolloutServer:
 
         n = load(self.sampler, named_tensors, version)
         if final:
-            from verl_backend.lora_sync import adapter_sync_open, unadapted_for_refill
+            from verl_backend.weight_sync.lora import adapter_sync_open, unadapted_for_refill
 
             if adapter_sync_open():  # LoRA, adapter only: the unadapted weights never change...
                 self._adapter_syncs = True
@@ -428,15 +428,16 @@ class NativeRolloutServer:
             self.global_steps = int(global_steps)
 
     async def verify_sync(self, proof) -> dict:
-        """Prove the sync just made live is the trainer's model (:func:`verl_backend.sync_verify.check_sync`: the
+        """Prove the sync just made live is the trainer's model (:func:`verl_backend.weight_sync.verify.check_sync`: the
         probe through this sampler's own path, fingerprints), generation held meanwhile; returns
         ``weight_sync/verified`` and the verification's metrics ({} when the sampler lives in a worker: the adapter
         verifies there).
 
         Raises:
-            verl_backend.sync_verify.WeightSyncMismatch: one line naming this replica, the version and the tensor.
+            verl_backend.weight_sync.verify.WeightSyncMismatch: one line naming this replica, the version and the
+            tensor.
         """
-        from verl_backend.sync_verify import check_sync
+        from verl_backend.weight_sync.verify import check_sync
 
         if self.sampler is None:
             return {}

@@ -35,7 +35,8 @@ Step metrics, the same names on every transport (:meth:`SyncReport.as_metrics`):
 above), ``weight_sync/bytes``, ``weight_sync/seconds``, ``weight_sync/verified`` (1.0 once a verification proved
 the rollout computes with the weights sent; 0.0 until then).
 
-Modules (no import circle; arrows one way: ``base`` ← ``route``, ``apply`` ← transports ← ``gloo_engine``):
+Modules (no import circle; arrows one way: ``base`` ← ``route``, ``lora`` ← ``apply`` ← transports ← ``gloo_engine``,
+``verify`` ← ``gloo_engine``):
 
 - :mod:`.base` the names and route numbers, :class:`SyncReport`, the :class:`Transport` interface, the hand-over;
 - :mod:`.route` :class:`SyncFacts`, :class:`SyncRoute`, :func:`choose_route`, the ``--print-config`` plan;
@@ -43,7 +44,9 @@ Modules (no import circle; arrows one way: ``base`` ← ``route``, ``apply`` ←
   :func:`~.apply.received` hook is where an adapter-only LoRA payload becomes merged tensors) and
   :func:`~.apply.live` (right after the new weights are live: where a verification runs);
 - one module per transport (above); :mod:`.pool_stream` the pool receivers' stream; :mod:`.gloo_engine` VeRL's
-  checkpoint engine ``gloo`` over the two pool transports.
+  checkpoint engine ``gloo`` over the two pool transports;
+- :mod:`.verify` the check of each sync (the trainer's proof, the rollout's check); :mod:`.lora` LoRA's weights for a
+  sync (merged, or the adapter only and merged by the rollout) and its checkpoint.
 
 The trainer hands its weights over explicitly: the engine calls :func:`hand_over` with its
 :class:`rl_tpu.shared_weights.SharedWeights`, and the adapter reads :func:`handed_over` in the same process (VeRL

@@ -23,9 +23,9 @@ from typing import Any
 
 def received(named_tensors: Iterable[tuple[str, Any]], version: int | None) -> Iterable[tuple[str, Any]]:
     """Seam (a): the received stream of ``version``, as the sampler's weights will take it: an adapter-only LoRA
-    payload becomes the merged adapted matrices (:func:`verl_backend.lora_sync.received_stream`), anything else is
-    unchanged."""
-    from verl_backend.lora_sync import received_stream
+    payload becomes the merged adapted matrices (:func:`verl_backend.weight_sync.lora.received_stream`), anything else
+    is unchanged."""
+    from verl_backend.weight_sync.lora import received_stream
 
     return received_stream(named_tensors)
 
@@ -50,7 +50,7 @@ def live(sampler: Any, version: int | None, written_elsewhere: bool) -> None:
     """Seam (b): the rollout serves ``version``'s weights from now on. ``written_elsewhere``: another process wrote
     them (shared memory), so the sampler's packed copies are stale and are dropped (rebuilt at the next batch); a
     load in this process is seen by the tensors' version counters."""
-    from verl_backend.lora_sync import end_of_sync
+    from verl_backend.weight_sync.lora import end_of_sync
 
     end_of_sync()  # an adapter-only sync cut short is refused here, naming the matrix
     if written_elsewhere and sampler is not None:

@@ -1,7 +1,7 @@
 """The weight sync's shared vocabulary: the transport names and their route numbers, the sender's report, the
 :class:`Transport` interface every transport implements, and the trainer's explicit hand-over of its weights.
 
-Import-light (no VeRL, no Ray): the engine (:mod:`verl_backend.engine`) and the ``verl train`` driver import it.
+Import-light (no VeRL, no Ray): the engine (:mod:`verl_backend.workers.engine`) and the ``verl train`` driver import it.
 """
 
 from __future__ import annotations

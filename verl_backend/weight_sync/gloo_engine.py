@@ -18,11 +18,11 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
   consumer may keep the yielded views), and a tensor larger than a bucket while its chunks arrive
   (:func:`~verl.checkpoint_engine.base.merge_weight_chunks`);
 - versioned: each sync carries the trainer step (``global_steps``), checked on every receiver;
-- verified: every trainer rank takes the trainer's proof (:func:`verl_backend.sync_verify.take_proof`: the probe on
-  its module, the stream fingerprinted at :data:`POOL_FINGERPRINT_DTYPES`), the source broadcasts it after the last
-  bucket (:attr:`ReceivedWeights.proof`), and every rollout worker answers a verdict once its weights are live
+- verified: every trainer rank takes the trainer's proof (:func:`verl_backend.weight_sync.verify.take_proof`: the
+  probe on its module, the stream fingerprinted at :data:`POOL_FINGERPRINT_DTYPES`), the source broadcasts it after
+  the last bucket (:attr:`ReceivedWeights.proof`), and every rollout worker answers a verdict once its weights are live
   (:meth:`ReceivedWeights.report_verdict`, one all-reduce; the native adapter checks with
-  :func:`~verl_backend.sync_verify.check_sync`), which the source returns as ``weight_sync/verified`` and
+  :func:`~verl_backend.weight_sync.verify.check_sync`), which the source returns as ``weight_sync/verified`` and
   ``weight_sync/verify_*``;
 - nobody waits for the timeout on a fault: a receiver whose consumer raises or stops early drains the rest of the
   stream when it is closed (the native adapter closes it, raised or not), and a source whose weight export raises
@@ -244,7 +244,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             PoolSyncError: called before :meth:`init_process_group`.
             Exception: what the weight generator raised (the receivers are told first, and raise PoolSyncError).
         """
-        from verl_backend.sync_verify import take_proof
+        from verl_backend.weight_sync.verify import take_proof
 
         start = time.perf_counter()
         if self.rank is None:

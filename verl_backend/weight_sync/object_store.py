@@ -5,8 +5,8 @@ The sending loop: ``(name, tensor)`` pairs packed into buckets and handed on as 
 are made, so the trainer holds one bucket at a time, not the export.
 
 VeRL's weight export is a generator, and some of its tensors exist only while they are sent: the merged weights of a
-LoRA model (:func:`verl_backend.lora_sync.merged_lora_weights`), gathered ``DTensor`` s, the per-expert copies of a
-mixture of experts. :func:`send_buckets` sends each bucket as soon as it is full (a tensor larger than a bucket goes
+LoRA model (:func:`verl_backend.weight_sync.lora.merged_lora_weights`), gathered ``DTensor`` s, the per-expert copies of
+a mixture of experts. :func:`send_buckets` sends each bucket as soon as it is full (a tensor larger than a bucket goes
 as its own bytes, not copied into a buffer), then an empty bucket marked last with the count, and keeps at most
 ``max_in_flight`` buckets sent and not yet loaded.
 """

@@ -34,7 +34,7 @@ class ReceivedWeights:
         self._stream: Generator | None = None
         self._send_verdict = send_verdict
         self._verdict_due = self._promised = False
-        #: the trainer's :class:`~verl_backend.sync_verify.SyncProof` of this sync, once the stream has ended
+        #: the trainer's :class:`~verl_backend.weight_sync.verify.SyncProof` of this sync, once the stream has ended
         #: (``None`` before, or when the trainer had none to send)
         self.proof = None
 

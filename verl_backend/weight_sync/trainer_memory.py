@@ -1,6 +1,6 @@
 """Transport ``trainer_memory`` (route 1): the actor's parameters live in a shared-memory file
-(:func:`verl_backend.engine.share_fsdp_parameters`, handed over with :func:`verl_backend.weight_sync.hand_over`) and the
-rollout server on the same host computes on that file, mapped read-only (its ``attach_trainer_weights``). The
+(:func:`verl_backend.workers.engine.share_fsdp_parameters`, handed over with :func:`verl_backend.weight_sync.hand_over`)
+and the rollout server on the same host computes on that file, mapped read-only (its ``attach_trainer_weights``). The
 optimizer step is the sync: :meth:`TrainerMemory.send` holds generation, checks each tensor is its slot (copying one
 that is not), and tags the new version. The default CPU job's route: zero copy."""
 

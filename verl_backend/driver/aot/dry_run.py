@@ -149,8 +149,8 @@ def compile_line(entry: dict) -> str:
 
 
 def record(out: Path, entry: dict) -> None:
-    """Put ``entry`` into ``out/summary.json`` as ``tpu_compile`` (the file :func:`verl_backend.report.write_report`
-    wrote), atomically."""
+    """Put ``entry`` into ``out/summary.json`` as ``tpu_compile`` (the file
+    :func:`verl_backend.driver.report.write_report` wrote), atomically."""
     import os
 
     path = Path(out) / "summary.json"

@@ -1,0 +1,146 @@
+"""The console of ``verl train`` (verl_backend/driver/console.py) and the validation interval (report.py), without a
+run: the filter, the checker the e2e test applies to a real console, fd capture into train.log, and the paired
+interval over per-item validation dumps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from verl_backend.driver.console import ConsoleFilter, console_lines, console_problems, step_line
+from verl_backend.driver.report import accuracy_lines, paired_difference, validation_change
+
+QUIET = "[rl-tpu] step 1/2 | reward 0.250 | accuracy 25.0% | response 12 tokens | 3.1 s/step"
+
+
+def test_checker_passes_a_quiet_console():
+    assert console_problems("\n".join([QUIET, "[rl-tpu] step 2/2 | reward 0.5"])) == []
+
+
+def test_checker_fails_on_a_duplicated_warning():  # negative control
+    warning = "[rl-tpu] warning: RL_TPU_TASK is deprecated and will be removed; use rl_tpu.task"
+    assert any("shown twice" in p for p in console_problems(f"{warning}\n{QUIET}\n{warning}\n"))
+
+
+@pytest.mark.parametrize("line", ["Failed to load torchao/_C_mxfp8.so", "Traceback (most recent call last):",
+                                  "RuntimeError: boom", "an Exception here", "ERROR worker died"])
+def test_checker_fails_on_an_error_looking_line(line):  # negative control
+    assert any("error-looking" in p for p in console_problems(f"{QUIET}\n{line}\n"))
+
+
+def test_checker_counts_progress_redraws_as_lines():
+    bar = "".join(f"\rTraining Progress: {i}/100" for i in range(100))
+    assert len(console_lines(bar)) == 100
+    assert any("lines (at most 60)" in p for p in console_problems(bar))
+
+
+def test_filter_shows_each_rl_tpu_warning_once_without_rays_prefix():
+    f = ConsoleFilter()
+    w = "[rl-tpu] warning: X is deprecated"
+    assert f.show(f"\x1b[36m(WorkerDict pid=5103)\x1b[0m {w}") == w
+    assert f.show(f"(pid=77) {w}") is None
+    assert f.show(w) is None
+    assert f.show("[rl-tpu] warning: another one") == "[rl-tpu] warning: another one"
+    for noise in ("UserWarning: megatron engine is not available", "INFO worker.py -- Started a local Ray instance",
+                  "Failed to load /x/torchao/_C_mxfp8.so", "[rl-tpu] actor: one CPU rank", "Training Progress: 50%"):
+        assert f.show(noise) is None, noise
+    assert ConsoleFilter(verbose=True).show("anything") == "anything"
+    resumed = "[rl-tpu] resuming from the checkpoint of step 6 in /x (VeRL's trainer.resume_mode=auto); ..."
+    assert f.show(resumed) == resumed
+
+
+def test_step_line():
+    data = {"critic/score/mean": 0.25, "response_length/mean": 12.4, "timing_s/step": 3.14}
+    assert step_line(1, data, 2, accuracy=0.25) == QUIET
+    assert step_line(0, {"val-core/x/acc/mean@1": 0.1}, 2) is None  # a validation-only row
+
+
+def test_capture_sends_fds_to_the_log_and_only_said_lines_and_warnings_to_the_terminal(tmp_path):
+    """A child process captures its own fds 1 and 2 (both phases), prints noise from Python and from a
+    subprocess, says two lines; its real stdout must hold only those and the warning, once."""
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from pathlib import Path
+        from verl_backend.driver.console import capture
+        with capture(Path({str(tmp_path / 'train.log')!r})) as console:
+            print("phase one noise"); os.write(2, b"Failed to load something\\n")
+            console.pump()
+            print("python noise", flush=True)
+            print("(W pid=1) [rl-tpu] warning: once", flush=True)
+            subprocess.run(["sh", "-c", "echo child noise; echo '(W pid=2) [rl-tpu] warning: once' >&2"])
+            console.say("[rl-tpu] said")
+            sys.stderr.write("\\rbar 1\\rbar 2\\n"); sys.stderr.flush()
+        print("after")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=str(Path(__file__).resolve().parents[3]))
+    assert proc.returncode == 0, proc.stderr
+    shown = proc.stdout + proc.stderr
+    assert console_lines(shown) == ["[rl-tpu] warning: once", "[rl-tpu] said", "after"] or \
+        sorted(console_lines(shown)) == sorted(["[rl-tpu] warning: once", "[rl-tpu] said", "after"]), shown
+    log = (tmp_path / "train.log").read_text()
+    for text in ("phase one noise", "Failed to load something", "python noise", "child noise", "bar 2",
+                 "[rl-tpu] said"):
+        assert text in log, text
+
+
+def _dump(folder, step, scores, outputs=None):
+    folder.mkdir(exist_ok=True)
+    rows = [{"input": f"q{i}", "output": (outputs or {}).get(i, f"<answer>{s}</answer>"), "score": s}
+            for i, s in enumerate(scores)]
+    (folder / f"{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_paired_interval_over_the_same_items(tmp_path):
+    _dump(tmp_path, 0, [0, 0, 1, 0, 1, 0, 0, 0])
+    _dump(tmp_path, 12, [1, 0, 1, 1, 1, 0, 1, 0], outputs={0: "the answer is 1"})  # item 0 right, no tags
+    change = validation_change(tmp_path)
+    lenient, strict = change["lenient"], change["strict"]
+    assert (lenient["n"], lenient["before"], lenient["after"]) == (8, 0.25, 0.625)
+    assert lenient["diff"] == pytest.approx(0.375)
+    assert lenient["low"] < lenient["diff"] < lenient["high"]
+    assert strict["after"] == 0.5  # item 0's bare number counts only leniently
+    lines = accuracy_lines({"val_change": change})
+    assert lines[0].startswith("[rl-tpu] validation accuracy: before 25.0% -> after 62.5% (+37.5 points, 95% CI")
+    assert "paired over the same 8 items" in lines[0] and "strict" in lines[1]
+    assert console_problems("\n".join(lines)) == []
+
+
+def test_paired_difference_matches_a_t_interval():
+    d = paired_difference([0, 0, 0, 0], [1, 0, 1, 0])
+    assert d["diff"] == 0.5
+    assert d["high"] - d["diff"] == pytest.approx(3.182446 * 0.57735 / 2, rel=1e-4)  # t(0.975, 3) * sd / sqrt(n)
+
+
+def test_no_dumps_says_there_is_no_interval(tmp_path):
+    assert validation_change(tmp_path) is None
+    line = accuracy_lines({"val_accuracy_before": 0.1, "val_accuracy_after": 0.2})[0]
+    assert "before 10.0% -> after 20.0%" in line and "no interval" in line
+
+
+def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
+    from omegaconf import OmegaConf
+
+    from verl_backend.driver.console import job_line
+
+    config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "grpo"}, "data": {"train_files": "/o/data/basic_arithmetic_train.parquet",
+                                                         "train_batch_size": 4},
+        "actor_rollout_ref": {"model": {"path": "/c/SmolLM2-135M-Instruct"}, "rollout": {"n": 4}},
+        "trainer": {"total_training_steps": 12}})
+    assert job_line(config, "cpu", 1, tmp_path) == (
+        "[rl-tpu] GRPO on SmolLM2-135M-Instruct, basic_arithmetic: 12 steps of 4 prompts x 4 samples, cpu backend, "
+        f"1 thread; full log: {tmp_path / 'train.log'}")
+
+
+def test_no_item_changed_gives_the_rule_of_three_not_a_zero_width_interval():
+    d = paired_difference([1, 0, 0, 1] * 8, [1, 0, 0, 1] * 8)  # 32 items, none changed
+    assert d["unchanged"] and d["diff"] == 0
+    assert d["high"] == pytest.approx(1 - 0.05 ** (1 / 32)) and 0.085 < d["high"] < 3 / 32  # about 3/n
+    line = accuracy_lines({"val_change": {"lenient": d, "strict": d}})[0]
+    assert "+0.0 points, 95% CI -8.9 to +8.9, no item changed (rule of three)" in line, line

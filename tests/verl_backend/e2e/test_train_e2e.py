@@ -1,0 +1,211 @@
+"""End to end: ``verl train --backend cpu`` runs VeRL's own GRPO trainer for 2 steps on a tiny random Llama.
+
+Real parts only: Ray, VeRL 0.9.1's trainer, the native rollout server, FSDP2 on gloo, the real SmolLM2
+tokenizer and reasoning-gym data. The reward is a user function (length-based) so that GRPO advantages are
+non-zero even for a random model, and it goes through the guarded-reward path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from e2e_helpers import train_rows, verl_train, write_reward
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("e2e")
+    proc = verl_train(
+        out, f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
+        "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
+        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out), default_console=True,
+    )
+    return out, proc
+
+
+def everything(out, proc) -> str:
+    """All the run printed: its console and ``train.log`` (where the default console leaves the rest)."""
+    return proc.stdout + proc.stderr + (out / "train.log").read_text()
+
+
+def test_run_exits_cleanly_and_reports(run):
+    out, proc = run
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "validation accuracy: before" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["training_steps"] == 2
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
+    # the workers were started by the fork server (verl_backend.host_memory.fork_server), and the run worked
+    runtime_env = yaml.safe_load((out / "config.yaml").read_text())["ray_kwargs"]["ray_init"]["runtime_env"]
+    assert "fork_client.py" in runtime_env["py_executable"]
+    assert runtime_env["env_vars"]["RAY_num_workers_soft_limit"] == "0"  # idle workers end (~0.1 GiB each)
+
+
+def test_console_is_short_and_quiet_and_train_log_has_the_rest(run):
+    """The default console (issue #30): the settings line, a line per step, the summary with the paired
+    interval; at most 60 lines (split on \\n and \\r), none error-looking, none twice. The rest is in train.log."""
+    from verl_backend.driver.console import console_lines, console_problems
+
+    out, proc = run
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    console = proc.stdout + proc.stderr
+    assert console_problems(console) == [], console
+    lines = console_lines(console)
+    assert lines[0].startswith("[rl-tpu] GRPO on ") and "train.log" in lines[0], lines[0]
+    assert sum(line.startswith("[rl-tpu] step ") for line in lines) == 2, lines
+    assert re.search(r"validation accuracy: before [\d.]+% -> after [\d.]+% \([+-][\d.]+ points, 95% CI "
+                     r"[+-][\d.]+ to [+-][\d.]+(, no item changed \(rule of three\))?; paired over the same 8 items\)",
+                     console), console
+    assert "strict (answer in <answer> tags)" in console
+    log = (out / "train.log").read_text()
+    for quiet in ("engine is not available", "Started a local Ray instance", "Training Progress",
+                  "(WorkerDict pid="):
+        assert quiet in log and quiet not in console, quiet
+    assert sorted(p.name for p in (out / "validation").glob("*.jsonl")) == ["0.jsonl", "2.jsonl"]
+
+
+def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
+    out, proc = run
+    log = everything(out, proc)
+    train = train_rows(out)
+    assert len(train) == 2
+    for m in train:
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+            assert math.isfinite(m[key]), key
+        assert m["actor/grad_norm"] > 0  # the length reward gives non-zero GRPO advantages
+        # the native rollout's log-probs are the trainer's own (same weights after each sync): this is what
+        # makes the CPU default's bypass mode (old log-probs = rollout log-probs) exact
+        assert m["training/rollout_probs_diff_max"] < 1e-3
+        # every sync's figures, the same names on every transport (route 1: trainer_memory, zero copy)
+        assert m["weight_sync/route"] == 1.0 and m["weight_sync/bytes"] > 0 and m["weight_sync/seconds"] >= 0
+        # every sync verified (verl_backend/weight_sync/verify.py): the trainer's probe, scored through the sampler's
+        # own prefill and decode on the in-place weights, within the float32 bound
+        assert m["weight_sync/verified"] == 1.0, m
+        assert 0 <= m["weight_sync/verify_max_abs_diff"] < 1e-3 and m["weight_sync/verify_seconds"] > 0
+    assert "weight sync route: planned trainer_memory, took trainer_memory, because " in log
+    # trainer and rollout share this host, one FSDP rank: the rollout computes on the trainer's own parameters in
+    # shared memory, nothing is copied (step 2's log-probs above were sampled from the weights the optimizer
+    # updated in place)
+    assert re.search(r"weight sync to rollout replica 0: shared memory, in place: the rollout computes on the "
+                     r"trainer's parameters, 0 MB copied", log)
+    # GRPO's 4 samples per prompt share one copy of it in the trainer's packed rows (the log-probs checked above
+    # came through that path)
+    assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens",
+                     log)
+    # rl_tpu.trim_backward is off by default (bench_host_memory.py: no lower peak beside plain_module)
+    assert "heap pages handed back" not in log
+    # one CPU rank: the actor and the reference policy (both float32) run their modules unwrapped (no FSDP2 copies)
+    unwrapped = re.findall(r"\[rl-tpu\] ([a-z ]+): one CPU rank, so the model runs unwrapped", log)
+    assert sorted(unwrapped) == ["actor", "reference policy"], unwrapped
+    # TransferQueue's copy threads are capped at the cores in every process, the driver's TaskRunner included
+    # (it warned on every put and get: hundreds of lines per run)
+    assert "should not exceed total physical CPU cores" not in log
+
+
+def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = run
+    ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
+    assert (ckpt / "config.json").is_file()
+    # VeRL 0.9.1 labels the config bfloat16 over float32 weights; the engine relabels it (match_saved_config_dtype)
+    assert AutoModelForCausalLM.from_pretrained(ckpt).dtype == torch.float32
+    trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    deltas = [
+        (a - b).abs().max().item()
+        for (_, a), (_, b) in zip(trained.state_dict().items(), initial.state_dict().items())
+    ]
+    assert max(deltas) > 1e-4
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
+    """The design's third way in: the model ``verl train`` improved goes to LiteRT with no manual step."""
+    from edge_export import export_checkpoint
+
+    out, _ = run
+    ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
+    result = export_checkpoint(str(ckpt), str(tmp_path / "policy.tflite"), quantize="none", prefill_lengths=(32,),
+                               cache_length=64, verify_steps=4, quiet=True)
+    assert (tmp_path / "policy.tflite").stat().st_size > 0
+    report = json.loads((tmp_path / "policy.tflite.report.json").read_text())
+    assert report["kind"] != "module" and report["installed"] is True
+    assert report["verification"]["passed"] is True
+    assert report["verification"]["max_abs_error"] < 1e-2
+    assert result.output.endswith("policy.tflite")
+
+
+def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
+    """``sampler_placement=worker`` (the TPU default: a worker owns its chip) run here on CPU: the rollout server
+    forwards batches to the trainer worker, whose in-process sampler is synced by an on-device copy."""
+    proc = verl_train(
+        tmp_path, "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4", "data.max_response_length=16",
+        "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
+        "algorithm.rollout_correction.bypass_mode=false",
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    step = train_rows(tmp_path)
+    assert len(step) == 1
+    assert step[0]["training/rollout_probs_diff_max"] < 1e-3
+    assert step[0]["response_length/mean"] > 0
+
+
+def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
+    """examples/ppo_cpu.yaml: GAE advantages from a learned critic (VeRL's value-head engine, packed rows, sdpa;
+    VeRL 0.9.1 would load the critic with flash-attn only). Two steps on the tiny model."""
+    proc = verl_train(
+        tmp_path, "--config", "examples/ppo_cpu.yaml", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"critic.model.path={tiny_model_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=8",
+        "data.max_response_length=16", timeout=1200,
+        cwd=str(Path(__file__).resolve().parents[3]),
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    train = train_rows(tmp_path, key="critic/vf_loss")
+    assert len(train) == 2
+    for m in train:
+        for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "critic/values/mean"):
+            assert math.isfinite(m[key]), key
+        assert m["critic/grad_norm"] > 0
+
+
+def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_model_dir):
+    """VeRL 0.9.1's agent loop logs a failed reward and marks its prompt group failed; the driver then fails in
+    the replay buffer ("no materializable trajectories"). ``verl train`` must end on the reward's own line."""
+    reward = tmp_path / "raising_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                      "    raise RuntimeError('boom in my reward')\n")
+    proc = verl_train(
+        tmp_path / "o", "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4", "data.max_response_length=8",
+        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
+        timeout=1200, default_console=True,
+    )
+    assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
+    from verl_backend.driver.console import console_lines
+
+    assert len(console_lines(proc.stdout + proc.stderr)) <= 10, proc.stdout + proc.stderr  # the rest: train.log
+    assert "boom in my reward" in (tmp_path / "o" / "train.log").read_text()
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]  # Ray may forward worker logs after
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "raising_reward.py:compute_score raised RuntimeError: boom in my reward" in lines[0], lines[0]
+    assert "no materializable trajectories" not in proc.stderr.split("verl: error:")[-1]  # no driver traceback
