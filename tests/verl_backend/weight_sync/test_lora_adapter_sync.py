@@ -205,7 +205,7 @@ def _mapped(path) -> int:
 def test_the_files_are_unmapped_between_syncs(family) -> None:
     """The base weights' files are mapped for the merge and unmapped when the sync ends, so the pages read for it
     leave the rollout's memory (page cache only) until the next sync, which maps them again and merges the same."""
-    from verl_backend import lora_sync
+    from verl_backend.weight_sync import lora as lora_sync
     from verl_backend.weight_sync.apply import live, load
 
     name, path = family
