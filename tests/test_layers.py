@@ -9,8 +9,8 @@ Layers, top to bottom (``LAYERS``); a module may import its own layer and the la
 4. ``ray_cluster``: the ``rl-tpu`` command and the slice placement the layers above call; it imports only ``rl_tpu``;
 5. ``rl_tpu``: device and slice facts, the sampler; it imports none of the others.
 
-``edge_export`` (the ``litert`` command) stands apart: it imports none of the others and none of them imports it
-(``verl train --export`` runs it as a subprocess).
+``edge_export`` (the ``litert`` command) stands apart (``APART``): it may import ``rl_tpu`` and nothing else of the
+others, and none of them imports it (``verl train --export`` runs it as a subprocess).
 
 What counts as an import: every ``import`` and ``from ... import`` in a module's source, at module level or inside a
 function, a class or an ``if TYPE_CHECKING:`` block, absolute or relative. ``from pkg import name`` is an import of
@@ -46,9 +46,10 @@ FOLDERS = {
     "ray_cluster": "ray_cluster",
     "rl_tpu": "rl_tpu",
     "rl_tpu.sampler": "rl_tpu",
-    "edge_export": "edge_export",  # apart: see ISOLATED
+    "rl_tpu.patches": "rl_tpu",  # the touch-point records' own folder (issue #34 item 3), where it exists
+    "edge_export": "edge_export",
 }
-ISOLATED = {"edge_export"}  # imports no other layer and is imported by none
+APART = {"edge_export": {"rl_tpu"}}  # a layer beside the others: the layers it may import; none may import it
 
 
 def find_modules(root: Path, packages) -> dict[str, tuple[Path, bool]]:
@@ -91,7 +92,8 @@ def import_graph(root: Path, packages) -> dict[str, set[str]]:
     return graph
 
 
-def folder_of(module: str, graph: dict[str, set[str]], root: Path) -> str:
+def folder_of(module: str, root: Path) -> str:
+    """The folder (package) a module is in; a package's ``__init__`` is in its own folder."""
     is_package = (root / module.replace(".", "/") / "__init__.py").exists()
     return module if is_package else module.rpartition(".")[0]
 
@@ -137,14 +139,14 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def problems(root: Path, packages, folders: dict[str, str], layers, isolated) -> list[str]:
-    """One line per folder without a layer, per import that goes up a layer or across to an isolated one, and per
-    circle."""
+def problems(root: Path, packages, folders: dict[str, str], layers, apart) -> list[str]:
+    """One line per folder without a layer, per import that goes up a layer, into a layer apart or out of one to a
+    layer it may not import, and per circle."""
     graph = import_graph(root, packages)
     out = []
     layer = {}
     for module in graph:
-        folder = folder_of(module, graph, root)
+        folder = folder_of(module, root)
         if folder not in folders:
             out.append(f"folder {folder} has no layer (add it to FOLDERS and to the README's layout table)")
             continue
@@ -154,9 +156,11 @@ def problems(root: Path, packages, folders: dict[str, str], layers, isolated) ->
             here, there = layer.get(module), layer.get(target)
             if here is None or there is None or here == there:
                 continue
-            if here in isolated or there in isolated:
-                apart = "/".join(sorted({here, there} & set(isolated)))
-                out.append(f"{module} imports {target}: across to the separate {apart}")
+            if there in apart:
+                out.append(f"{module} imports {target}: into '{there}', which stands apart")
+            elif here in apart:
+                if there not in apart[here]:
+                    out.append(f"{module} imports {target}: out of '{here}', which stands apart, to '{there}'")
             elif layers.index(there) < layers.index(here):
                 out.append(f"{module} imports {target}: up from '{here}' to '{there}'")
     out += ["import circle: " + " ↔ ".join(members) for members in circles(graph)]
@@ -165,7 +169,7 @@ def problems(root: Path, packages, folders: dict[str, str], layers, isolated) ->
 
 # ------------------------------------------------------------------------------------------------- the repository
 def test_imports_go_down_the_layers_and_make_no_circle():
-    assert problems(ROOT, PACKAGES, FOLDERS, LAYERS, ISOLATED) == []
+    assert problems(ROOT, PACKAGES, FOLDERS, LAYERS, APART) == []
 
 
 def test_the_graph_is_the_real_one():
@@ -217,19 +221,19 @@ GOOD = {
     "fake/low/__init__.py": "from . import base\n",  # a package importing its own module: no circle
     "fake/low/base.py": "import os\n\ndef helper():\n    return os.sep\n",
     "fake/low/other.py": "from fake.low.base import helper\n",
-    "fake/apart/__init__.py": "import json\n",
+    "fake/apart/__init__.py": "import json\n\nfrom fake.low import base\n",  # apart, importing what it may
 }
 
 
 def test_a_clean_fixture_has_no_problem(tmp_path):
     _fake_tree(tmp_path, GOOD)
-    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart"}) == []
+    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == []
     assert import_graph(tmp_path, ["fake"])["fake.high.top"] == {"fake.low.base"}
 
 
 def test_an_upward_import_inside_a_function_is_reported(tmp_path):
     _fake_tree(tmp_path, {**GOOD, "fake/low/base.py": "def helper():\n    from fake.high import top\n    return top\n"})
-    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart"}) == [
+    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
         "fake.low.base imports fake.high.top: up from 'low' to 'high'",
         # top imports base and base imports top: also a circle
         "import circle: fake.high.top ↔ fake.low.base",
@@ -238,21 +242,23 @@ def test_an_upward_import_inside_a_function_is_reported(tmp_path):
 
 def test_an_upward_import_without_a_circle_is_reported(tmp_path):
     _fake_tree(tmp_path, {**GOOD, "fake/high/side.py": "", "fake/low/other.py": "import fake.high.side\n"})
-    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart"}) == [
+    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
         "fake.low.other imports fake.high.side: up from 'low' to 'high'"]
 
 
 def test_a_circle_within_one_layer_is_reported(tmp_path):
     _fake_tree(tmp_path, {**GOOD, "fake/low/base.py": "from . import other\n"})
-    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart"}) == [
+    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
         "import circle: fake.low.base ↔ fake.low.other"]
 
 
-def test_an_import_of_the_separate_package_and_a_folder_without_a_layer_are_reported(tmp_path):
-    _fake_tree(tmp_path, {**GOOD, "fake/low/other.py": "from fake.apart import *\n", "fake/new/__init__.py": ""})
-    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart"}) == [
+def test_imports_into_and_out_of_the_layer_apart_and_a_folder_without_a_layer_are_reported(tmp_path):
+    _fake_tree(tmp_path, {**GOOD, "fake/low/other.py": "from fake.apart import *\n", "fake/new/__init__.py": "",
+                          "fake/apart/__init__.py": "from fake.high import top\n"})
+    assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
         "folder fake.new has no layer (add it to FOLDERS and to the README's layout table)",
-        "fake.low.other imports fake.apart: across to the separate apart"]
+        "fake.apart imports fake.high.top: out of 'apart', which stands apart, to 'high'",
+        "fake.low.other imports fake.apart: into 'apart', which stands apart"]
 
 
 @pytest.mark.parametrize("module", ["verl_backend.patches.verl", "rl_tpu.device", "ray_cluster.placement"])
@@ -264,7 +270,7 @@ def test_the_real_tree_with_one_upward_import_added_is_reported(tmp_path, module
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     path = tmp_path / (module.replace(".", "/") + ".py")
     path.write_text(path.read_text() + "\n\ndef _up():\n    from verl_backend.driver import train\n")
-    found = problems(tmp_path, PACKAGES, FOLDERS, LAYERS, ISOLATED)
+    found = problems(tmp_path, PACKAGES, FOLDERS, LAYERS, APART)
     upward = [line for line in found if not line.startswith("import circle: ")]
     assert len(upward) == 1 and upward[0].startswith(f"{module} imports verl_backend.driver.train: up from "), found
     # the driver imports its way back down to the module: each circle found goes through it
