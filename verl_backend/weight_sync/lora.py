@@ -20,7 +20,9 @@ Why merged into the rollout's own weights, not an unmerged LoRA forward in the s
 each weight matrix (oneDNN packed copies, fused/packed projections, compiled graphs with the weights as arguments);
 an unmerged forward would add two skinny matmuls per adapted matrix per decode step to every one of those paths, and a
 step's weight traffic is what bounds decode on CPU. The merge costs one pass over the adapted matrices per sync (the
-same work the trainer-side merge did), and the rollout keeps sampling on plain weights.
+same work the trainer-side merge did), and the rollout keeps sampling on plain weights. Measured
+(``benchmarks/bench_lora_forward.py``, SmolLM2-135M, rank 16): the merge 0.66 s a sync, the unmerged forward's
+generation 1.41x the merged one's at its best case.
 """
 
 from __future__ import annotations

@@ -175,17 +175,22 @@ def test_moe_attention_adapters_merge_and_fused_experts_are_refused(tmp_path, de
                 next(sync(wrapped))
 
 
+def _rollout_on_files(path):
+    """A LoRA trainer on ``path``, and a rollout sampler (with its model) whose adapter syncs merge onto the files."""
+    from verl_backend.weight_sync import lora
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    lora.set_base_path(str(path))
+    return _trainer(path), model, Sampler(model, pad_token_id=0, eos_token_ids=[])
+
+
 def test_the_receive_seam_counts_the_payload_not_the_merge(family) -> None:
     """:func:`verl_backend.weight_sync.apply.load` (every transport's entry into a sampler) reports the bytes that
     arrived: the adapter's A, B and scalings, not the merged matrices it makes of them (``weight_sync/bytes``)."""
-    from verl_backend.weight_sync import lora
     from verl_backend.weight_sync.apply import live, load
 
-    name, path = family
-    trainer = _trainer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    rollout = Sampler(model, pad_token_id=0, eos_token_ids=[])
-    lora.set_base_path(str(path))
+    path = family[1]
+    trainer, model, rollout = _rollout_on_files(path)
     payload = list(lora_adapter_payload(trainer))
     n = load(rollout, iter(payload), version=1)
     live(rollout, 1, written_elsewhere=False)
@@ -205,14 +210,10 @@ def _mapped(path) -> int:
 def test_the_files_are_unmapped_between_syncs(family) -> None:
     """The base weights' files are mapped for the merge and unmapped when the sync ends, so the pages read for it
     leave the rollout's memory (page cache only) until the next sync, which maps them again and merges the same."""
-    from verl_backend.weight_sync import lora as lora_sync
     from verl_backend.weight_sync.apply import live, load
 
-    name, path = family
-    trainer = _trainer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    rollout = Sampler(model, pad_token_id=0, eos_token_ids=[])
-    lora_sync.set_base_path(str(path))
+    path = family[1]
+    trainer, model, rollout = _rollout_on_files(path)
     merged = dict(merged_lora_weights(trainer))
     before = _mapped(path)  # transformers' own loads may keep theirs
     for version in (1, 2):
