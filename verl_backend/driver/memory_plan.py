@@ -34,6 +34,20 @@ Terms and formulas (P: parameters, P_t: trainable ones, S: FSDP shards = the tra
   being the worker's share of ``train_batch_size·n`` up to ``rollout.max_num_seqs``, padded to a power of two, as the
   sampler's static buckets do (:mod:`rl_tpu.sampler.engine`), plus its last-position logits ``batch·V·4``.
 
+On TPU (the profile's ``tpu_runtime``, padded micro batches) the update and generation terms are instead what the
+job's compiled graphs hold, array by array, each sized as the TPU lays it out
+(:func:`~verl_backend.driver.model_shape.tpu_bytes`: XLA pads the two minor dimensions it picks to 8x128 tiles), at
+the micro batch's padded length (the power-of-two bucket with ``rl_tpu.compile_trainer``): ``activations`` is
+``L`` block inputs plus one block's forward outputs (the tensors autograd saves for each op's backward with attention
+as XLA ops in fp32, and the inputs and parameters the graph returns, which XLA copies) plus the rotary tables and
+mask (:meth:`~verl_backend.driver.model_shape.ModelShape.block_graph`); ``LM head logits`` the LM head forward's
+outputs (fp32 log-softmax, the head's input and weight) and its bf16 logits (``head_graph``); ``update
+temporaries`` an upper bound on a block graph's (two fp32 score-sized arrays, the MLP's and q/k/v gradients); the
+sampler's weights and KV cache are its decode step's arguments, ``sampler step outputs`` its results (the logits and
+the rewritten cache: the cache arguments are not donated), ``sampler temporaries`` the prefill's or decode step's
+(``sampler_graph``, ``sampler_temporaries``). ``verl train --aot-only`` prints these beside XLA's compiled numbers
+(:func:`verl_backend.driver.aot.run.plan_comparison`, docs/tpu.md).
+
 The peak is the resident sum plus the largest phase (update, log-prob, critic update, generation), which never
 overlap in time. The python process, the runtime and XLA's own buffers are not counted: :data:`USABLE_FRACTION` of
 the chip's HBM is what the plan may fill.
@@ -45,7 +59,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from verl_backend.driver.model_shape import ModelShape, model_shape, shape_of_path
+from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
 from verl_backend.errors import BadInputError
 
 GIB = float(1 << 30)
@@ -82,6 +96,9 @@ class MemoryPlan:
     terms: list[Term]
     hbm_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: TPU only: what the plan expects each kind of compiled graph to hold, ``{name: bytes}`` (the names
+    #: :func:`verl_backend.driver.aot.run.plan_comparison` sets beside XLA's numbers)
+    graphs: dict[str, float] = field(default_factory=dict)
 
     def term(self, name: str) -> float:
         """Bytes of the term whose name starts with ``name``."""
@@ -222,21 +239,31 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     placement = str((_get(config, f"{aro}.rollout.engine_kwargs.native", {}) or {}).get("sampler_placement") or "server")
     b_roll = _bytes(_get(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
     in_worker = placement == "worker"
-    add(f"sampler weights ({dt[b_roll]}, unsharded)", p * b_roll if in_worker else 0, "resident",
-        f"{p:.3e} x {b_roll} B" if in_worker else "in the rollout server process")
+    tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms
+    weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
+    add(f"sampler weights ({dt[b_roll]}, unsharded)", weights if in_worker else 0, "resident",
+        (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else "")) if in_worker else "in the rollout server process")
 
     # the actor update: FSDP2 gather buffers, activations at the micro batch, the LM head's logits
     single_plain = shards == 1 and bool(_get(config, "rl_tpu.plain_module", True)) and not backend_profile.tpu_runtime
     if shards > 1 or (b_param != b_model and not single_plain):
         # VeRL's apply_fsdp2 shards each block, and embedding and LM head apart when untied; the root stays gathered
+        def units(itemsize):  # (root or LM head, one block) in a dtype, as the TPU lays them out, else dense
+            if not tpu:
+                return (shape.root_params if shape.tied else shape.vocab * shape.hidden) * itemsize, \
+                    shape.layer_params * itemsize
+            head = shape._params(shape.head_shapes, shape.vocab * shape.hidden, itemsize, "")
+            block = shape._params(shape.block_shapes, shape.layer_params, itemsize, "")
+            return arrays_bytes(head if shape.tied else head[-1:]), arrays_bytes(block)
+
+        (root_p, block_p), (root_r, block_r) = units(b_param), units(b_reduce)
         if shape.tied:
-            gathered = shape.root_params * b_param + 2 * shape.layer_params * (b_param + b_reduce)
+            gathered = root_p + 2 * (block_p + block_r)
             how = "root (kept) + 2 blocks unsharded, params and grads"
         else:
-            unit = max(shape.layer_params, shape.vocab * shape.hidden)
-            gathered = (unit + shape.layer_params) * (b_param + b_reduce)
+            gathered = max(block_p, root_p) + block_p + max(block_r, root_r) + block_r
             how = "largest unit (LM head) + 1 block unsharded, params and grads"
-        add("FSDP2 gather buffers", gathered, "update", how)
+        add("FSDP2 gather buffers", gathered, "update", how + (", TPU tiles" if tpu else ""))
     prompt_len, resp_len = int(_get(config, "data.max_prompt_length", 512)), int(_get(config, "data.max_response_length", 512))
     seq = prompt_len + resp_len
     actor = f"{aro}.actor"
@@ -265,13 +292,41 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     tokens = math.ceil(tokens / sp)
     fused = not backend_profile.tpu_runtime
     block = shape.block_elements(seq, fused)
-    if bool(_get(config, f"{aro}.model.enable_gradient_checkpointing", False)):
-        elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
+    checkpointed = bool(_get(config, f"{aro}.model.enable_gradient_checkpointing", False))
+    graphs: dict[str, float] = {}
+    if tpu and not packed:  # the compiled TPU graphs' own arrays (ModelShape.block_graph and head_graph), tiled
+        rows, length = micro, math.ceil(seq / sp)
+        g, hg = shape.block_graph(rows, length, b_param), shape.head_graph(rows, length, b_param)
+        x = tpu_bytes((rows, length, shape.hidden), b_param)
+        fwd_out = arrays_bytes(g["saved"]) + arrays_bytes(g["returned"])
+        shared = arrays_bytes(g["arguments"][-3:])  # cos, sin, mask: made once a forward, read by every block
+        if checkpointed:
+            acts = shape.layers * x + fwd_out + shared
+            how = (f"checkpointed: {shape.layers} x block input + one block's forward outputs "
+                   f"({len(g['saved'])} saved tensors, its inputs and parameters returned) + rotary and mask")
+        else:
+            acts = shape.layers * fwd_out + shared
+            how = f"{shape.layers} x one block's forward outputs + rotary and mask"
+        add("activations", acts, "update", f"{micro_how}, padded to {rows}x{length}; {how}; TPU tiles")
+        head = sum(arrays_bytes(hg[k]) for k in ("saved", "returned", "temporaries"))
+        add("LM head logits", head, "update", f"{rows * length} tokens x {shape.vocab}: logits ({b_param} B) + "
+            f"fp32 log-softmax, the head's input and weight returned for the backward; TPU tiles")
+        temps = arrays_bytes(shape.block_temporaries(rows, length, b_param))
+        add("update temporaries", temps, "update", "one block graph's: 2 fp32 score-sized arrays + MLP and q/k/v "
+            "gradients (an upper bound: XLA fuses them away at small widths)")
+        graphs.update({
+            "block forward arguments": arrays_bytes(g["arguments"]), "activations": acts,
+            "block backward outputs": arrays_bytes(g["gradients"]), "update temporaries": temps,
+            "LM head forward arguments": arrays_bytes(hg["arguments"]), "LM head logits": head,
+            "LM head backward outputs": arrays_bytes(hg["gradients"])})
     else:
-        elems, how = shape.layers * block, f"L x {block} elements/token"
-    add("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}")
-    add("LM head logits", logit_tokens * shape.vocab * (b_param + 8), "update",
-        f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
+        if checkpointed:
+            elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
+        else:
+            elems, how = shape.layers * block, f"L x {block} elements/token"
+        add("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}")
+        add("LM head logits", logit_tokens * shape.vocab * (b_param + 8), "update",
+            f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
     lp = max(int(_get(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
@@ -306,16 +361,33 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         rp, rr = int(_get(config, f"{r}.prompt_length", prompt_len)), int(_get(config, f"{r}.response_length", resp_len))
         share = math.ceil(int(_get(config, "data.train_batch_size", 1)) * n / w)
         batch = min(_pow2(share), _pow2(int(_get(config, f"{r}.max_num_seqs", 64))))
-        kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll
-        add("sampler KV cache", kv, "generation", f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x "
-            f"{rp + rr} x {batch} x {b_roll} B")
-        add("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B")
+        kv_how = f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B"
+        if tpu:  # the compiled decode step's arrays (ModelShape.sampler_graph), tiled
+            sg = shape.sampler_graph(batch, 1, rp + rr, b_roll)
+            kv, steps = arrays_bytes(sg["cache"]), arrays_bytes(sg["outputs"])
+            prefill = arrays_bytes(shape.sampler_temporaries(batch, rp, rp + rr, b_roll))
+            decode = arrays_bytes(shape.sampler_temporaries(batch, 1, rp + rr, b_roll))
+            add("sampler KV cache", kv, "generation", kv_how + ", TPU tiles")
+            add("sampler step outputs", steps, "generation", f"a step's logits ({batch} x {shape.vocab} x {b_roll} B) "
+                "and the KV cache rewritten into new arrays (its arguments are not donated)")
+            add("sampler temporaries", max(prefill, decode), "generation",
+                f"the {'prefill' if prefill >= decode else 'decode step'}'s: " + (
+                    f"2 fp32 score-sized arrays {batch}x{shape.heads}x{rp}x{rp + rr} + keys/values repeated in fp32"
+                    if prefill >= decode else "a copy of each layer's key or value + keys/values repeated in fp32"))
+            if graphs:
+                inputs = arrays_bytes(sg["arguments"][len(sg["weights"]):])  # the cache, ids, mask, positions
+                graphs.update({"sampler weights + KV cache": weights + inputs, "sampler step outputs": steps,
+                               "sampler temporaries": max(prefill, decode)})
+        else:
+            kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll
+            add("sampler KV cache", kv, "generation", kv_how)
+            add("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B")
     if packed:
         notes.append("packed micro batches: activations counted at the longest prompt and response (an upper bound)")
     hbm = spec.hbm_gib * GIB if spec is not None else None
     where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
         str(_get(config, "trainer.device", "cpu"))
-    return MemoryPlan(shape, where, w, shards, terms, hbm, notes)
+    return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs)
 
 
 def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:

@@ -6,8 +6,10 @@ imported here). JAX's compile-only client (``jax.experimental.topologies.get_top
 compiles each module for one device of the topology (one chip's program: the trainer's FSDP gathers a block before
 it runs, so a block graph holds its whole weights). Writes ``OUT.json``: ``{"topology", "device_kind", "error",
 "graphs": [{"graph", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
-"generated_code_bytes", "flops", "bytes_accessed", "transcendentals", "error"}]}``; sizes in bytes, FLOPs as XLA's
-cost analysis counts them (a Mosaic ``tpu_custom_call`` counts as nothing there).
+"generated_code_bytes", "flops", "bytes_accessed", "transcendentals", "arguments", "outputs", "error"}]}``; sizes in
+bytes, FLOPs as XLA's cost analysis counts them (a Mosaic ``tpu_custom_call`` counts as nothing there).
+``arguments`` and ``outputs`` list each array, ``[dims, dtype, bytes]``, its bytes from the layout XLA chose for it
+(:func:`layout_bytes`; their sums are XLA's ``argument_bytes`` and ``output_bytes`` less a tuple's index table).
 
 ``TOPOLOGY`` ``cpu`` is the numerics check instead (:func:`check_numerics`): graphs lowered with saved torch eager
 inputs and outputs run on XLA:CPU and are compared with them.
@@ -34,19 +36,53 @@ def compatible(text: str) -> str:
     return text.replace(", is_stable = false)", ")")
 
 
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i1": 1, "f64": 8}
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i1": 1, "f64": 8, "ui32": 4, "i8": 1}
+_TENSOR = r"tensor<((?:[0-9]+x)*)([a-z]+[0-9]*)>"
+
+
+def main_types(text: str) -> tuple[list[tuple[list[int], str]], list[tuple[list[int], str]]]:
+    """``@main``'s argument and result types, ``([(dims, dtype)], [(dims, dtype)])``, from the module's text."""
+    import re
+
+    m = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->\s*(\(.*?\)|tensor<[^>]*>)\s*(?:attributes|\{)", text,
+                  re.S)
+    if m is None:
+        raise ValueError("no func.func @main in the module")
+
+    def types(part):
+        return [([int(d) for d in dims.split("x") if d], dtype) for dims, dtype in re.findall(_TENSOR, part)]
+
+    return types(m.group(1)), types(m.group(2))
+
+
+def layout_bytes(dims: list[int], dtype: str, layout: str | None) -> int:
+    """Bytes of an array of ``dims`` and MLIR ``dtype`` in XLA's ``layout`` (``{1,2,0:T(8,128)(2,1)}``: minor-to-major
+    order, then tiles): its dimensions in that order with the first tile's padding applied to the minor ones. Dense
+    when there is no layout."""
+    import math
+    import re
+
+    size = _BYTES.get(dtype, 4)
+    m = re.match(r"\{([0-9,]*)(?::T\(([0-9,]+)\))?", layout or "")
+    if not dims or m is None:
+        return math.prod(dims) * size if dims else size
+    order = [int(i) for i in m.group(1).split(",") if i] or list(range(len(dims)))[::-1]
+    padded = [dims[i] for i in order]  # minor first
+    for k, t in enumerate(reversed([int(x) for x in m.group(2).split(",")] if m.group(2) else [])):
+        if k < len(padded):
+            padded[k] = -(-padded[k] // t) * t
+    return math.prod(padded) * size
+
+
+def _arrays(types, layouts) -> list[list]:
+    layouts = [str(x) for x in layouts] if layouts is not None and len(layouts) == len(types) else [None] * len(types)
+    return [[dims, dtype, layout_bytes(dims, dtype, lay)] for (dims, dtype), lay in zip(types, layouts)]
 
 
 def _first_argument_bytes(text: str) -> int:
     """Dense bytes of ``@main``'s first argument (a block graph's input hidden states)."""
-    import re
-
-    head = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->", text, re.S).group(1)
-    m = re.search(r"tensor<((?:[0-9]+x)*)([a-z]+[0-9]*)>", head)
-    n = 1
-    for d in m.group(1).split("x"):
-        n *= int(d) if d else 1
-    return n * _BYTES.get(m.group(2), 4)
+    args, _ = main_types(text)
+    return layout_bytes(*args[0], None) if args else 0
 
 
 def compile_all(lowered: list[dict], topology: str) -> dict:
@@ -81,6 +117,13 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
             row["compile_s"] = time.perf_counter() - start
             mem = exe.get_compiled_memory_stats()
             row["first_argument_bytes"] = _first_argument_bytes(module_text)
+            try:  # each array's bytes in the layout XLA chose for it
+                arg_types, out_types = main_types(module_text)
+                row["arguments"] = _arrays(arg_types, exe.get_parameter_layouts())
+                row["outputs"] = _arrays(out_types, exe.get_output_layouts())
+                row["first_argument_bytes"] = row["arguments"][0][2] if row["arguments"] else 0
+            except Exception:  # the totals below stand without them
+                row["arguments"] = row["outputs"] = None
             row.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
                        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
                        generated_code_bytes=mem.generated_code_size_in_bytes)

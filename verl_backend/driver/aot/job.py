@@ -91,9 +91,34 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
     return 1 if failed else 0
 
 
+def planned_as_compiled(config, workers: int):
+    """A copy of ``config`` for the memory plan of the job ``--aot-only`` compiles: ``rl_tpu.compile_trainer`` and
+    ``rl_tpu.compile_sampler`` on (the graphs are compiled with both, whatever the job says), and the actor's micro
+    batch the graphs use (:func:`~verl_backend.driver.aot.graphs.job_graphs`) where the config has none. Returns
+    ``(config, notes)``: a line for each key set here."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    planned = copy.deepcopy(config) if OmegaConf.is_config(config) else OmegaConf.create(config)
+    OmegaConf.set_struct(planned, False)
+    notes = []
+    for key in ("rl_tpu.compile_trainer", "rl_tpu.compile_sampler"):
+        if not _get(planned, key, False):
+            OmegaConf.update(planned, key, True, force_add=True)
+            notes.append(f"{key}=true")
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    if not _get(planned, micro, None):
+        block = next(g for g in job_graphs(planned, workers) if g.kind == "block")
+        OmegaConf.update(planned, micro, block.batch, force_add=True)
+        notes.append(f"{micro}={block.batch} (the graphs' micro batch; the job sets none)")
+    return planned, notes
+
+
 def plan_lines(config, slice_name: str, compiled: dict, checkpointed: bool, model_path: str | None = None) -> str:
-    """The memory plan (``--print-config``'s) beside XLA's compiled bytes, term by term (:func:`plan_comparison`),
-    as text; one line saying why when the plan cannot be made."""
+    """The memory plan (``--print-config``'s, for the job as compiled: :func:`planned_as_compiled`) beside XLA's
+    compiled bytes, term by term (:func:`plan_comparison`), with the ratio plan / XLA, as text; one line saying why
+    when the plan cannot be made."""
     try:
         from transformers import AutoConfig
 
@@ -101,14 +126,22 @@ def plan_lines(config, slice_name: str, compiled: dict, checkpointed: bool, mode
         from verl_backend.driver.profiles import profile
 
         hf = AutoConfig.from_pretrained(model_path) if model_path else None
-        plan = plan_memory(config, slice_name, profile("tpu"), hf_config=hf)
+        planned, notes = planned_as_compiled(config, job_workers(config))
+        plan = plan_memory(planned, slice_name, profile("tpu"), hf_config=hf)
     except Exception as exc:  # the plan is a comparison here, never a reason to fail the compile report
         return f"memory plan: not made ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]})"
-    rows = [("term", "plan GiB", "XLA GiB", "XLA's number")]
-    rows += [(name, f"{a / 2**30:.3f}", f"{b / 2**30:.3f}", how)
-             for name, a, b, how in plan_comparison(plan, compiled, checkpointed)]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["memory plan (verl train --print-config) beside XLA's compiled bytes, per chip:"]
-    lines += ["  " + "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].rjust(widths[2]), r[3]])
-              for r in rows]
+    return comparison_table(plan_comparison(plan, compiled, checkpointed), notes)
+
+
+def comparison_table(rows: list[tuple[str, float | None, float | None, str]], notes: list[str] = ()) -> str:
+    """:func:`plan_comparison`'s rows as text: term, plan GiB, XLA GiB, plan / XLA, what XLA's number is."""
+    table = [("term", "plan GiB", "XLA GiB", "plan/XLA", "XLA's number")]
+    for name, plan, xla, how in rows:
+        ratio = "" if xla is None else (f"{plan / xla:.2f}" if xla else "inf" if plan else "1.00")
+        table.append((name, f"{plan / 2**30:.3f}", "-" if xla is None else f"{xla / 2**30:.3f}", ratio, how))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = ["memory plan (verl train --print-config) beside XLA's compiled bytes, per chip"
+             + (f" (planned with {', '.join(notes)})" if notes else "") + ":"]
+    lines += ["  " + "  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:4], widths[1:])), r[4]])
+              for r in table]
     return "\n".join(lines)

@@ -192,53 +192,102 @@ def table(compiled: dict, generation: str, mosaic: dict[str, bool] | None = None
     return "\n".join(lines)
 
 
+def _shared_inputs(fwd: dict) -> int:
+    """Bytes of a block forward's arguments that every block reads besides its hidden states: its 3-D and 4-D
+    arguments after the first (the rotary ``cos``/``sin`` tables and the attention mask; a block's parameters are 1-D
+    and 2-D), by XLA's per-array sizes; 0 when the compile did not list them."""
+    arrays = fwd.get("arguments") or []
+    return sum(a[2] for a in arrays[1:] if len(a[0]) >= 3)
+
+
+def saved_activations(fwd: dict, layers: int, checkpointed: bool) -> int:
+    """The update's saved activations from a block forward graph's XLA numbers: with gradient checkpointing each
+    block keeps only its input (the graph's first argument) and one block's forward outputs are live again while it
+    is recomputed, ``layers × input + outputs``; without, every block's outputs, ``layers × outputs``; plus the inputs
+    all blocks share (:func:`_shared_inputs`)."""
+    kept = layers * fwd.get("first_argument_bytes", 0) + fwd["output_bytes"] if checkpointed \
+        else layers * fwd["output_bytes"]
+    return kept + _shared_inputs(fwd)
+
+
 def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> dict[str, int]:
-    """The training step's HBM per chip from XLA's numbers: without gradient checkpointing every block's forward
-    keeps its outputs (what the backward reads) until the backward, so ``layers × block.fwd outputs``; with it, each
-    block keeps only its input (the fwd graph's first argument, ``(batch, seq, hidden)``) and one block's forward
-    outputs are live again while it is recomputed: ``layers × input + block.fwd outputs``. Plus the largest working
-    set of one trainer graph (arguments + outputs + temporaries + code − aliased); and the sampler's largest graph.
-    Returns ``{"saved_activations", "largest_trainer_graph", "largest_sampler_graph", "training_peak"}`` in bytes.
-    Parameters, gradients and optimizer state held between graphs are the memory plan's terms, not here."""
+    """The training step's HBM per chip from XLA's numbers: the saved activations (:func:`saved_activations`), plus
+    the largest working set of one trainer graph (arguments + outputs + temporaries + code − aliased); and the
+    sampler's largest graph. Returns ``{"saved_activations", "largest_trainer_graph", "largest_sampler_graph",
+    "training_peak"}`` in bytes. Parameters, gradients and optimizer state held between graphs are the memory plan's
+    terms, not here."""
     def working(g):
         return (g["argument_bytes"] + g["output_bytes"] + g["temp_bytes"] + g["generated_code_bytes"]
                 - g.get("alias_bytes", 0))
 
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
     fwd = [g for g in graphs if g["kind"] == "block" and g["graph"].endswith(".fwd")]
-    outputs = max((g["output_bytes"] for g in fwd), default=0)
-    saved = layers * max((g.get("first_argument_bytes", 0) for g in fwd), default=0) + outputs if checkpointed \
-        else layers * outputs
+    saved = max((saved_activations(g, layers, checkpointed) for g in fwd), default=0)
     trainer = max((working(g) for g in graphs if g["kind"] in ("block", "lm_head")), default=0)
     sampler = max((working(g) for g in graphs if g["kind"] in ("prefill", "decode")), default=0)
     return {"saved_activations": saved, "largest_trainer_graph": trainer, "largest_sampler_graph": sampler,
             "training_peak": saved + trainer}
 
 
-def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float, float, str]]:
-    """The memory plan's terms (:mod:`verl_backend.driver.memory_plan`) beside XLA's compiled bytes, where the two
-    count the same thing: ``[(term, plan bytes, XLA bytes, what XLA's number is)]``. The plan counts the unpadded
-    ``prompt + response`` tokens and dense HBM; XLA the padded bucket (a power of two) and its tiled layouts (a
-    bf16 array's last two dimensions padded to 16x128, f32's to 8x128)."""
-    graphs = {g["graph"]: g for g in compiled.get("graphs", []) if not g.get("error")}
-    out = []
-    fwd = [g for g in graphs.values() if g["kind"] == "block" and g["graph"].endswith(".fwd")]
-    layers = plan.model.layers if hasattr(plan.model, "layers") else None
-    if fwd and layers:
-        g = fwd[0]
-        xla = (layers * g.get("first_argument_bytes", 0) + g["output_bytes"]) if checkpointed \
-            else layers * g["output_bytes"]
-        how = (f"{layers} x block input + one block's fwd outputs" if checkpointed
-               else f"{layers} x block fwd outputs (saved for the backward)")
-        out.append(("activations", plan.term("activations"), xla, how))
-    head = [g for g in graphs.values() if g["kind"] == "lm_head" and g["graph"].endswith(".fwd")]
-    if head:
-        g = head[0]
-        out.append(("LM head logits", plan.term("LM head logits"), g["output_bytes"] + g["temp_bytes"],
-                    "lm_head fwd outputs + temporaries"))
-    decode = [g for g in graphs.values() if g["kind"] == "decode"]
+#: the plan's terms that no compiled graph holds, and why (``plan_comparison`` lists them with no XLA number)
+IN_NO_GRAPH = {
+    "parameters": "in no graph: FSDP2's shard of the fp32 weights, between graphs",
+    "gradients": "in no graph: the reduce-scattered fp32 shard, between graphs",
+    "optimizer": "in no graph: AdamW's moments, read by the optimizer step (not compiled here)",
+    "reference policy": "in no graph: the reference's shard; its log-prob forward is not in the list",
+    "FSDP2 gather buffers": "in no graph as such: its bf16 parts are the graphs' parameter arguments and gradient "
+                            "outputs above; the fp32 copies for the reduce-scatter live outside the graphs",
+    "log-prob forward": "in no graph here: the no-grad forward (reference, old policy) is not in the list",
+    "critic": "in no graph: the critic's graphs are not in the list",
+}
+
+
+def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float | None, float | None, str]]:
+    """The memory plan (:mod:`verl_backend.driver.memory_plan`) beside XLA's compiled bytes, term by term:
+    ``[(term, plan bytes, XLA bytes, what XLA's number is)]``. Each row with an XLA number is a quantity of the
+    compiled graphs the plan computes from the model's shapes (``MemoryPlan.graphs``: the arrays of
+    :meth:`~verl_backend.driver.model_shape.ModelShape.block_graph` and its siblings, each sized as the TPU lays it
+    out); the plan's terms in no graph (:data:`IN_NO_GRAPH`) follow with XLA ``None``."""
+    graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
+
+    def first(kind, suffix=""):
+        return next((g for g in graphs if g["kind"] == kind and g["graph"].endswith(suffix)), None)
+
+    layers = getattr(plan.model, "layers", 1)
+    planned = dict(plan.graphs)
+    fwd, bwd, hf, hb = first("block", ".fwd"), first("block", ".bwd"), first("lm_head", ".fwd"), \
+        first("lm_head", ".bwd")
+    decode = max((g for g in graphs if g["kind"] == "decode"), key=lambda g: g["argument_bytes"], default=None)
+    sampler = [g for g in graphs if g["kind"] in ("prefill", "decode")]
+    xla: list[tuple[str, float | None, str]] = []
+    if fwd:
+        xla.append(("block forward arguments", fwd["argument_bytes"],
+                    f"{fwd['graph']} arguments: the gathered block ({plan.model.name}'s bf16 weights), its input, "
+                    "rotary tables and mask"))
+        how = (f"{layers} x {fwd['graph']}'s first argument + its outputs + rotary and mask" if checkpointed
+               else f"{layers} x {fwd['graph']} outputs + rotary and mask")
+        xla.append(("activations", saved_activations(fwd, layers, checkpointed), how))
+    if bwd:
+        xla.append(("block backward outputs", bwd["output_bytes"], f"{bwd['graph']} outputs: the block's gradients "
+                    "(unsharded, bf16) and its input's"))
+    if fwd or bwd:
+        temps = [g for g in (fwd, bwd) if g]
+        xla.append(("update temporaries", max(g["temp_bytes"] for g in temps),
+                    "the larger temporaries of " + " and ".join(g["graph"] for g in temps)))
+    if hf:
+        xla.append(("LM head forward arguments", hf["argument_bytes"], f"{hf['graph']} arguments"))
+        xla.append(("LM head logits", hf["output_bytes"] + hf["temp_bytes"], f"{hf['graph']} outputs + temporaries"))
+    if hb:
+        xla.append(("LM head backward outputs", hb["output_bytes"], f"{hb['graph']} outputs"))
     if decode:
-        g = max(decode, key=lambda g: g["argument_bytes"])
-        out.append(("sampler weights + KV cache", plan.term("sampler weights") + plan.term("sampler KV cache"),
-                    g["argument_bytes"], f"{g['graph']} arguments"))
+        xla.append(("sampler weights + KV cache", decode["argument_bytes"], f"{decode['graph']} arguments"))
+        xla.append(("sampler step outputs", decode["output_bytes"], f"{decode['graph']} outputs"))
+    if sampler:
+        top = max(sampler, key=lambda g: g["temp_bytes"])
+        xla.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
+    out = [(name, planned[name], number, how) for name, number, how in xla if name in planned]
+    for term in plan.terms:
+        why = next((v for k, v in IN_NO_GRAPH.items() if term.name.startswith(k)), None)
+        if why is not None:
+            out.append((term.name, term.bytes, None, why))
     return out
