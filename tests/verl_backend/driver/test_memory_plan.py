@@ -266,7 +266,7 @@ def test_tpu_bytes_is_what_xla_lays_out():
 
 # XLA's numbers for the two jobs of docs/tpu.md, as `verl train --backend tpu --aot-only --slice v6e-8` compiled
 # them with libtpu 0.0.52 (the per-graph rows of compiled-v6e_2x4.json; per-array sizes kept for the block forward)
-XLA_V6E8 = Path(__file__).parent / "data" / "aot_v6e8_compiled.json"
+XLA_V6E8 = Path(__file__).parent / "fixtures" / "aot_v6e8_compiled.json"
 ROWS = {"block forward arguments", "activations", "block backward outputs", "update temporaries",
         "LM head forward arguments", "LM head logits", "LM head backward outputs", "sampler weights + KV cache",
         "sampler step outputs", "sampler temporaries"}
@@ -275,7 +275,7 @@ ROWS = {"block forward arguments", "activations", "block backward outputs", "upd
 def _aot_config(monkeypatch, tmp_path, argv):
     """The config ``verl train --backend tpu --aot-only --slice v6e-8 argv`` composes (nothing runs)."""
     import verl_backend.driver.aot.job as job
-    from verl_backend.cli import main
+    from verl_backend.driver.cli import main
 
     caught = {}
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
