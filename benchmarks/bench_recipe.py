@@ -51,7 +51,12 @@ TASKS = {
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
                          "allow_parentheses": False, "allow_negation": False},
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+    # basic_arithmetic with "+" only: no item needs the negative numbers the 135M model never samples
+    "addition": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
+                 "allow_parentheses": False, "allow_negation": False},
 }
+# reasoning-gym's dataset name of each task (a task here is a dataset and its config)
+DATASET = {"basic_arithmetic": "basic_arithmetic", "chain_sum": "chain_sum", "addition": "basic_arithmetic"}
 TASK = "basic_arithmetic"
 TASK_CONFIG = TASKS[TASK]
 DATA_SEED = 1
@@ -86,6 +91,7 @@ CANDIDATES: dict[str, list[str]] = {
                                "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
     "new_default": [],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
+    "addition": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
 }
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
@@ -94,7 +100,7 @@ _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 def _dataset(seed: int, size: int):
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(TASK, size=size, seed=seed, **TASK_CONFIG)
+    return reasoning_gym.create_dataset(DATASET[TASK], size=size, seed=seed, **TASK_CONFIG)
 
 
 def eval_items(which: str) -> list[dict]:
