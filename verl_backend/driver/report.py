@@ -27,7 +27,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def _val_accuracy(data: dict) -> float | None:
-    vals = [v for k, v in data.items() if k.startswith("val-core/") and "/acc/" in k or k.startswith("val-core/") and k.endswith("reward/mean@1")]
+    vals = [v for k, v in data.items()
+            if k.startswith("val-core/") and ("/acc/" in k or k.endswith("reward/mean@1"))]
     vals = [float(v) for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
 
@@ -165,6 +166,11 @@ def accuracy_lines(summary: dict) -> list[str]:
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
+    points_seen = summary.get("val_points") or []
+    if not change and len(points_seen) == 1:  # one validation (e.g. trainer.val_before_train=false): no before
+        step, acc = points_seen[0]
+        return [f"[rl-tpu] validation accuracy at step {step}: {pct(acc)} (the run's only validation: nothing to "
+                f"compare it with)"]
     if not change:
         return [f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after "
                 f"{pct(summary['val_accuracy_after'])} (no per-item validation dumps to pair, so no interval)"]

@@ -123,6 +123,16 @@ def test_no_dumps_says_there_is_no_interval(tmp_path):
     assert "before 10.0% -> after 20.0%" in line and "no interval" in line
 
 
+def test_a_single_validation_is_not_called_before():
+    """With one validation (``trainer.val_before_train=false``), the line names its step and says there is nothing
+    to compare; negative control: two validations still give before -> after."""
+    one = accuracy_lines({"val_accuracy_before": 0.738, "val_accuracy_after": None, "val_points": [(12, 0.738)]})[0]
+    assert "at step 12: 73.8%" in one and "before" not in one, one
+    two = accuracy_lines({"val_accuracy_before": 0.5, "val_accuracy_after": 0.7,
+                          "val_points": [(0, 0.5), (12, 0.7)]})[0]
+    assert "before 50.0% -> after 70.0%" in two, two
+
+
 def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
     from omegaconf import OmegaConf
 
