@@ -92,6 +92,11 @@ CANDIDATES: dict[str, list[str]] = {
     "new_default": [],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
     "addition": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
+    "addition_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]), "actor_rollout_ref.actor.optim.lr=2e-5"],
+    # the same 32 samples a step spread over 8 prompts x 4 samples (at ~50% sampled accuracy most groups of 4 vary)
+    "addition_b8n4_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+                            "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=8",
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4"],
 }
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
