@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from rl_tpu.patches import torch_internals
 from rl_tpu.sampler import panel_kernel
 
 
@@ -90,8 +91,8 @@ def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> dict[s
     from rl_tpu.sampler.packed import packed_linear_supported
 
     if packed_linear_supported():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), rows)
-        rates["onednn"] = flop / min(_timed(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
+        packed = torch_internals.reorder_linear_weight(b.T.contiguous(), rows)
+        rates["onednn"] = flop / min(_timed(torch_internals.linear_pointwise, a, packed, None)
                                      for _ in range(6)) / 1e9
     if panel_kernel.backend() == "panel":
         panels = panel_kernel.pack(b.T.contiguous())

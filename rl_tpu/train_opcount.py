@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from rl_tpu.patches.torch_internals import disable_current_modes
 from rl_tpu.sampler.opcount import OpCounter
 
 #: the names a compiled block's forward and backward launches are counted under
@@ -52,7 +52,7 @@ class CountingBackend:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
             def launch(args):
                 self.launches[name] += 1
-                with _disable_current_modes():
+                with disable_current_modes():
                     return gm(*args)
             launch._boxed_call = True
             return launch
@@ -64,7 +64,7 @@ class CountingBackend:
 
 def _modes_off(forward: Callable) -> Callable:
     def call(*args, **kwargs):
-        with _disable_current_modes():  # dynamo runs no frame under a dispatch mode
+        with disable_current_modes():  # dynamo runs no frame under a dispatch mode
             return forward(*args, **kwargs)
     return call
 

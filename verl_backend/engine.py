@@ -23,6 +23,7 @@ from verl.workers.engine.fsdp.transformer_impl import (
 )
 
 from verl_backend import weight_sync
+from verl_backend.patches.verl_internals import engine_state
 from verl_backend.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
 from verl_backend.response_logits import (
     first_response_logit_position,
@@ -133,7 +134,8 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             return "parameters on an accelerator"
         if torch.distributed.get_world_size() != 1:
             return "FSDP shards the parameters over several ranks: the rollout needs whole tensors"
-        if self._is_lora or self._qat_enabled or self._is_offload_param:
+        state = engine_state(self)  # VeRL's private flags (verl_backend.patches.verl_internals)
+        if state.lora or state.qat or state.offload_param:
             return "LoRA, QAT or parameter offload sends transformed weights"
         return None
 
@@ -149,7 +151,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
         drops the ``peft_config``, so it would send the whole base each time; and a peft config makes VeRL's naive
         path set vLLM/SGLang adapter state. The payload's names carry all the receiver needs on every transport,
         and the rollout never starts from dummy weights (it loads the model path), so no base sync is needed."""
-        if self._is_lora:
+        if engine_state(self).lora:
             from verl_backend.lora_sync import lora_adapter_payload
 
             return lora_adapter_payload(self.module), None

@@ -149,7 +149,7 @@ def pack_linears(gm: torch.fx.GraphModule, cache: PackCache | None = None) -> in
     target = torch.ops.rl_tpu_kernels.packed_linear.default if native else torch.ops.rl_tpu.packed_linear.default
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+        if node.op != "call_function" or node.target is not torch.nn.functional.linear:  # (is torch._C._nn.linear)
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
         x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])

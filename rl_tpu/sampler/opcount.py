@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rl_tpu.patches.torch_internals import disable_current_modes
 
 
 class OpCounter(TorchDispatchMode):
@@ -41,7 +43,7 @@ GRAPH = "<compiled graph>"
 def _one_launch(fn, counter: OpCounter):
     def call(*args):
         counter.counts[GRAPH] += 1
-        with _disable_current_modes():
+        with disable_current_modes():
             return fn(*args)
     return call
 

@@ -38,11 +38,9 @@ __all__ = ["PackedLinears", "packed_linear_supported"]
 
 def packed_linear_supported() -> bool:
     """Whether this torch build has oneDNN's packed linear (CPU builds with mkldnn)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
+    from rl_tpu.patches.torch_internals import packed_linear_available
+
+    return packed_linear_available()
 
 
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
