@@ -52,7 +52,7 @@ def _overridable(method: str, parameters: tuple[str, ...], caller: str, call: st
 
     def applied(module: ModuleType) -> bool:
         engine = module.FSDPEngine
-        own = engine.__dict__.get(method)
+        own = next((klass.__dict__[method] for klass in engine.__mro__ if method in klass.__dict__), None)
         if own is None:
             return False
         own = getattr(own, "__wrapped__", own)  # under @contextmanager
