@@ -82,7 +82,7 @@ def main() -> None:
         return torch_internals.linear_pointwise(x, p, None)
 
     for backend in ("aot_eager", "inductor"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         try:
             torch.compile(graph, backend=backend, fullgraph=True)(inputs[HIDDEN], packed[0])
             print(f"  a packed weight as a graph input, backend {backend}: runs")

@@ -46,6 +46,7 @@ import time
 import torch
 
 from rl_tpu.patches import torch_internals
+from rl_tpu.patches.transformers_internals import set_attn_implementation
 from rl_tpu.sampler import panel_kernel
 
 
@@ -70,7 +71,7 @@ def load_model(tiny: bool):
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-        cfg._attn_implementation = "sdpa"
+        set_attn_implementation(cfg, "sdpa")
         return LlamaForCausalLM(cfg).eval(), "tiny Llama (2 layers, 64 wide)"
     from verl_backend.models import ensure_default_model
 

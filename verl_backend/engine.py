@@ -22,6 +22,7 @@ from verl.workers.engine.fsdp.transformer_impl import (
     FSDPEngineWithValueHead,
 )
 
+from rl_tpu.patches.torch_internals import unwrap_fsdp  # FSDP1's private wrapper attribute
 from verl_backend import weight_sync
 from verl_backend.patches.verl_internals import engine_state
 from verl_backend.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
@@ -106,7 +107,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
                   f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
                   "(rl_tpu.compile_trainer)", flush=True)
-        inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        inner = unwrap_fsdp(self.module)
         if not self.engine_config.forward_only and callable(getattr(inner, "get_output_embeddings", None)) and \
                 inner.get_output_embeddings() is not None:  # the actor (a critic's value head is no LM head)
             from verl_backend.sync_verify import register_trainer_module
@@ -162,7 +163,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
         from verl.utils.model import convert_weight_keys
 
         params = convert_weight_keys(self.module.state_dict(),
-                                     getattr(self.module, "_fsdp_wrapped_module", self.module))
+                                     unwrap_fsdp(self.module))
         return ((n, p.to_local() if isinstance(p, DTensor) else p) for n, p in params.items()), None
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
@@ -281,7 +282,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
     by_param = fsdp2.fsdp_params(module)
     named = convert_weight_keys(module.state_dict(keep_vars=True),
-                                getattr(module, "_fsdp_wrapped_module", module))
+                                unwrap_fsdp(module))
     if not by_param:  # an unwrapped module (_SingleRankPlainModule): each tensor's .data moves into the file
         return SharedWeights.from_named_tensors(named, name=name)
     groups: dict[int, tuple[list[str], object]] = {}

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rl_tpu.patches import torch_internals
 from rl_tpu.sampler import panel_kernel
 
 __all__ = ["PackedLinears", "packed_linear_supported"]
@@ -82,7 +83,7 @@ class PackedLinears:
 
     def _weights_key(self) -> tuple:
         # a copy_ in this process bumps _version; the data_ptr catches a rebind (param.data = ...)
-        return tuple((m.weight.data_ptr(), m.weight._version) for m in self.modules)
+        return tuple((m.weight.data_ptr(), torch_internals.version_counter(m.weight)) for m in self.modules)
 
     def pack(self) -> None:
         """Build the packed copies now (each ``with`` block does it when they are missing or stale)."""

@@ -91,3 +91,54 @@ def test_lean_step_stands_down_with_the_refusal_line_for_an_untested_transformer
     reason = lean_blocker(model)
     assert reason is not None and reason.startswith("transformers 5.11.0 is outside the tested range") and \
         "apply_rotary_pos_emb" in reason and "\n" not in reason
+
+
+def test_pytree_and_tensor_identity_accessors():
+    a, b = torch.ones(2), torch.zeros(3)
+    assert torch_internals.tree_leaves(((a, 1), {"k": b})) == [a, 1, b]
+    leaves, _ = torch_internals.tree_flatten({"x": [a, b]})
+    assert leaves == [a, b]
+    before, key = torch_internals.version_counter(a), torch_internals.storage_key(a)
+    a.add_(1)  # in place: the version grows, the storage stays
+    assert torch_internals.version_counter(a) > before and torch_internals.storage_key(a) == key
+    a.data = torch.ones(2)  # rebound: another storage
+    assert torch_internals.storage_key(a) != key
+
+
+def test_fsdp1_unwrap_reads_the_wrapper_attribute_only():
+    import types
+
+    inner = torch.nn.Linear(2, 2)
+    assert torch_internals.unwrap_fsdp(types.SimpleNamespace(_fsdp_wrapped_module=inner)) is inner
+    assert torch_internals.unwrap_fsdp(inner) is inner  # FSDP2 / no wrapper: the module itself
+
+
+def test_dynamo_accessors():
+    import torch._dynamo
+
+    recompile, dynamo, limit_hit = torch_internals.dynamo_errors()
+    assert issubclass(recompile, dynamo) and issubclass(limit_hit, Exception)
+    assert callable(torch_internals.lookup_backend("eager"))
+    before = torch._dynamo.config.recompile_limit
+    with torch_internals.recompile_limits(3):
+        assert torch._dynamo.config.recompile_limit == 3
+        assert torch._dynamo.config.accumulated_recompile_limit == 6
+    assert torch._dynamo.config.recompile_limit == before
+    assert torch_internals.guard_failures(test_dynamo_accessors.__code__) == []  # never compiled
+    assert callable(torch_internals.aot_autograd(fw_compiler=lambda gm, example_inputs: gm))
+
+    def launch(args):
+        return args
+
+    assert torch_internals.boxed(launch) is launch and launch._boxed_call is True
+
+
+def test_attn_implementation_accessors():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    transformers_internals.set_attn_implementation(config, "eager")
+    assert transformers_internals.attn_implementation(config) == "eager"
+    transformers_internals.set_attn_implementation(config, "sdpa")
+    assert transformers_internals.attn_implementation(config) == "sdpa"
+    assert transformers_internals.attn_implementation(object()) is None

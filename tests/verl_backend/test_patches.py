@@ -506,3 +506,23 @@ def test_plugin_refuses_an_untested_verl_in_one_line_and_registers_nothing():
     assert len(ours) == 1 and ours[0].endswith(
         "rl-tpu: verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
         "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")
+
+
+def test_save_checkpoint_record_fails_when_verl_changes_the_save():
+    import types
+
+    from verl_backend.patches import verl_internals as vi
+
+    class PPOTrainer:
+        def _save_checkpoint(self):
+            return f"global_step_{self.global_steps}"
+
+    class TakesStep:
+        def _save_checkpoint(self, step):  # VeRL passed the step instead of reading global_steps
+            return f"global_step_{step}"
+
+    assert vi.SAVE_CHECKPOINT.applied(types.SimpleNamespace(PPOTrainer=PPOTrainer))
+    assert not vi.SAVE_CHECKPOINT.applied(types.SimpleNamespace(PPOTrainer=TakesStep))
+    saved = types.SimpleNamespace(global_steps=3, _save_checkpoint=lambda: saved.calls.append(3), calls=[])
+    vi.save_checkpoint(saved)
+    assert saved.calls == [3]

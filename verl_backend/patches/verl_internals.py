@@ -9,6 +9,9 @@ what it replaces is in :mod:`verl_backend.patches.verl`.
   ``_build_fsdp_module`` (one CPU rank: leave the module unwrapped) and ``_gradient_sync_context`` (nothing to
   synchronise unwrapped). Each check asserts VeRL still defines the method with the parameters overridden and still
   calls it where the override expects.
+- ``PPOTrainer._save_checkpoint`` (:data:`SAVE_CHECKPOINT`): a SIGTERM'd run saves the step just completed at the
+  next step boundary (:mod:`verl_backend.driver.preemption`) with VeRL's own save, which is protected; called only
+  through :func:`save_checkpoint`.
 - ``FSDPEngine``'s private state (:data:`ENGINE_STATE`): the flags the plain-module and shared-memory checks read
   (``_is_lora``, ``_qat_enabled``, ``_is_offload_param``, ``_is_offload_optimizer``) and the two attributes an
   unwrapped module sets in place of ``_build_fsdp_module`` (``_autocast_dtype``, ``scaler``); read and written only
@@ -112,7 +115,25 @@ ENGINE_STATE = Patch(
     why="the plain-module and shared-weights checks read the engine's LoRA/QAT/offload flags; unwrapped sets its dtype",
     upstream=_NO_ISSUE_ENGINE, apply=None, applied=_state_names_set)
 
-RECORDS: tuple[Patch, ...] = (MAIN_BODY, ENGINE_BUILD, ENGINE_FSDP, ENGINE_GRAD_SYNC, ENGINE_STATE)
+def _saves_without_arguments(module: ModuleType) -> bool:
+    save = getattr(module.PPOTrainer, "_save_checkpoint", None)
+    return callable(save) and tuple(inspect.signature(save).parameters) == ("self",) and \
+        "global_step_{self.global_steps}" in inspect.getsource(save)
+
+
+SAVE_CHECKPOINT = Patch(
+    target="verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint (called)",
+    module="verl.trainer.ppo.v1.trainer_base", library="verl", versions=VERSIONS,
+    why="a SIGTERM'd run saves its last completed step with VeRL's own (protected) save, named after global_steps",
+    upstream=searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary"),
+    apply=None, applied=_saves_without_arguments)
+
+RECORDS: tuple[Patch, ...] = (MAIN_BODY, ENGINE_BUILD, ENGINE_FSDP, ENGINE_GRAD_SYNC, ENGINE_STATE, SAVE_CHECKPOINT)
+
+
+def save_checkpoint(trainer) -> None:
+    """VeRL's checkpoint of ``trainer`` at ``trainer.global_steps`` (``PPOTrainer._save_checkpoint``)."""
+    trainer._save_checkpoint()
 
 
 def run_main_body(config, task_runner_class) -> None:
