@@ -86,7 +86,7 @@ def main() -> None:
         try:
             torch.compile(graph, backend=backend, fullgraph=True)(inputs[HIDDEN], packed[0])
             print(f"  a packed weight as a graph input, backend {backend}: runs")
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
+        except torch_internals.compile_errors() as exc:
             print(f"  a packed weight as a graph input, backend {backend}: {type(exc).__name__} "
                   f"{(str(exc).splitlines() or [''])[0][:120]}")
 

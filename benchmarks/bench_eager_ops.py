@@ -169,15 +169,15 @@ def trainer_figures(model, args) -> dict:
     """Compiled trainer (inductor) over one step's shapes, and ops per training micro batch eager and compiled."""
     import copy
 
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
     from rl_tpu.compiled_blocks import CompiledBlocks
+    from rl_tpu.patches.torch_internals import inductor_compilers
     from rl_tpu.train_opcount import micro_batch_ops, split
 
     vocab = model.config.vocab_size
     update = loss_step(padded_micro_batch(vocab, args.train_rows, args.train_len))
     lp_ids, lp_mask, lp_pos = padded_micro_batch(vocab, args.logprob_rows, args.train_len, seed=1)
     graphs = {"forward": 0, "inference": 0, "backward": 0}
+    compile_fx, compile_fx_inner = inductor_compilers()
 
     def inner(gm, example_inputs, **kw):
         kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
@@ -222,9 +222,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.use_compile_cache:  # a cache hit skips the compile being measured (and the graph counter's hook)
-        from torch._inductor import config as inductor_config
+        from rl_tpu.patches.torch_internals import disable_inductor_caches
 
-        inductor_config.force_disable_caches = True
+        disable_inductor_caches()
 
     model, label = load_model(args.tiny)
     vocab = model.config.vocab_size

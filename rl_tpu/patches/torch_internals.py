@@ -5,12 +5,14 @@ checked with (:data:`RECORDS`).
   oneDNN's blocked layout once, ``torch.ops.mkldnn._linear_pointwise`` multiplies by it (what TorchInductor's CPU
   weight prepacking emits); torch has no public op for either. The sampler's packed linear layers use them where its
   own AVX-512 kernel cannot run (:mod:`rl_tpu.sampler.panel_kernel`).
-- ``torch.utils._python_dispatch._disable_current_modes`` (:data:`DISPATCH_MODES`): the op counters
-  (:mod:`rl_tpu.sampler.opcount`, :mod:`rl_tpu.train_opcount`) count one launch per compiled graph and run the graph
-  outside their own dispatch mode; torch has no public way to leave the modes in force.
+- ``torch.utils._python_dispatch``'s ``TorchDispatchMode`` and ``_disable_current_modes`` (:data:`DISPATCH_MODES`):
+  the op counters (:mod:`rl_tpu.sampler.opcount`, :mod:`rl_tpu.train_opcount`) are a dispatch mode, count one launch
+  per compiled graph and run the graph outside their own mode; torch has no public way to leave the modes in force.
 - TorchDynamo's settings, errors and records (:data:`DYNAMO`): the compiled sampler and trainer blocks bound their
   recompiles (``torch._dynamo.config.patch(recompile_limit=...)``), fall back on ``torch._dynamo.exc``'s errors, name a
   string backend (``lookup_backend``) and read why a graph recompiled (``torch._dynamo.utils.guard_failures``).
+- TorchInductor's compilers, cache switch and error (:data:`INDUCTOR`): the benchmarks count inductor's graphs through
+  ``compile_fx(..., inner_compile=...)``, measure a fresh compile and name inductor's errors.
 - AOT autograd as a backend (:data:`AOT_AUTOGRAD`): ``torch._dynamo.backends.common.aot_autograd`` and the boxed-call
   convention of its compilers (``fn._boxed_call = True``), for the counting backend and the TPU lowering.
 - ``torch.utils._pytree`` (:data:`PYTREE`): ``tree_leaves`` / ``tree_flatten`` of nested outputs and arguments.
@@ -41,12 +43,12 @@ MKLDNN_LINEAR = Patch(
     apply=None, applied=names_check("ops.mkldnn._reorder_linear_weight", "ops.mkldnn._linear_pointwise"))
 
 DISPATCH_MODES = Patch(
-    target="torch.utils._python_dispatch._disable_current_modes", module="torch.utils._python_dispatch",
-    library="torch", versions=VERSIONS,
-    why="the op counters run a compiled graph outside their own TorchDispatchMode; torch has no public call for it",
+    target="torch.utils._python_dispatch.{TorchDispatchMode,_disable_current_modes}",
+    module="torch.utils._python_dispatch", library="torch", versions=VERSIONS,
+    why="the op counters are a TorchDispatchMode and run a compiled graph outside it; neither is a public name",
     upstream="https://github.com/pytorch/pytorch/issues/105878 (no convenient API to disable a mode; "
              "_disable_current_modes named as the tool)",
-    apply=None, applied=names_check("_disable_current_modes"))
+    apply=None, applied=names_check("TorchDispatchMode", "_disable_current_modes"))
 
 DYNAMO = Patch(
     target="torch._dynamo.{config.recompile_limit, exc.*, lookup_backend, utils.guard_failures}", module="torch._dynamo",
@@ -65,6 +67,24 @@ AOT_AUTOGRAD = Patch(
     upstream=searched("pytorch/pytorch", "aot_autograd public API custom backend torch._dynamo.backends.common "
                                          "_boxed_call"),
     apply=None, applied=names_check("aot_autograd"))
+
+def _inductor_names(module) -> bool:
+    """``applied`` of :data:`INDUCTOR`: its submodules import and hold the names used."""
+    import importlib
+
+    for sub in ("compile_fx", "config", "exc"):
+        importlib.import_module(f"{module.__name__}.{sub}")
+    return names_check("compile_fx.compile_fx", "compile_fx.compile_fx_inner", "config.force_disable_caches",
+                       "exc.InductorError")(module)
+
+
+INDUCTOR = Patch(
+    target="torch._inductor.{compile_fx.compile_fx, compile_fx.compile_fx_inner, config.force_disable_caches, "
+           "exc.InductorError}", module="torch._inductor", library="torch", versions=VERSIONS,
+    why="the benchmarks count inductor's graphs, measure a fresh compile and report its errors; all private names",
+    upstream=searched("pytorch/pytorch", "public API compile_fx inner_compile count graphs inductor "
+                                         "force_disable_caches"),
+    apply=None, applied=lambda module: _inductor_names(module))
 
 PYTREE = Patch(
     target="torch.utils._pytree.{tree_leaves,tree_flatten}", module="torch.utils._pytree", library="torch",
@@ -88,7 +108,7 @@ FSDP1_WRAPPED = Patch(
              "checkpointing; VeRL reads _fsdp_wrapped_module)",
     apply=None, applied=lambda module: getattr(module, "FSDP_WRAPPED_MODULE", None) == "_fsdp_wrapped_module")
 
-RECORDS: tuple[Patch, ...] = (MKLDNN_LINEAR, DISPATCH_MODES, DYNAMO, AOT_AUTOGRAD, PYTREE, TENSOR_IDENTITY,
+RECORDS: tuple[Patch, ...] = (MKLDNN_LINEAR, DISPATCH_MODES, DYNAMO, AOT_AUTOGRAD, INDUCTOR, PYTREE, TENSOR_IDENTITY,
                               FSDP1_WRAPPED)
 
 
@@ -111,6 +131,14 @@ def linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     """``F.linear(x, weight, bias)`` on ``packed = reorder_linear_weight(weight, ...)``
     (``torch.ops.mkldnn._linear_pointwise`` with no fused activation). The packing checked torch's version."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``, the base class of a mode that sees every aten op below autograd."""
+    DISPATCH_MODES.check()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def disable_current_modes() -> contextlib.AbstractContextManager:
@@ -165,6 +193,32 @@ def boxed(fn):
     """Mark a compiled graph's callable as taking its arguments as one list (AOT autograd's boxed convention)."""
     fn._boxed_call = True
     return fn
+
+
+def inductor_compilers():
+    """``(compile_fx, compile_fx_inner)``: inductor's whole-graph compiler and the per-graph one it calls
+    (``torch._inductor.compile_fx``)."""
+    INDUCTOR.check()
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def disable_inductor_caches() -> None:
+    """Make inductor compile every graph afresh in this process (``torch._inductor.config.force_disable_caches``)."""
+    INDUCTOR.check()
+    from torch._inductor import config
+
+    config.force_disable_caches = True
+
+
+def compile_errors() -> tuple[type, ...]:
+    """The errors a failed ``torch.compile`` raises: Dynamo's ``TorchDynamoException`` and inductor's
+    ``InductorError``."""
+    INDUCTOR.check()
+    from torch._inductor.exc import InductorError
+
+    return dynamo_errors()[1], InductorError
 
 
 def tree_leaves(tree) -> list:

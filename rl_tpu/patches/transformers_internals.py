@@ -33,8 +33,8 @@ ATTN_IMPL = Patch(
     target="transformers.PretrainedConfig._attn_implementation", module="transformers", library="transformers",
     versions=VERSIONS,
     why="the sampler swaps in its own attention for a while and reads which one a model runs; no public accessor",
-    upstream="https://github.com/huggingface/transformers/pull/26572 (where a public attn_implementation property "
-             "of the config was reviewed)",
+    upstream="https://github.com/huggingface/transformers/pull/32383 (reads config._attn_implementation; "
+             "attn_implementation= at load time is the public way to set it)",
     apply=None, applied=lambda module: hasattr(module.PretrainedConfig(), "_attn_implementation"))
 
 RECORDS: tuple[Patch, ...] = (ROTARY, ATTN_IMPL)

@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from rl_tpu.patches.torch_internals import disable_current_modes
+from rl_tpu.patches.torch_internals import disable_current_modes, dispatch_mode_base
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(dispatch_mode_base()):
     """``with OpCounter() as c: ...``: ``c.counts`` maps each aten op's name (its overload packet, e.g. ``"mm"``,
     ``"add_"``) to how many times it was dispatched inside the block; ``c.total`` is their sum."""
 

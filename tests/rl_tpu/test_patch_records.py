@@ -142,3 +142,34 @@ def test_attn_implementation_accessors():
     transformers_internals.set_attn_implementation(config, "sdpa")
     assert transformers_internals.attn_implementation(config) == "sdpa"
     assert transformers_internals.attn_implementation(object()) is None
+
+
+def test_op_counter_is_a_dispatch_mode_through_its_record():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rl_tpu.sampler.opcount import OpCounter
+
+    assert torch_internals.dispatch_mode_base() is TorchDispatchMode
+    assert issubclass(OpCounter, TorchDispatchMode)
+    with OpCounter() as counter:
+        torch.ones(2).add_(1)
+    assert counter.counts["add_"] == 1
+
+
+def test_inductor_accessors_are_inductors_names(monkeypatch):
+    from torch._inductor import compile_fx, config, exc
+
+    assert torch_internals.inductor_compilers() == (compile_fx.compile_fx, compile_fx.compile_fx_inner)
+    dynamo_error, inductor_error = torch_internals.compile_errors()
+    assert inductor_error is exc.InductorError and issubclass(dynamo_error, Exception)
+    monkeypatch.setattr(config, "force_disable_caches", False)
+    torch_internals.disable_inductor_caches()
+    assert config.force_disable_caches is True
+
+
+def test_untested_torch_refuses_the_inductor_accessors(monkeypatch, fresh_checks):
+    monkeypatch.setattr(record_module, "installed_version", lambda lib: "2.14.0" if lib == "torch" else None)
+    for accessor in (torch_internals.inductor_compilers, torch_internals.compile_errors,
+                     torch_internals.dispatch_mode_base):
+        with pytest.raises(UnsupportedVersionError):
+            accessor()

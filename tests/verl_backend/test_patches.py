@@ -526,3 +526,33 @@ def test_save_checkpoint_record_fails_when_verl_changes_the_save():
     saved = types.SimpleNamespace(global_steps=3, _save_checkpoint=lambda: saved.calls.append(3), calls=[])
     vi.save_checkpoint(saved)
     assert saved.calls == [3]
+
+
+def test_replica_server_record_fails_when_verl_renames_the_fields():
+    import types
+
+    from verl_backend.patches import verl_internals as vi
+
+    class RolloutReplica:
+        @property
+        def server_handle(self):
+            return self._server_handle
+
+        @property
+        def server_address(self):
+            return self._server_address
+
+    class Renamed:  # VeRL keeps the properties but stores the server elsewhere
+        @property
+        def server_handle(self):
+            return self._servers[0]
+
+        @property
+        def server_address(self):
+            return self._server_address
+
+    assert vi.REPLICA_SERVER.applied(types.SimpleNamespace(RolloutReplica=RolloutReplica))
+    assert not vi.REPLICA_SERVER.applied(types.SimpleNamespace(RolloutReplica=Renamed))
+    replica = RolloutReplica()
+    vi.set_replica_server(replica, "actor", "native://1.2.3.4/replica-0")
+    assert (replica.server_handle, replica.server_address) == ("actor", "native://1.2.3.4/replica-0")

@@ -421,11 +421,10 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", _save_to_cpu,
               "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
               "policy moved with each update), and asserts FSDP2 DTensors",
-              "https://github.com/verl-project/verl/pull/7251 (the DTensor-only helpers, for FSDP1; the .cpu() alias "
-              "of a CPU shard not reported)"),
+              searched("verl-project/verl", "fsdp2_sharded_save_to_cpu FSDP1 support fix DTensor")),
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", _load_from_cpu,
               "restores the plain-module state the patched save makes",
-              "https://github.com/verl-project/verl/pull/7251 (the DTensor-only helpers, for FSDP1)"),
+              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu fsdp2_sharded_load_from_cpu")),
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
               "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
               "empty hook)",

@@ -16,6 +16,9 @@ what it replaces is in :mod:`verl_backend.patches.verl`.
   (``_is_lora``, ``_qat_enabled``, ``_is_offload_param``, ``_is_offload_optimizer``) and the two attributes an
   unwrapped module sets in place of ``_build_fsdp_module`` (``_autocast_dtype``, ``scaler``); read and written only
   through :func:`engine_state` and :func:`set_unwrapped_precision`.
+- ``RolloutReplica``'s server fields (:data:`REPLICA_SERVER`): ``launch_servers`` of a replica sets
+  ``_server_handle`` and ``_server_address``, which the public ``server_handle`` / ``server_address`` return; set
+  only through :func:`set_replica_server`.
 
 VeRL's version is checked with every other record when the plugin loads (:func:`verl_backend.patches.check_versions`).
 """
@@ -76,7 +79,7 @@ def _state_names_set(module: ModuleType) -> bool:
         all(f"self.{name} =" in build_fsdp for name in ("_autocast_dtype", "scaler"))
 
 
-_NO_ISSUE_ENGINE = searched("verl-project/verl", "FSDP engine CPU device EngineRegistry register device cpu "
+_NO_ISSUE_ENGINE = searched("verl-project/verl", "verl FSDP engine CPU device EngineRegistry register device cpu "
                                                  "FSDPEngineWithLMHead")
 
 MAIN_BODY = Patch(
@@ -115,6 +118,7 @@ ENGINE_STATE = Patch(
     why="the plain-module and shared-weights checks read the engine's LoRA/QAT/offload flags; unwrapped sets its dtype",
     upstream=_NO_ISSUE_ENGINE, apply=None, applied=_state_names_set)
 
+
 def _saves_without_arguments(module: ModuleType) -> bool:
     save = getattr(module.PPOTrainer, "_save_checkpoint", None)
     return callable(save) and tuple(inspect.signature(save).parameters) == ("self",) and \
@@ -128,7 +132,33 @@ SAVE_CHECKPOINT = Patch(
     upstream=searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary"),
     apply=None, applied=_saves_without_arguments)
 
-RECORDS: tuple[Patch, ...] = (MAIN_BODY, ENGINE_BUILD, ENGINE_FSDP, ENGINE_GRAD_SYNC, ENGINE_STATE, SAVE_CHECKPOINT)
+_REPLICA_FIELDS = ("_server_handle", "_server_address")
+
+
+def _replica_reads_server_fields(module: ModuleType) -> bool:
+    """``RolloutReplica``'s ``server_handle`` / ``server_address`` properties still return the two fields a replica's
+    ``launch_servers`` sets."""
+    replica = module.RolloutReplica
+    return all(isinstance(replica.__dict__.get(name.lstrip("_")), property) and
+               f"self.{name}" in inspect.getsource(replica.__dict__[name.lstrip("_")].fget) for name in _REPLICA_FIELDS)
+
+
+REPLICA_SERVER = Patch(
+    target="verl.workers.rollout.replica.RolloutReplica._server_handle/_server_address (set)",
+    module="verl.workers.rollout.replica", library="verl", versions=VERSIONS,
+    why="a replica's launch_servers hands VeRL its server through these protected fields, as VeRL's own replicas do",
+    upstream=searched("verl-project/verl", "verl RolloutReplica custom rollout replica _server_handle "
+                                           "_server_address launch_servers subclass"),
+    apply=None, applied=_replica_reads_server_fields)
+
+RECORDS: tuple[Patch, ...] = (MAIN_BODY, ENGINE_BUILD, ENGINE_FSDP, ENGINE_GRAD_SYNC, ENGINE_STATE, SAVE_CHECKPOINT,
+                              REPLICA_SERVER)
+
+
+def set_replica_server(replica, handle, address: str) -> None:
+    """Make ``handle`` (the server actor at ``address``) ``replica``'s ``server_handle`` / ``server_address``."""
+    replica._server_handle = handle
+    replica._server_address = address
 
 
 def save_checkpoint(trainer) -> None:
