@@ -156,15 +156,15 @@ def test_op_counter_is_a_dispatch_mode_through_its_record():
     assert counter.counts["add_"] == 1
 
 
-def test_inductor_accessors_are_inductors_names(monkeypatch):
+def test_inductor_accessors_are_inductors_names():
     from torch._inductor import compile_fx, config, exc
 
     assert torch_internals.inductor_compilers() == (compile_fx.compile_fx, compile_fx.compile_fx_inner)
     dynamo_error, inductor_error = torch_internals.compile_errors()
     assert inductor_error is exc.InductorError and issubclass(dynamo_error, Exception)
-    monkeypatch.setattr(config, "force_disable_caches", False)
-    torch_internals.disable_inductor_caches()
-    assert config.force_disable_caches is True
+    with config.patch(force_disable_caches=False):  # inductor's own patch puts the setting back (monkeypatch does not)
+        torch_internals.disable_inductor_caches()
+        assert config.force_disable_caches is True
 
 
 def test_untested_torch_refuses_the_inductor_accessors(monkeypatch, fresh_checks):
