@@ -3,13 +3,14 @@ refuses an untested library in one line.
 
 A :class:`Patch` is one touch point: a name of another library that rl-tpu replaces (``apply`` set: a patch), or one
 it only reads, calls or overrides (``apply`` ``None``: a private name, a protected method, a copied body). It names
-what it touches (``target``), the module that holds it (``module``), the installed distribution (``library``) and the
-versions of it the touch point was checked with (``versions``, a :class:`packaging.specifiers.SpecifierSet`), why
-(``why``, one line) and ``upstream``: the upstream issue or pull request (``https://github.com/OWNER/REPO/issues/N``
-or ``/pull/N``), or, where none was found, the search that found none (``none found: searched OWNER/REPO issues for
-'QUERY'``, or ``GitHub`` for a search of every repository's issues, see :func:`searched`). ``applied(module)`` tells whether the patch is in place, or the names read are
-there with the shape used; the tests check it for every record, and :func:`problems` refuses a record with an empty
-field, an upstream of neither form or a reason of more than one line.
+what it touches (``target``), the module that holds it (``module``), the installed distribution (``library``) and
+the versions of it the touch point was checked with (``versions``, a :class:`packaging.specifiers.SpecifierSet`),
+why (``why``, one line) and ``upstream``: the upstream issue or pull request
+(``https://github.com/OWNER/REPO/issues/N`` or ``/pull/N``), or, where none was found, the search that found none
+(``none found: searched OWNER/REPO issues for 'QUERY'``, or ``GitHub`` for a search of every repository's issues,
+see :func:`searched`). ``applied(module)`` tells whether the patch is in place, or the names read are there with the
+shape used; the tests check it for every record, and :func:`problems` refuses a record with an empty field, an
+upstream of neither form or a reason of more than one line.
 
 Every access to a touched name goes through the module that holds its record (``verl_backend.patches``,
 ``rl_tpu.patches``, ``edge_export.litert_patches``), which checks the installed version first (:meth:`Patch.check`,

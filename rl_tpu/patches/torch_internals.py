@@ -51,7 +51,8 @@ DISPATCH_MODES = Patch(
     apply=None, applied=names_check("TorchDispatchMode", "_disable_current_modes"))
 
 DYNAMO = Patch(
-    target="torch._dynamo.{config.recompile_limit, exc.*, lookup_backend, utils.guard_failures}", module="torch._dynamo",
+    target="torch._dynamo.{config.recompile_limit, exc.*, lookup_backend, utils.guard_failures}",
+    module="torch._dynamo",
     library="torch", versions=VERSIONS,
     why="compiled sampling/training bound recompiles, catch Dynamo's errors and name why a graph recompiled",
     upstream=searched("pytorch/pytorch", "public API torch.compiler recompile_limit guard_failures "
@@ -67,6 +68,7 @@ AOT_AUTOGRAD = Patch(
     upstream=searched("pytorch/pytorch", "aot_autograd public API custom backend torch._dynamo.backends.common "
                                          "_boxed_call"),
     apply=None, applied=names_check("aot_autograd"))
+
 
 def _inductor_names(module) -> bool:
     """``applied`` of :data:`INDUCTOR`: its submodules import and hold the names used."""

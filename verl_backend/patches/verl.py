@@ -224,7 +224,7 @@ def _save_to_cpu(original):
             return {n: (p.detach().clone(), None) for n, p in params.items()}, None
         state, spec = original(model)
         for name, (tensor, shard_spec) in state.items():
-            live = params[name]._local_tensor if isinstance(params[name], DTensor) else params[name]
+            live = params[name].to_local() if isinstance(params[name], DTensor) else params[name]  # same storage
             if tensor.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
                 state[name] = (tensor.clone(), shard_spec)
         return state, spec
@@ -421,10 +421,13 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", _save_to_cpu,
               "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
               "policy moved with each update), and asserts FSDP2 DTensors",
-              searched("verl-project/verl", "fsdp2_sharded_save_to_cpu FSDP1 support fix DTensor")),
+              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+                       "related: https://github.com/verl-project/verl/pull/7251, the same helpers' DTensor-only "
+                       "assert for FSDP1, closed")),
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", _load_from_cpu,
               "restores the plain-module state the patched save makes",
-              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu fsdp2_sharded_load_from_cpu")),
+              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+                       "related: https://github.com/verl-project/verl/pull/7251, closed")),
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
               "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
               "empty hook)",
