@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from rl_tpu.patches import torch_internals
 from rl_tpu.sampler import panel_kernel
 
 #: SmolLM2-135M: hidden 576, 9 query / 3 key-value heads of 64, MLP 1536, 30 layers, vocabulary 49152 (tied head)
@@ -41,7 +42,7 @@ def main() -> None:
     shapes = layer * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
     inputs = {i: torch.randn(args.rows, i) for i in (HIDDEN, MLP)}
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, args.rows) for w in weights]
+    packed = [torch_internals.reorder_linear_weight(w, args.rows) for w in weights]
 
     def linear():
         for w in weights:
@@ -53,7 +54,7 @@ def main() -> None:
 
     def onednn():
         for w, p in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+            torch_internals.linear_pointwise(inputs[w.shape[1]], p, None)
 
     paths = {"F.linear (eager)": linear, "mm(x, w.t()) (inductor graph)": mm_t, "oneDNN packed": onednn}
     if panel_kernel.backend() == "panel":
@@ -78,14 +79,14 @@ def main() -> None:
         print(f"  {name:<30} {med * 1e3:8.1f} ms/step   {med / base:5.2f}x oneDNN   ({mb / 1e3 / med:5.1f} GB/s)")
 
     def graph(x, p):
-        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        return torch_internals.linear_pointwise(x, p, None)
 
     for backend in ("aot_eager", "inductor"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         try:
             torch.compile(graph, backend=backend, fullgraph=True)(inputs[HIDDEN], packed[0])
             print(f"  a packed weight as a graph input, backend {backend}: runs")
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
+        except torch_internals.compile_errors() as exc:
             print(f"  a packed weight as a graph input, backend {backend}: {type(exc).__name__} "
                   f"{(str(exc).splitlines() or [''])[0][:120]}")
 

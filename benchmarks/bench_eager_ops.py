@@ -45,6 +45,8 @@ import time
 
 import torch
 
+from rl_tpu.patches import torch_internals
+from rl_tpu.patches.transformers_internals import set_attn_implementation
 from rl_tpu.sampler import panel_kernel
 
 
@@ -69,7 +71,7 @@ def load_model(tiny: bool):
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-        cfg._attn_implementation = "sdpa"
+        set_attn_implementation(cfg, "sdpa")
         return LlamaForCausalLM(cfg).eval(), "tiny Llama (2 layers, 64 wide)"
     from verl_backend.models import ensure_default_model
 
@@ -90,8 +92,8 @@ def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> dict[s
     from rl_tpu.sampler.packed import packed_linear_supported
 
     if packed_linear_supported():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), rows)
-        rates["onednn"] = flop / min(_timed(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
+        packed = torch_internals.reorder_linear_weight(b.T.contiguous(), rows)
+        rates["onednn"] = flop / min(_timed(torch_internals.linear_pointwise, a, packed, None)
                                      for _ in range(6)) / 1e9
     if panel_kernel.backend() == "panel":
         panels = panel_kernel.pack(b.T.contiguous())
@@ -167,15 +169,15 @@ def trainer_figures(model, args) -> dict:
     """Compiled trainer (inductor) over one step's shapes, and ops per training micro batch eager and compiled."""
     import copy
 
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
     from rl_tpu.compiled_blocks import CompiledBlocks
+    from rl_tpu.patches.torch_internals import inductor_compilers
     from rl_tpu.train_opcount import micro_batch_ops, split
 
     vocab = model.config.vocab_size
     update = loss_step(padded_micro_batch(vocab, args.train_rows, args.train_len))
     lp_ids, lp_mask, lp_pos = padded_micro_batch(vocab, args.logprob_rows, args.train_len, seed=1)
     graphs = {"forward": 0, "inference": 0, "backward": 0}
+    compile_fx, compile_fx_inner = inductor_compilers()
 
     def inner(gm, example_inputs, **kw):
         kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
@@ -220,9 +222,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.use_compile_cache:  # a cache hit skips the compile being measured (and the graph counter's hook)
-        from torch._inductor import config as inductor_config
+        from rl_tpu.patches.torch_internals import disable_inductor_caches
 
-        inductor_config.force_disable_caches = True
+        disable_inductor_caches()
 
     model, label = load_model(args.tiny)
     vocab = model.config.vocab_size

@@ -17,6 +17,7 @@ from edge_export import litert_patches
 from edge_export.errors import ExportError, explain_conversion_failure
 from edge_export.quantize import quantize_tflite, recipe_name
 from edge_export.sources import Checkpoint
+from rl_tpu.patches.torch_internals import tree_flatten
 
 CONVERSION_FAILED = "conversion-failed"
 
@@ -95,7 +96,7 @@ def int64_notes(sample_args: tuple, outputs) -> list[str]:
         for i, arg in enumerate(sample_args)
         if isinstance(arg, torch.Tensor) and arg.dtype == torch.int64
     ]
-    flat, _ = torch.utils._pytree.tree_flatten(outputs)
+    flat, _ = tree_flatten(outputs)
     notes += [
         f"output {i} is int64 in PyTorch; LiteRT returns it as int32"
         for i, out in enumerate(flat)

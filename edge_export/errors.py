@@ -23,6 +23,7 @@ DATA_DEPENDENT_SHAPE = "data-dependent-shape"
 MISSING_RUNTIME_OP = "missing-runtime-op"
 VERIFICATION_FAILED = "verification-failed"
 BAD_FILE = "bad-file"
+UNSUPPORTED_LIBRARY = "unsupported-library"  # a library outside the range edge_export's patches were tested with
 
 
 class ExportError(Exception):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from edge_export.runtime import LiteRTCausalLM, TFLiteModule
+from rl_tpu.patches.torch_internals import tree_flatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ def verify_module(
     """
     lite = TFLiteModule(path, num_threads)(*[a.numpy() for a in sample_args])
     with torch.no_grad():
-        ref, _ = torch.utils._pytree.tree_flatten(module.eval()(*sample_args))
+        ref, _ = tree_flatten(module.eval()(*sample_args))
     ref = [r.detach().float().numpy() if r.is_floating_point() else r.numpy() for r in ref]
     if len(ref) != len(lite):
         raise AssertionError(f"{path}: {len(lite)} outputs, PyTorch gives {len(ref)}")

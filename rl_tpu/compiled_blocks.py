@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from rl_tpu.patches import torch_internals  # Dynamo, pytree, FSDP1: torch's private names, version-checked
+
 #: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager: bucketed
 #: lengths (:func:`bucket_length`) x micro-batch sizes x {update, no-grad forward}
 MAX_GRAPHS = 16
@@ -44,13 +46,13 @@ MIN_BUCKET = 64
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks: modules whose class (or a base class, as FSDP2 renames it) is named in the
     model's ``_no_split_modules`` (the unit Hugging Face and FSDP wrap). ``[]`` when the model names none."""
-    inner = getattr(model, "_fsdp_wrapped_module", model)
+    inner = torch_internals.unwrap_fsdp(model)
     names = set(getattr(inner, "_no_split_modules", None) or ())
     return [m for m in model.modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
 
 
 def _signature(args, kwargs) -> tuple:
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    leaves = torch_internals.tree_leaves((args, kwargs))
     return (torch.is_grad_enabled(),) + tuple(
         (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
         for x in leaves)
@@ -90,7 +92,7 @@ class CompiledBlocks:
         self.eager_reason: str | None = None
         self._eager_depth = threading.local()
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._name = type(getattr(model, "_fsdp_wrapped_module", model)).__name__
+        self._name = type(torch_internals.unwrap_fsdp(model)).__name__
         self._blocks = decoder_blocks(model)
         for block in self._blocks:
             eager = block.forward
@@ -122,18 +124,17 @@ class CompiledBlocks:
                                    "shape changes from call to call: pad them to one length)")
                     return eager(*args, **kwargs)
                 self.signatures.add(sig)
-                hidden = next((x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                hidden = next((x for x in torch_internals.tree_leaves((args, kwargs))
                                if isinstance(x, torch.Tensor)), None)
                 self._say(f"[rl-tpu] compiled trainer blocks: graph {len(self.signatures)} of at most "
                           f"{self.max_graphs} ({'update' if sig[0] else 'no-grad forward'}, block input "
                           f"{tuple(hidden.shape) if hidden is not None else ()}, backend {self.backend})")
             try:
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                                accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
+                with torch_internals.recompile_limits(RECOMPILE_LIMIT):
                     return compiled(*args, **kwargs)
-            except torch._dynamo.exc.RecompileError:
+            except torch_internals.dynamo_errors()[0]:  # RecompileError
                 raise  # config.error_on_recompile (set_stance("fail_on_recompile") raises a RuntimeError: not caught)
-            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+            except torch_internals.dynamo_errors()[1:] as exc:  # TorchDynamoException, FailOnRecompileLimitHit
                 self.signatures.discard(sig)
                 self.fall_back(sig, _first_line(exc))  # a graph break (fullgraph), a backend failure: nothing ran
                 return eager(*args, **kwargs)

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from rl_tpu.patches.torch_internals import boxed, disable_current_modes
 from rl_tpu.sampler.opcount import OpCounter
 
 #: the names a compiled block's forward and backward launches are counted under
@@ -43,7 +43,7 @@ class CountingBackend:
     :attr:`launches` (under :data:`FORWARD_GRAPH` / :data:`BACKWARD_GRAPH`) and runs with dispatch modes off."""
 
     def __init__(self) -> None:
-        from torch._dynamo.backends.common import aot_autograd
+        from rl_tpu.patches.torch_internals import aot_autograd
 
         self.launches: Counter[str] = Counter()
         self._aot = aot_autograd(fw_compiler=self._compiler(FORWARD_GRAPH), bw_compiler=self._compiler(BACKWARD_GRAPH))
@@ -52,10 +52,9 @@ class CountingBackend:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
             def launch(args):
                 self.launches[name] += 1
-                with _disable_current_modes():
+                with disable_current_modes():
                     return gm(*args)
-            launch._boxed_call = True
-            return launch
+            return boxed(launch)
         return compile_graph
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -64,7 +63,7 @@ class CountingBackend:
 
 def _modes_off(forward: Callable) -> Callable:
     def call(*args, **kwargs):
-        with _disable_current_modes():  # dynamo runs no frame under a dispatch mode
+        with disable_current_modes():  # dynamo runs no frame under a dispatch mode
             return forward(*args, **kwargs)
     return call
 

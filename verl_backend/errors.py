@@ -10,11 +10,9 @@ store under the job's id, and ``verl train`` reports the first recorded one when
 
 from __future__ import annotations
 
+from rl_tpu.errors import BadInputError  # noqa: F401  (defined in rl_tpu, below every layer: rl_tpu.patches uses it)
+
 _KV_NAMESPACE = "rl_tpu"
-
-
-class BadInputError(ValueError):
-    """Input a user can fix. The message names the input, where it is (file/row, config key) and the fix."""
 
 
 def _kv_key() -> bytes | None:
@@ -28,14 +26,15 @@ def _kv_key() -> bytes | None:
 def record_bad_input(exc: BaseException) -> None:
     """Keep ``str(exc)`` for the driver if it is the first bad input of this Ray job (best effort: never raises).
 
-    Stored in the GCS key-value store (``ray.experimental.internal_kv``), so it reaches a driver on another host.
+    Stored in the GCS key-value store (Ray's private ``internal_kv``, :mod:`rl_tpu.patches.ray_internals`), so
+    it reaches a driver on another host.
     """
     try:
-        from ray.experimental import internal_kv
+        from rl_tpu.patches import ray_internals as kv
 
         key = _kv_key()
-        if key is not None and internal_kv._internal_kv_initialized():
-            internal_kv._internal_kv_put(key, str(exc).encode(), overwrite=False, namespace=_KV_NAMESPACE)
+        if key is not None and kv.kv_ready():
+            kv.kv_put(key, str(exc).encode(), namespace=_KV_NAMESPACE)
     except Exception:  # a report about an error must not raise one of its own
         pass
 
@@ -44,14 +43,14 @@ def recorded_bad_input() -> str | None:
     """The first bad input a worker of this Ray job recorded, or ``None`` (also when Ray is not running). It is
     deleted once read, so a restarted attempt starts clean."""
     try:
-        from ray.experimental import internal_kv
+        from rl_tpu.patches import ray_internals as kv
 
         key = _kv_key()
-        if key is None or not internal_kv._internal_kv_initialized():
+        if key is None or not kv.kv_ready():
             return None
-        value = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+        value = kv.kv_get(key, namespace=_KV_NAMESPACE)
         if value is not None:
-            internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
+            kv.kv_del(key, namespace=_KV_NAMESPACE)
         return value.decode() if value is not None else None
     except Exception:
         return None

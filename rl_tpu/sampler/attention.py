@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rl_tpu.patches.transformers_internals import attn_implementation, set_attn_implementation
+
 ATTN_NAME = "rl_tpu_sdpa_gqa"
 
 
@@ -150,11 +152,11 @@ def gqa_attention(model: torch.nn.Module) -> Iterator[bool]:
     shared with other code is only affected while the sampler runs.
     """
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not dispatches_through_interface(model):
+    if attn_implementation(config) != "sdpa" or not dispatches_through_interface(model):
         yield False
         return
-    config._attn_implementation = ATTN_NAME
+    set_attn_implementation(config, ATTN_NAME)
     try:
         yield True
     finally:
-        config._attn_implementation = "sdpa"
+        set_attn_implementation(config, "sdpa")

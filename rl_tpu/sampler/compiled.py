@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from rl_tpu.patches import torch_internals  # Dynamo's private settings, errors and records, version-checked
 from rl_tpu.sampler import panel_kernel
 from rl_tpu.sampler.compiled_packed import PackCache, pack_linears
 from rl_tpu.sampler.fastpaths import say_once
@@ -115,7 +116,7 @@ class CompiledSteps:
                 self.packed_linears[kind] = pack_linears(gm, self.packs)
             ops = _attention_ops()
             self.attention_kernels[kind] = sum(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
-            inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
+            inner = torch_internals.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
             return inner(gm, example_inputs)
 
         model = self.model
@@ -150,12 +151,11 @@ class CompiledSteps:
         before, start = self.graphs[kind], time.perf_counter()
         packs = self.packs.active() if self.packs is not None else contextlib.nullcontext()
         try:
-            with packs, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                                   accumulated_recompile_limit=2 * RECOMPILE_LIMIT):
+            with packs, torch_internals.recompile_limits(RECOMPILE_LIMIT):
                 logits = self._fns[kind](ids, mask, pos, cache)
-        except torch._dynamo.exc.RecompileError:
+        except torch_internals.dynamo_errors()[0]:  # RecompileError
             raise  # the caller asked to be told (set_stance("fail_on_recompile") raises a RuntimeError or this)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling: nothing ran
+        except torch_internals.dynamo_errors()[1] as exc:  # TorchDynamoException: raised while tracing or compiling
             self._off(f"{type(exc).__name__}: {exc}")
             return model_logits(self.model, ids, mask, pos, cache)
         if self.graphs[kind] != before:
@@ -163,7 +163,7 @@ class CompiledSteps:
             if self.graphs[kind] > len(self._shapes[kind]):  # compiled again for a shape it had: the graph depends
                 # on a Python value that changes between calls (transformers' sliding-window static cache counts
                 # its length in a Python int), so it would compile at every step
-                failed = [r for r in torch._dynamo.utils.guard_failures.get(self._codes[kind], ["?"])
+                failed = [r for r in (torch_internals.guard_failures(self._codes[kind]) or ["?"])
                           if "mismatch" not in r.splitlines()[0]] or ["?"]  # not another shape's graph
                 self._off(f"its {kind} step compiled again for the same shape, on a guard that changes each call: "
                           f"{failed[-1].splitlines()[0]}")

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from rl_tpu.patches import torch_internals
 from rl_tpu.sampler import panel_kernel
 
 __all__ = ["PackCache", "pack_linears"]
@@ -95,10 +96,10 @@ class PackCache:
         this process since (its version counter moved), or if its storage is not the one packed (freed, and another
         tensor now at its address)."""
         key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
-        version = weight._version
+        version = torch_internals.version_counter(weight)
         entry = self._packed.get(key)
         if entry is None or entry[0] != version or entry[2].expired() \
-                or entry[2].cdata != weight.untyped_storage()._cdata:
+                or entry[2].cdata != torch_internals.storage_key(weight):
             for stale in [k for k, (_, _, ref) in self._packed.items() if ref.expired()]:
                 del self._packed[stale]  # weights freed or rebound: their copies go with them
             packed = panel_kernel.pack(weight, self.batch_hint)
@@ -149,7 +150,7 @@ def pack_linears(gm: torch.fx.GraphModule, cache: PackCache | None = None) -> in
     target = torch.ops.rl_tpu_kernels.packed_linear.default if native else torch.ops.rl_tpu.packed_linear.default
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+        if node.op != "call_function" or node.target is not torch.nn.functional.linear:  # (is torch._C._nn.linear)
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
         x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from rl_tpu.patches.transformers_internals import attn_implementation
 from rl_tpu.sampler.attention import ATTN_NAME
 from rl_tpu.sampler.lean import LeanDecoder, lean_blocker, probe_error
 
@@ -46,7 +47,7 @@ def packed_prefill_blocker(config, cache) -> str | None:
     """Why a packed prefill would compute other numbers than the model's forward for ``config``'s model and the
     batch's static ``cache``, in one line, or ``None``. Call while the sampler's attention is in place (the
     implementation must be :data:`~rl_tpu.sampler.attention.ATTN_NAME`, whose function reads the mask)."""
-    impl = getattr(config, "_attn_implementation", None)
+    impl = attn_implementation(config)
     if impl != ATTN_NAME:
         return f"attention implementation {impl!r} (only the sampler's sdpa attention reads the packed mask)"
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:

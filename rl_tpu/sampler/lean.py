@@ -26,12 +26,12 @@ model's own forward on a probe input (:mod:`rl_tpu.sampler.fastpaths` refuses th
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
+from rl_tpu.patches.record import UnsupportedVersionError
+from rl_tpu.patches.transformers_internals import rotary_function
 from rl_tpu.sampler.attention import decode_attention
 
 _NORM_IS_RMS: dict[type, bool] = {}  # norm class -> whether F.rms_norm(x, weight, eps) computes its forward
@@ -87,8 +87,11 @@ def lean_blocker(model: torch.nn.Module) -> str | None:
         return f"layer types {', '.join(sorted(set(cfg.layer_types) - {'full_attention'}))}"
     if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
         return f"sliding-window attention (window {cfg.sliding_window})"
-    mod = sys.modules.get(type(inner.layers[0].self_attn).__module__) if len(inner.layers) else None
-    if mod is None or not hasattr(mod, "apply_rotary_pos_emb"):
+    try:
+        rotary = rotary_function(inner.layers[0].self_attn) if len(inner.layers) else None
+    except UnsupportedVersionError as exc:  # the lean step reads a transformers name checked with some versions only
+        return str(exc)
+    if rotary is None:
         return "no RoPE (apply_rotary_pos_emb) beside its attention"
     layer_parts = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
     for layer in inner.layers:
@@ -122,7 +125,7 @@ class LeanDecoder:
         self.embed, self.layers, self.rotary = inner.embed_tokens, list(inner.layers), inner.rotary_emb
         self.norm, self.head = _norm_fn(inner.norm), model.lm_head
         first = self.layers[0].self_attn
-        self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
+        self.apply_rotary = rotary_function(first)
         self.head_dim = int(first.head_dim)
         self.qkv: list = [None] * len(self.layers)  # per layer: fused q/k/v function, or None
         self.norms = [(_norm_fn(l.input_layernorm), _norm_fn(l.post_attention_layernorm)) for l in self.layers]

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from rl_tpu.patches.torch_internals import disable_current_modes, dispatch_mode_base
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(dispatch_mode_base()):
     """``with OpCounter() as c: ...``: ``c.counts`` maps each aten op's name (its overload packet, e.g. ``"mm"``,
     ``"add_"``) to how many times it was dispatched inside the block; ``c.total`` is their sum."""
 
@@ -41,7 +41,7 @@ GRAPH = "<compiled graph>"
 def _one_launch(fn, counter: OpCounter):
     def call(*args):
         counter.counts[GRAPH] += 1
-        with _disable_current_modes():
+        with disable_current_modes():
             return fn(*args)
     return call
 

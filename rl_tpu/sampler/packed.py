@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rl_tpu.patches import torch_internals
 from rl_tpu.sampler import panel_kernel
 
 __all__ = ["PackedLinears", "packed_linear_supported"]
@@ -38,11 +39,9 @@ __all__ = ["PackedLinears", "packed_linear_supported"]
 
 def packed_linear_supported() -> bool:
     """Whether this torch build has oneDNN's packed linear (CPU builds with mkldnn)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
+    from rl_tpu.patches.torch_internals import packed_linear_available
+
+    return packed_linear_available()
 
 
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
@@ -84,7 +83,7 @@ class PackedLinears:
 
     def _weights_key(self) -> tuple:
         # a copy_ in this process bumps _version; the data_ptr catches a rebind (param.data = ...)
-        return tuple((m.weight.data_ptr(), m.weight._version) for m in self.modules)
+        return tuple((m.weight.data_ptr(), torch_internals.version_counter(m.weight)) for m in self.modules)
 
     def pack(self) -> None:
         """Build the packed copies now (each ``with`` block does it when they are missing or stale)."""

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from rl_tpu.patches import torch_internals  # oneDNN's private packed-linear ops, version-checked
+
 __all__ = ["backend", "linear", "pack"]
 
 #: compiled into one library: the linear layers' kernel, the decode attention's (:mod:`rl_tpu.sampler.attention`) and
@@ -62,7 +64,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     cmd = [get_cxx_compiler(), "-O3", "-std=gnu++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *[f"-I{p}" for p in include_paths()], *map(str, _SOURCES), "-o", tmp,
            f"-L{TORCH_LIB_PATH}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{TORCH_LIB_PATH}"]
     try:
@@ -180,7 +182,7 @@ def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
     with torch.inference_mode(False), torch.no_grad():
         if backend() == "panel":
             return pack_panels(weight)
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, int(batch_hint)))
+        return torch_internals.reorder_linear_weight(weight.detach(), max(1, int(batch_hint)))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -191,4 +193,4 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
         bias = bias.contiguous() if bias is not None else None
         out = torch.ops.rl_tpu_kernels.panel_linear(flat, packed, bias, out_features)
         return out.view(*x.shape[:-1], out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch_internals.linear_pointwise(x, packed, bias)

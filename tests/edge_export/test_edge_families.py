@@ -87,11 +87,12 @@ def test_litert_export_leaves_transformers_modeling_classes_alone(patched):
         assert all(c.startswith("litert_torch.") for c in classes), classes
 
 
-def test_patch_leaves_other_versions_alone(monkeypatch):
-    from packaging.version import Version
-
+def test_patch_refuses_other_versions(monkeypatch):
     from edge_export import litert_patches
+    from rl_tpu.patches.record import UnsupportedVersionError
 
-    monkeypatch.setattr(litert_patches, "_litert_torch_version", lambda: Version("0.11.0"))
-    assert litert_patches.patch_cache_get_max_length() is False
-    assert litert_patches.keep_transformers_kernel_hook() is False
+    monkeypatch.setattr(litert_patches, "_litert_torch_version", lambda: "0.11.0")
+    with pytest.raises(UnsupportedVersionError):
+        litert_patches.patch_cache_get_max_length()
+    with pytest.raises(UnsupportedVersionError):
+        litert_patches.keep_transformers_kernel_hook()

@@ -241,10 +241,10 @@ def check_sdpa_attention(key: str, path: Path, config) -> None:
         BadInputError: one line naming the family, why, and the families that run.
     """
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (KeyError, ValueError):
         return  # not a causal LM transformers knows (remote code, a critic's head): VeRL loads it its own way
     if getattr(cls, "_supports_sdpa", True):

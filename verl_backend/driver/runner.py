@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from rl_tpu.patches.ray_internals import undecorated_class
 from verl_backend.driver.run_folder import last_checkpoint_step
 from verl_backend.errors import BadInputError, in_cause_chain, recorded_bad_input
 from verl_backend.patches.transfer_queue import apply_num_threads
@@ -32,10 +33,10 @@ def _dead_actor_in_cluster() -> str | None:
     ("no materializable trajectories"), so the exception alone cannot tell a dead actor from a bug; Ray's actor
     table (GCS) can.
     """
-    import ray
+    from rl_tpu.patches.ray_internals import actor_table
 
     try:
-        table = ray._private.state.actors()
+        table = actor_table()
     except Exception:
         return None
     for info in table.values():
@@ -111,8 +112,9 @@ class _TaskRunnerInDriver:
     """
 
     def __init__(self, actor_class) -> None:
-        # Ray 2.60 keeps the undecorated class here (ray/actor.py, _modify_class); the class cannot be called as is
-        self._cls = actor_class.__ray_metadata__.modified_class.__ray_actor_class__
+        # the class under @ray.remote (a Ray private, rl_tpu.patches.ray_internals); the actor class cannot be
+        # called as is
+        self._cls = undecorated_class(actor_class)
 
     def options(self, **_):  # run_ppo's nsight branch (CUDA profiling) asks for actor options
         return self
@@ -141,23 +143,16 @@ def task_runner_class(where: str = "driver"):
     (``rl_tpu.task_runner``), or a Ray without the undecorated class where this looks for it."""
     from verl.trainer.main_ppo import TaskRunnerV1
 
-    metadata = getattr(TaskRunnerV1, "__ray_metadata__", None)
-    if where == "actor" or \
-            not hasattr(getattr(metadata, "modified_class", None), "__ray_actor_class__"):
+    if where == "actor" or undecorated_class(TaskRunnerV1) is None:
         return TaskRunnerV1
     return _TaskRunnerInDriver(TaskRunnerV1)
 
 
 def _run_verl(config, task_runner: str = "driver") -> None:
-    """VeRL's own entry (``verl.trainer.main_ppo.main``'s body): device check, config validation, ``run_ppo``."""
-    from verl.trainer.main_ppo import run_ppo
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.device import auto_set_device
+    """VeRL's own entry (``verl.trainer.main_ppo.main``'s body, :mod:`verl_backend.patches.verl_internals`)."""
+    from verl_backend.patches.verl_internals import run_main_body
 
-    auto_set_device(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=task_runner_class(task_runner))
+    run_main_body(config, task_runner_class(task_runner))
 
 
 

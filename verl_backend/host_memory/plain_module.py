@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from verl_backend.patches.verl_internals import engine_state, set_unwrapped_precision
 from verl_backend.settings import current
 
 
@@ -64,7 +65,7 @@ class _HFConfigDtypeOnSave:
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
                                 max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
-        if getattr(self, "_is_lora", False) and local_path is not None:
+        if engine_state(self).lora and local_path is not None:
             from verl_backend.weight_sync.lora import save_lora_checkpoint
 
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -112,7 +113,8 @@ class _SingleRankPlainModule:
             return "several ranks: FSDP2 shards the parameters over them"
         if getattr(self.device_mesh, "device_type", None) != "cpu":
             return "an accelerator mesh"
-        if (self._is_lora or self._qat_enabled or self._is_offload_param or self._is_offload_optimizer
+        state = engine_state(self)  # VeRL's private flags (verl_backend.patches.verl_internals)
+        if (state.lora or state.qat or state.offload_param or state.offload_optimizer
                 or config.offload_policy or self.model_config.enable_activation_offload
                 or self.ulysses_sequence_parallel_size > 1):
             return "LoRA, QAT, offload or sequence parallelism"
@@ -137,8 +139,7 @@ class _SingleRankPlainModule:
             if torch.distributed.get_rank() == 0:
                 print(f"[rl-tpu] {role}: FSDP2 wraps the model ({self.plain_module_reason})", flush=True)
             return super()._build_fsdp_module(module)
-        self._autocast_dtype = next(module.parameters()).dtype  # float32: VeRL's forward_step skips autocast
-        self.scaler = None
+        set_unwrapped_precision(self, next(module.parameters()).dtype)  # float32: VeRL's forward skips autocast
         print(f"[rl-tpu] {role}: one CPU rank, so the model runs unwrapped, without FSDP2's parameter and "
               f"gradient copies (rl_tpu.plain_module=false wraps it)", flush=True)
         return module

@@ -22,11 +22,33 @@ from __future__ import annotations
 from importlib.metadata import version
 
 import torch
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-TORCH_VERSIONS = SpecifierSet(">=2.13,<2.14")  # torch versions these names were checked with
+from verl_backend.patches.record import Patch, searched
+
 PARAM_NAMES = ("_sharded_param_data", "sharded_param", "_orig_size", "padded_sharded_param_size")
+
+
+def _names_present(module) -> bool:
+    """``applied`` of :data:`RECORD`: ``FSDPParam`` still declares the names read and ``FSDPModule`` the state
+    getter (the tests also run :func:`fsdp_params` on a real ``fully_shard`` module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    declared = getattr(module.FSDPParam, "__annotations__", {})
+    return all(n in declared for n in PARAM_NAMES) and callable(getattr(FSDPModule, "_get_fsdp_state", None)) \
+        and callable(getattr(module.FSDPParam, "reset_sharded_param", None))
+
+
+RECORD = Patch(
+    target="torch.distributed.fsdp._fully_shard FSDPParam._sharded_param_data/sharded_param/_orig_size/"
+           "padded_sharded_param_size, FSDPModule._get_fsdp_state()._fsdp_param_groups",
+    module="torch.distributed.fsdp._fully_shard._fsdp_param", library="torch", versions=">=2.13,<2.14",
+    why="shared-memory weights rebind each FSDPParam's sharded storage in place; FSDP2 has no public call for it",
+    upstream=searched("pytorch/pytorch", "FSDP2 public API access FSDPParam sharded parameter storage "
+                                         "_sharded_param_data"),
+    apply=None, applied=_names_present)
+RECORDS = (RECORD,)
+TORCH_VERSIONS = RECORD.versions  # torch versions these names were checked with
 
 
 def _refuse(why: str):
@@ -43,7 +65,7 @@ def check_torch(installed: str | None = None) -> None:
         installed: the torch version to check instead of the installed one (a test's).
     """
     found = installed or version("torch")
-    if Version(Version(found).base_version) not in TORCH_VERSIONS:
+    if not RECORD.supports(Version(found).base_version):
         raise _refuse(f"checked with torch {TORCH_VERSIONS} only, and torch {found} is installed")
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from verl_backend.patches.record import Patch, attribute_check, check_versions, mark
+from verl_backend.patches.record import Patch, attribute_check, check_versions, mark, searched
 
 VERSIONS = "==0.2.0"
 TARGET = "torch_tpu._internal.export.export.fx_to_mlir"
@@ -131,7 +131,9 @@ def _apply(module: ModuleType) -> None:
 PATCH = Patch(
     target=TARGET, module="torch_tpu._internal.export.export", library="torch-tpu", versions=VERSIONS,
     why="fx_to_mlir needs a chip for the TPU RNG generator and the PJRT compile; lowering alone does not",
-    upstream=None, apply=_apply, applied=attribute_check("fx_to_mlir", TARGET))
+    upstream=searched("GitHub", "torch_tpu fx_to_mlir lowering without TPU chip ahead-of-time StableHLO",
+                      "no torch-tpu issue tracker found"),
+    apply=_apply, applied=attribute_check("fx_to_mlir", TARGET))
 PATCHES = (PATCH,)
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from types import ModuleType
 
-from verl_backend.patches.record import Patch
+from verl_backend.patches.record import Patch, searched
 
 VERSIONS = "==0.1.11"
 MODULES = ("transfer_queue.client", "transfer_queue.storage.simple_storage")
@@ -36,8 +36,10 @@ def _matches_environment(module: ModuleType) -> bool:
 
 PATCHES: tuple[Patch, ...] = tuple(
     Patch(target=f"{name}.TQ_NUM_THREADS", module=name, library="TransferQueue", versions=VERSIONS,
-          why="read from $TQ_NUM_THREADS once at import, before verl train sets it (no upstream issue found)",
-          upstream=None, apply=_set_from_environment, applied=_matches_environment)
+          why="read from $TQ_NUM_THREADS once at import, before verl train sets it",
+          upstream=searched("TransferQueue/TransferQueue", "TQ_NUM_THREADS environment variable read at import",
+                            "the variable came with https://github.com/TransferQueue/TransferQueue/pull/152"),
+          apply=_set_from_environment, applied=_matches_environment)
     for name in MODULES
 )
 

@@ -11,7 +11,7 @@ import builtins
 from collections.abc import Callable
 from types import ModuleType
 
-from verl_backend.patches.record import Patch, attribute_check, is_marked, mark, wrap
+from verl_backend.patches.record import Patch, attribute_check, is_marked, mark, resolve, searched, wrap
 
 VERSIONS = "==0.9.1"  # the VeRL release these patches were written against and tested with
 NATIVE_ROLLOUT = "verl_backend.rollout.adapter.NativeServerAdapter"
@@ -68,8 +68,7 @@ def _resource_check(original):
         resource = get_platform().ray_resource_name()
         if resource in ("GPU", "NPU"):
             return original(self)
-        per_node = ray._private.state.available_resources_per_node()
-        available = sum(float(info.get(resource, 0)) for info in per_node.values())
+        available = float(ray.available_resources().get(resource, 0))  # summed over the nodes, as VeRL's per node
         required = self.get_n_gpus()
         if available < required:
             raise ValueError(
@@ -225,7 +224,7 @@ def _save_to_cpu(original):
             return {n: (p.detach().clone(), None) for n, p in params.items()}, None
         state, spec = original(model)
         for name, (tensor, shard_spec) in state.items():
-            live = params[name]._local_tensor if isinstance(params[name], DTensor) else params[name]
+            live = params[name].to_local() if isinstance(params[name], DTensor) else params[name]  # same storage
             if tensor.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
                 state[name] = (tensor.clone(), shard_spec)
         return state, spec
@@ -320,7 +319,7 @@ def _consume_with_naive_sync(original):
     return _consume_sync_metrics
 
 
-def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str | None = None,
+def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str,
               when: Callable[[], bool] | None = None) -> Patch:
     """The record of a patch that wraps ``module.path`` (``"Cls.attr"`` or ``"name"``) with ``make(original)``;
     with ``when``, only where it returns true (elsewhere the patch counts as in place)."""
@@ -330,20 +329,13 @@ def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str | 
 
     def apply(mod: ModuleType) -> None:
         if when is None or when():
-            wrap(_resolve(mod, owner_path), name, make, target)
+            wrap(resolve(mod, owner_path), name, make, target)
 
     def applied(mod: ModuleType) -> bool:
         return (when is not None and not when()) or check(mod)
 
     return Patch(target=target, module=module, library="verl", versions=VERSIONS, why=why, upstream=upstream,
                  apply=apply, applied=applied)
-
-
-def _resolve(module: ModuleType, path: str):
-    obj = module
-    for part in filter(None, path.split(".")):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _default_model_here(original):
@@ -360,6 +352,8 @@ def _default_model_here(original):
 
 
 _INIT_PG = "verl.utils.distributed.initialize_global_process_group_ray"
+_NO_SYNC_METRICS_ISSUE = searched("verl-project/verl", "verl checkpoint engine naive update_weights returns no metrics "
+                                  "weight sync timing")
 _TRACKING_OPEN = "verl.utils.tracking.open"
 _ROLLOUT = "verl.workers.rollout.base._ROLLOUT_REGISTRY"
 mark(_append_instead_of_truncate, _TRACKING_OPEN)
@@ -385,13 +379,17 @@ def _register_native_rollout(module: ModuleType) -> None:
 # the process to import its module, so VeRL's light processes (agent loop, reward loop, TransferQueue) stay light.
 PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.single_controller.ray.base", "ResourcePoolManager._check_resource_available",
-              _resource_check, "VeRL counts only GPU/NPU Ray resources: on CPU/TPU it sees 0 and refuses "
-              "(no upstream issue found for non-GPU platforms)"),
+              _resource_check, "VeRL counts only GPU/NPU Ray resources: on CPU/TPU it sees 0 and refuses",
+              searched("verl-project/verl", "verl ResourcePoolManager _check_resource_available Total available GPUs "
+                       "0 CPU TPU", "#539 and #746 report the message on GPUs, for another cause")),
     _wrapping("verl.single_controller.ray.base", "ResourcePoolManager.create_resource_pool", _create_resource_pool,
               "a pool of a TPU slice (rl_tpu.slice) is reserved whole with ray.util.tpu's slice placement "
-              "(rl-tpu feature, no upstream issue)"),
+              "(rl-tpu feature)",
+              searched("verl-project/verl", "verl TPU slice resource pool placement group ray.util.tpu",
+                       "Ray's slice placement is https://github.com/ray-project/ray/pull/56723")),
     _wrapping("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.__init__", _replay_buffer_init,
-              "the replay buffer polls TransferQueue every 2 s, hard-coded (no upstream issue found)"),
+              "the replay buffer polls TransferQueue every 2 s, hard-coded",
+              searched("verl-project/verl", "verl replay buffer poll_interval 2 seconds hard-coded TransferQueue")),
     _wrapping("verl.models.transformers.monkey_patch", "is_trl_available", _trl_with_value_head,
               "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
               "https://github.com/verl-project/verl/issues/5690"),
@@ -402,38 +400,49 @@ PATCHES: tuple[Patch, ...] = (
               "the critic is loaded with attn_implementation='flash_attention_2' hard-coded",
               "https://github.com/verl-project/verl/issues/5210"),
     Patch(target=_TRACKING_OPEN, module="verl.utils.tracking", library="verl", versions=VERSIONS,
-          why="FileLogger opens metrics.jsonl with 'wb': a resumed run erased the steps before it (no upstream "
-          "issue found)", upstream=None, apply=_set_tracking_open,
+          why="FileLogger opens metrics.jsonl with 'wb': a resumed run erased the steps before it",
+          upstream=searched("verl-project/verl", "verl FileLogger metrics jsonl overwritten on resume open wb"),
+          apply=_set_tracking_open,
           applied=lambda m: is_marked(m.__dict__.get("open"), _TRACKING_OPEN)),
     _wrapping("verl.utils.distributed", "initialize_global_process_group_ray", _init_pg_ray,
               "VeRL's backend string is 'cpu:gloo,cpu:gloo' on CPU, which torch rejects (duplicate device type)",
               "https://github.com/verl-project/verl/issues/6237"),
     _wrapping("verl.utils.fs", "copy_local_path_from_hdfs", _default_model_here,
               "the default model's folder is converted on the driver's host only: a worker on another host converts "
-              "it where VeRL makes a model path local (rl-tpu feature, no upstream issue)"),
+              "it where VeRL makes a model path local (rl-tpu feature)",
+              searched("verl-project/verl", "verl copy_to_local model path missing on worker node multi-node local "
+                       "model not found")),
     _rebinding("verl.workers.engine_workers"),
     _rebinding("verl.checkpoint_engine.base"),
     _wrapping("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", _cpu_offload_policy_without_pinning,
-              "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator (no upstream issue "
-              "found)", when=_on_cpu),
+              "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator",
+              searched("verl-project/verl", "verl CPUOffloadPolicy pin_memory=True Cannot access accelerator device "
+                       "when none is available"), when=_on_cpu),
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", _save_to_cpu,
               "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
-              "policy moved with each update), and asserts FSDP2 DTensors (no upstream issue found)"),
+              "policy moved with each update), and asserts FSDP2 DTensors",
+              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+                       "related: https://github.com/verl-project/verl/pull/7251, the same helpers' DTensor-only "
+                       "assert for FSDP1, closed")),
     _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", _load_from_cpu,
-              "restores the plain-module state the patched save makes (no upstream issue found)"),
+              "restores the plain-module state the patched save makes",
+              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+                       "related: https://github.com/verl-project/verl/pull/7251, closed")),
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
               "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
-              "empty hook, no upstream issue)"),
+              "empty hook)",
+              searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary")),
     _wrapping("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", _worker_sync_metrics,
               "the colocated (naive) weight sync returns no figures: weight_sync/{route,bytes,seconds,verified} "
-              "reach metrics.jsonl as the gloo engine's do (rl-tpu feature, no upstream issue)"),
+              "reach metrics.jsonl as the gloo engine's do (rl-tpu feature)", _NO_SYNC_METRICS_ISSUE),
     _wrapping("verl.checkpoint_engine.base", "CheckpointEngineManager.update_weights", _manager_sync_metrics,
-              "the naive branch drops what the trainer workers return (no upstream issue found)"),
+              "the naive branch drops what the trainer workers return", _NO_SYNC_METRICS_ISSUE),
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._consume_sync_metrics", _consume_with_naive_sync,
-              "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics "
-              "(no upstream issue found)"),
+              "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics",
+              _NO_SYNC_METRICS_ISSUE),
     Patch(target=f"{_ROLLOUT}[('native', 'async')]", module="verl.workers.rollout.base", library="verl",
           versions=VERSIONS, why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this "
-          "private dict (no upstream issue found)", upstream=None, apply=_register_native_rollout,
+          "private dict", upstream=searched("verl-project/verl", "verl register custom rollout _ROLLOUT_REGISTRY "
+                                            "get_rollout_class plugin"), apply=_register_native_rollout,
           applied=lambda m: m._ROLLOUT_REGISTRY.get(("native", "async")) == NATIVE_ROLLOUT),
 )

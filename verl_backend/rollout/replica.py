@@ -7,6 +7,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.utils.device import get_device_name
 from verl.workers.rollout.replica import RolloutReplica
 
+from verl_backend.patches.verl_internals import set_replica_server  # VeRL's protected server fields
 from verl_backend.rollout import server_actor_name
 from verl_backend.rollout.sampling import server_env
 from verl_backend.rollout.server import NativeRolloutServer
@@ -86,5 +87,4 @@ class NativeReplica(RolloutReplica):
         )
         self.servers = [server]
         ip, _ = await server.get_server_address.remote()
-        self._server_handle = server
-        self._server_address = f"native://{ip}/replica-{self.replica_rank}{self.name_suffix}"
+        set_replica_server(self, server, f"native://{ip}/replica-{self.replica_rank}{self.name_suffix}")

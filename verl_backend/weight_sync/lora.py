@@ -31,6 +31,8 @@ from collections.abc import Iterator
 
 import torch
 
+from rl_tpu.patches.torch_internals import unwrap_fsdp  # FSDP1's private wrapper attribute
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A whole tensor from a parameter (``DTensor``: gathered; on one rank its local tensor)."""
@@ -93,7 +95,7 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
 
     from peft.tuners.lora import Embedding, Linear
 
-    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    peft_model = unwrap_fsdp(module)
     layers = {}  # base_layer weight's state-dict name -> LoRA layer
     for name, m in peft_model.named_modules():
         if isinstance(m, LoraLayer):
@@ -199,7 +201,7 @@ def lora_adapter_payload(module: torch.nn.Module) -> Iterator[tuple[str, torch.T
         ValueError: as :func:`_adapted_layers` and :func:`_adapter_parts` (DoRA, a layer kind other than Linear or
             Embedding, tied weights, several active adapters, merged), before anything is yielded.
     """
-    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    peft_model = unwrap_fsdp(module)
     layers = _adapted_layers(peft_model)  # refuses before the first tensor leaves
     for hf, _, layer, adapter in layers:
         a, b, scaling, transpose = _adapter_parts(layer, adapter)
@@ -440,7 +442,7 @@ def save_lora_checkpoint(module: torch.nn.Module, checkpoint_dir: str, rank: int
     from transformers import AutoModelForCausalLM
     from verl.utils.transformers_compat import drop_tied_target_keys
 
-    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    peft_model = unwrap_fsdp(module)
     merged = dict(merged_lora_weights(module))  # every rank: full_tensor() is collective
     adapter = {k: _full(v).detach() for k, v in get_peft_model_state_dict(peft_model).items()}
     if rank != 0:

@@ -22,8 +22,10 @@ from verl.workers.engine.fsdp.transformer_impl import (
     FSDPEngineWithValueHead,
 )
 
+from rl_tpu.patches.torch_internals import unwrap_fsdp  # FSDP1's private wrapper attribute
 from verl_backend import weight_sync
 from verl_backend.host_memory.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
+from verl_backend.patches.verl_internals import engine_state
 from verl_backend.settings import current
 from verl_backend.workers.response_logits import (
     first_response_logit_position,
@@ -105,7 +107,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
                   f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
                   "(rl_tpu.compile_trainer)", flush=True)
-        inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        inner = unwrap_fsdp(self.module)
         if not self.engine_config.forward_only and callable(getattr(inner, "get_output_embeddings", None)) and \
                 inner.get_output_embeddings() is not None:  # the actor (a critic's value head is no LM head)
             from verl_backend.weight_sync.verify import register_trainer_module
@@ -133,7 +135,8 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             return "parameters on an accelerator"
         if torch.distributed.get_world_size() != 1:
             return "FSDP shards the parameters over several ranks: the rollout needs whole tensors"
-        if self._is_lora or self._qat_enabled or self._is_offload_param:
+        state = engine_state(self)  # VeRL's private flags (verl_backend.patches.verl_internals)
+        if state.lora or state.qat or state.offload_param:
             return "LoRA, QAT or parameter offload sends transformed weights"
         return None
 
@@ -149,7 +152,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
         drops the ``peft_config``, so it would send the whole base each time; and a peft config makes VeRL's naive
         path set vLLM/SGLang adapter state. The payload's names carry all the receiver needs on every transport,
         and the rollout never starts from dummy weights (it loads the model path), so no base sync is needed."""
-        if self._is_lora:
+        if engine_state(self).lora:
             from verl_backend.weight_sync.lora import lora_adapter_payload
 
             return lora_adapter_payload(self.module), None
@@ -160,7 +163,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
         from verl.utils.model import convert_weight_keys
 
         params = convert_weight_keys(self.module.state_dict(),
-                                     getattr(self.module, "_fsdp_wrapped_module", self.module))
+                                     unwrap_fsdp(self.module))
         return ((n, p.to_local() if isinstance(p, DTensor) else p) for n, p in params.items()), None
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
@@ -279,7 +282,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
     by_param = fsdp2.fsdp_params(module)
     named = convert_weight_keys(module.state_dict(keep_vars=True),
-                                getattr(module, "_fsdp_wrapped_module", module))
+                                unwrap_fsdp(module))
     if not by_param:  # an unwrapped module (_SingleRankPlainModule): each tensor's .data moves into the file
         return SharedWeights.from_named_tensors(named, name=name)
     groups: dict[int, tuple[list[str], object]] = {}

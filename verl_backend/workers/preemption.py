@@ -68,6 +68,8 @@ def at_step_begin(trainer) -> None:
         return
     from pathlib import Path
 
+    from verl_backend.patches.verl_internals import save_checkpoint
+
     completed = int(trainer.global_steps) - 1
     if completed < 1:
         raise Terminated()
@@ -79,7 +81,7 @@ def at_step_begin(trainer) -> None:
     if not saved:
         trainer.global_steps = completed
         try:
-            trainer._save_checkpoint()
+            save_checkpoint(trainer)  # VeRL's protected save (verl_backend.patches.verl_internals)
         finally:
             trainer.global_steps = completed + 1
     raise Terminated(step=completed, saved_now=not saved)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from rl_tpu.patches.transformers_internals import attn_implementation
+
 # The layer types transformers (5.x) names in ``config.layer_types`` that a windowed causal mask expresses
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -57,7 +59,7 @@ def attention_kinds(model: torch.nn.Module) -> AttentionKinds | str:
     if config is None:
         return "the model has no Hugging Face config to read its attention from"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    impl = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "eager"
+    impl = attn_implementation(text) or attn_implementation(config) or "eager"
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r} takes no 4-D mask"
     if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:

@@ -1,5 +1,6 @@
 """Every rl-tpu patch (``verl_backend.patches``) is in place once its module is imported and changes what it should;
-a library outside a patch's tested range is refused in one line.
+every record of a name read (VeRL's, Ray's) finds that name; every record of the project names its range, reason and
+upstream (or the search that found none); a library outside a record's tested range is refused in one line.
 
 The checks that need VeRL's platform (chosen once per process from ``VERL_PLATFORM``), its FSDP engine or a Ray
 cluster run in a fresh interpreter; the rest run here on the real libraries.
@@ -16,10 +17,21 @@ import textwrap
 
 import pytest
 
+from rl_tpu.patches.record import Patch, problems, searched
 from verl_backend.errors import BadInputError
-from verl_backend.patches import PATCHES, UnsupportedVersionError, check_versions
+from verl_backend.patches import RECORDS, UnsupportedVersionError, check_versions
 
-TARGETS = [p.target for p in PATCHES]
+TARGETS = [p.target for p in RECORDS]
+
+
+def _every_record() -> tuple[Patch, ...]:
+    """Every touch-point record of the project: the worker side's, the FSDP2 and TorchTPU ones, rl_tpu's and
+    edge_export's."""
+    from edge_export import litert_patches
+    from rl_tpu.patches import records
+    from verl_backend.patches import fsdp2_internals, torch_tpu_aot
+
+    return RECORDS + fsdp2_internals.RECORDS + torch_tpu_aot.PATCHES + records() + litert_patches.PATCHES
 
 
 def _run(code: str, **env: str) -> dict:
@@ -49,14 +61,14 @@ def on_cpu_platform() -> dict:
         import importlib, json, os, sys, types
         import transfer_queue.client as tq_client  # imported before $TQ_NUM_THREADS is set, as in the driver
         import verl
-        from verl_backend.patches import PATCHES
+        from verl_backend.patches import RECORDS
 
         out = {"tq_before": tq_client.TQ_NUM_THREADS}
         os.environ["TQ_NUM_THREADS"] = "1"
         from verl_backend.patches.transfer_queue import apply_num_threads
         apply_num_threads()
         out["tq_after"] = tq_client.TQ_NUM_THREADS
-        out["applied"] = {p.target: p.applied(importlib.import_module(p.module)) for p in PATCHES}
+        out["applied"] = {p.target: p.applied(importlib.import_module(p.module)) for p in RECORDS}
 
         import torch.distributed as dist
         import verl.checkpoint_engine.base as ckpt
@@ -192,15 +204,134 @@ def test_resource_check_counts_cpus_and_slice_pool_replaces_verls(job_settings):
                 mgr = ResourcePoolManager({"global_pool": [4, 4]}, mapping={"actor": "global_pool"})
                 create(mgr)
                 pools.append(type(mgr.get_resource_pool("actor")).__name__)
+            # Ray's privates, read through rl_tpu.patches.ray_internals, on a running Ray
+            from verl_backend.errors import BadInputError, record_bad_input, recorded_bad_input
+            from rl_tpu.patches import ray_internals as ri
+
+            @ray.remote(num_cpus=0)
+            class Doomed:
+                def ping(self):
+                    return 1
+
+            doomed = Doomed.remote()
+            ray.get(doomed.ping.remote())
+            ray.kill(doomed)
+            import time
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                    a.get("ActorClassName") == "Doomed" and a.get("State") == "DEAD" for a in ri.actor_table().values()):
+                time.sleep(0.2)
+            dead = [a.get("DeathCause") is not None for a in ri.actor_table().values()
+                    if a.get("ActorClassName") == "Doomed" and a.get("State") == "DEAD"]
+            record_bad_input(BadInputError("first"))
+            record_bad_input(BadInputError("second"))  # the first one is kept
+            kv = [ri.kv_ready(), recorded_bad_input(), recorded_bad_input()]  # read once, then gone
         finally:
             ray.shutdown()
-        print(json.dumps({"msg": msg, "original": original, "pools": pools}))
+        print(json.dumps({"msg": msg, "original": original, "pools": pools, "dead": dead, "kv": kv}))
         """,
         RL_TPU_SETTINGS=settings_module.record(settings),
     )
     assert "has 8 CPU available but the resource pools need 10" in out["msg"]
     assert out["original"] == "Total available GPUs 0 is less than total desired GPUs 1"  # VeRL's, on CPU
     assert out["pools"] == ["SliceResourcePool", "RayResourcePool"]
+    assert out["dead"] == [True]  # ray._private.state.actors(): the killed actor, dead, with its cause
+    assert out["kv"] == [True, "first", None]  # internal_kv: put (kept), get, delete
+
+
+def test_task_runner_runs_in_the_driver_through_the_undecorated_class():
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    from verl_backend.driver import runner
+    from rl_tpu.patches.ray_internals import undecorated_class
+
+    cls = undecorated_class(TaskRunnerV1)
+    assert isinstance(cls, type) and cls.__name__ == "TaskRunnerV1" and callable(cls.run)
+    assert type(runner.task_runner_class("driver")).__name__ == "_TaskRunnerInDriver"
+    assert runner.task_runner_class("actor") is TaskRunnerV1
+    assert undecorated_class(cls) is None  # a plain class: nothing under it
+
+
+def test_verl_main_body_check_fails_when_verl_changes_it():
+    """The negative control of the main-body record: a ``main`` whose body calls something else is not applied."""
+    import types
+
+    from verl_backend.patches import verl_internals as vi
+
+    def main(config):
+        auto_set_device(config)  # noqa: F821
+        validate_config(config=config)  # noqa: F821
+        run_ppo(config)  # noqa: F821
+
+    def changed(config):
+        auto_set_device(config)  # noqa: F821
+        run_ppo(config)  # noqa: F821  (no validation: VeRL moved it)
+        validate_config(config=config)  # noqa: F821
+
+    assert vi.MAIN_BODY.applied(types.SimpleNamespace(main=main))
+    assert not vi.MAIN_BODY.applied(types.SimpleNamespace(main=changed))
+
+
+def test_engine_override_checks_fail_when_verl_changes_the_method():
+    """Negative controls of the FSDPEngine records: a renamed parameter, a caller that stops calling it, a flag no
+    longer set."""
+    import types
+    from contextlib import contextmanager
+
+    from verl_backend.patches import verl_internals as vi
+
+    class FSDPEngine:
+        def __init__(self):
+            self._is_lora = self._qat_enabled = self._is_offload_param = self._is_offload_optimizer = False
+
+        def _build_model_optimizer(self):
+            module = self._build_module()
+            return self._build_fsdp_module(module)
+
+        def _build_module(self):
+            pass
+
+        def _build_fsdp_module(self, module):
+            self._autocast_dtype = self.scaler = None
+
+        @contextmanager
+        def _gradient_sync_context(self, *, is_last_micro_batch):
+            yield
+
+        def forward_backward_batch(self):
+            with self._gradient_sync_context(is_last_micro_batch=True):
+                pass
+
+    fake = types.SimpleNamespace(FSDPEngine=FSDPEngine)
+    records = (vi.ENGINE_BUILD, vi.ENGINE_FSDP, vi.ENGINE_GRAD_SYNC, vi.ENGINE_STATE)
+    assert [r.applied(fake) for r in records] == [True, True, True, True]
+
+    class Renamed(FSDPEngine):
+        def _build_fsdp_module(self, model):  # VeRL renamed the parameter
+            self._autocast_dtype = self.scaler = None
+
+        def forward_backward_batch(self):  # and no longer defers the gradient sync
+            pass
+
+    class NoFlags(FSDPEngine):
+        def __init__(self):
+            self._is_lora = False
+
+    assert [r.applied(types.SimpleNamespace(FSDPEngine=Renamed)) for r in records] == [True, False, False, True]
+    assert vi.ENGINE_STATE.applied(types.SimpleNamespace(FSDPEngine=NoFlags)) is False
+
+
+def test_engine_state_reads_verls_flags_and_unwrapped_precision_sets_its_attributes():
+    import types
+
+    import torch
+
+    from verl_backend.patches.verl_internals import EngineState, engine_state, set_unwrapped_precision
+
+    engine = types.SimpleNamespace(_is_lora=True, _qat_enabled=False, _is_offload_param=1, scaler=object())
+    assert engine_state(engine) == EngineState(lora=True, qat=False, offload_param=True, offload_optimizer=False)
+    set_unwrapped_precision(engine, torch.float32)
+    assert engine._autocast_dtype is torch.float32 and engine.scaler is None
 
 
 def test_metrics_file_is_appended_not_truncated(tmp_path, monkeypatch):
@@ -271,19 +402,49 @@ def test_replay_buffer_polls_every_fifth_of_a_second():
     assert plain.poll_interval == 2.0  # VeRL's hard-coded default
 
 
-def test_every_patch_names_its_range_reason_and_upstream():
-    from importlib.metadata import version
+def test_every_record_names_its_range_reason_and_upstream():
+    from rl_tpu.patches.record import installed_version
 
-    assert len(set(TARGETS)) == len(TARGETS)
-    for patch in PATCHES:
-        assert patch.supports(version(patch.library)), patch.target  # the installed one is the tested one
-        assert patch.why and "\n" not in patch.why, patch.target
-        assert patch.upstream is None or patch.upstream.startswith("https://github.com/"), patch.target
+    every = _every_record()
+    targets = [p.target for p in every]
+    assert len(set(targets)) == len(targets)
+    assert {p.library for p in every} >= {"verl", "TransferQueue", "ray", "torch", "transformers", "litert-torch",
+                                          "torch-tpu"}
+    for patch in every:
+        assert problems(patch) == [], (patch.target, problems(patch))
+        found = installed_version(patch.library)
+        assert found is None or patch.supports(found), patch.target  # the installed one is the tested one
+
+
+BAD_UPSTREAM = ["", "   ", None, "no upstream issue found", "https://example.com/bug/1", "see verl#6237",
+                "none found", "none found: searched verl-project/verl issues for ''"]
+
+
+@pytest.mark.parametrize("upstream", BAD_UPSTREAM)
+def test_a_record_without_an_upstream_is_refused(upstream):
+    """The negative control of the check above: a record whose upstream is empty, missing or neither a GitHub issue
+    or pull request nor the search that found none is refused."""
+    good = RECORDS[0]
+    bad = Patch(target=good.target, module=good.module, library=good.library, versions=good.versions, why=good.why,
+                upstream=upstream, apply=good.apply, applied=good.applied)
+    assert any("upstream" in p for p in problems(bad)), problems(bad)
+
+
+def test_a_complete_record_passes_and_each_field_is_checked():
+    ok = dict(target="pkg.mod.name", module="pkg.mod", library="pkg", versions="==1.0", why="one line",
+              upstream="https://github.com/owner/repo/issues/12", apply=None, applied=lambda m: True)
+    assert problems(Patch(**ok)) == []
+    assert problems(Patch(**{**ok, "upstream": searched("owner/repo", "a query", "a note")})) == []
+    assert problems(Patch(**{**ok, "upstream": "https://github.com/owner/repo/pull/7 (fixed in 2.0)"})) == []
+    for field, value, found in [("target", "", "no target"), ("library", " ", "no library"),
+                                ("versions", "", "no version range"), ("why", "two\nlines", "why is not"),
+                                ("why", "", "why is not")]:
+        assert any(p.startswith(found) for p in problems(Patch(**{**ok, field: value}))), (field, value)
 
 
 def test_installed_versions_pass():
     check_versions()  # would raise for an untested VeRL or TransferQueue
-    check_versions({"verl": "0.9.1", "TransferQueue": "0.1.11"})
+    check_versions({"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.60.0"})
 
 
 @pytest.mark.parametrize("installed, line", [
@@ -293,6 +454,9 @@ def test_installed_versions_pass():
     ({"verl": "0.9.1", "TransferQueue": "0.2.0"},
      ("TransferQueue 0.2.0 is outside the tested range ==0.1.11 of rl-tpu's patch "
       "transfer_queue.client.TQ_NUM_THREADS; install TransferQueue==0.1.11")),
+    ({"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.61.0"},
+     ('ray 2.61.0 is outside the tested range <2.61,>=2.60 of rl-tpu\'s patch ray._private.state.actors; install '
+      '"ray<2.61,>=2.60"')),
     ({"verl": "not-a-version", "TransferQueue": None},
      ("verl not-a-version is outside the tested range ==0.9.1 of rl-tpu's patch "
       "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")),
@@ -309,11 +473,11 @@ def test_a_library_that_is_not_installed_is_not_checked():
 
 
 def test_verl_train_refuses_an_untested_verl_before_running(monkeypatch, capsys):
+    from rl_tpu.patches import record
     from verl_backend import patches
     from verl_backend.driver import cli
-    from verl_backend.patches import record
 
-    monkeypatch.setattr(record, "installed_version", lambda lib: "0.9.2" if lib == "verl" else "0.1.11")
+    monkeypatch.setattr(record, "installed_version", lambda lib: "0.9.2" if lib == "verl" else None)
     monkeypatch.setattr(patches, "_checked", False)
     assert cli.main(["train", "--backend", "cpu", "--print-config"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -327,8 +491,8 @@ def test_plugin_refuses_an_untested_verl_in_one_line_and_registers_nothing():
         [sys.executable, "-c", textwrap.dedent(
             """
             import json
-            from verl_backend.patches import record
-            record.installed_version = lambda lib: "0.9.2" if lib == "verl" else "0.1.11"
+            from rl_tpu.patches import record
+            record.installed_version = lambda lib: "0.9.2" if lib == "verl" else None
             import verl
             from verl.plugin.platform.platform_manager import PlatformRegistry
             print(json.dumps({"platforms": list(PlatformRegistry.registered_names())}))
@@ -343,3 +507,53 @@ def test_plugin_refuses_an_untested_verl_in_one_line_and_registers_nothing():
     assert len(ours) == 1 and ours[0].endswith(
         "rl-tpu: verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
         "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")
+
+
+def test_save_checkpoint_record_fails_when_verl_changes_the_save():
+    import types
+
+    from verl_backend.patches import verl_internals as vi
+
+    class PPOTrainer:
+        def _save_checkpoint(self):
+            return f"global_step_{self.global_steps}"
+
+    class TakesStep:
+        def _save_checkpoint(self, step):  # VeRL passed the step instead of reading global_steps
+            return f"global_step_{step}"
+
+    assert vi.SAVE_CHECKPOINT.applied(types.SimpleNamespace(PPOTrainer=PPOTrainer))
+    assert not vi.SAVE_CHECKPOINT.applied(types.SimpleNamespace(PPOTrainer=TakesStep))
+    saved = types.SimpleNamespace(global_steps=3, _save_checkpoint=lambda: saved.calls.append(3), calls=[])
+    vi.save_checkpoint(saved)
+    assert saved.calls == [3]
+
+
+def test_replica_server_record_fails_when_verl_renames_the_fields():
+    import types
+
+    from verl_backend.patches import verl_internals as vi
+
+    class RolloutReplica:
+        @property
+        def server_handle(self):
+            return self._server_handle
+
+        @property
+        def server_address(self):
+            return self._server_address
+
+    class Renamed:  # VeRL keeps the properties but stores the server elsewhere
+        @property
+        def server_handle(self):
+            return self._servers[0]
+
+        @property
+        def server_address(self):
+            return self._server_address
+
+    assert vi.REPLICA_SERVER.applied(types.SimpleNamespace(RolloutReplica=RolloutReplica))
+    assert not vi.REPLICA_SERVER.applied(types.SimpleNamespace(RolloutReplica=Renamed))
+    replica = RolloutReplica()
+    vi.set_replica_server(replica, "actor", "native://1.2.3.4/replica-0")
+    assert (replica.server_handle, replica.server_address) == ("actor", "native://1.2.3.4/replica-0")

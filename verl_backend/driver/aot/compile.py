@@ -95,14 +95,14 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
     except Exception as exc:  # an unknown chip or shape: libtpu's own message
         return {"topology": topology, "device_kind": None, "graphs": [],
                 "error": f"libtpu cannot compile for {topology}: {_first_line(exc)}"}
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
+    from jax.extend.backend import get_compile_options
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir
+    from jaxlib import xla_client as xc
 
     device = topo.devices[0]
     devices = xc.DeviceList((device,))
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
+    options = get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
     out = []
     for record in lowered:
         if record.get("error") or not record.get("file"):
@@ -170,14 +170,14 @@ def check_numerics(lowered: list[dict]) -> dict:
     """
     import numpy as np
     import jax
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
+    from jax.extend.backend import get_compile_options
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir
+    from jaxlib import xla_client as xc
 
     jax.config.update("jax_enable_x64", True)  # int64 inputs stay int64, as TorchTPU's graphs take them
     device = jax.devices("cpu")[0]
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
+    options = get_compile_options(num_replicas=1, num_partitions=1, device_assignment=(device,))
     out = []
     for record in lowered:
         if record.get("error") or not record.get("numerics"):

@@ -36,10 +36,12 @@ def build_model(config: dict, model_type: str, dtype, attention: str, device: st
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-    cfg._attn_implementation = attention
+    from rl_tpu.patches.transformers_internals import set_attn_implementation
+
+    set_attn_implementation(cfg, attention)
     for sub in ("text_config",):
         if hasattr(cfg, sub):
-            getattr(cfg, sub)._attn_implementation = attention
+            set_attn_implementation(getattr(cfg, sub), attention)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
@@ -56,7 +58,7 @@ class Recorder:
     def __init__(self, capture: bool = False, wrong: str | None = None):
         import torch
         from functorch.compile import min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
+        from rl_tpu.patches.torch_internals import aot_autograd
 
         from verl_backend.patches.torch_tpu_aot import decompositions
 
@@ -107,7 +109,7 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
     config = model.config
     dtype = next(model.parameters()).dtype
     rec = rec or Recorder()
-    torch._dynamo.reset()  # a new trace each time (dynamo caches per code object)
+    torch.compiler.reset()  # a new trace each time (dynamo caches per code object)
     inner = model.model
     hidden = config.hidden_size
     if kind == "block":

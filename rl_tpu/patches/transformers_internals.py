@@ -1,0 +1,64 @@
+"""The transformers names the sampler's lean decode step reads outside transformers' exports, in one place
+(:data:`RECORDS`).
+
+- ``apply_rotary_pos_emb`` of a model's modeling module (:data:`ROTARY`): each transformers model family defines its
+  own RoPE function at the top of ``transformers/models/<family>/modeling_<family>.py``, beside its attention class,
+  and the attention's forward calls it by that name; it is in no ``__all__``. The lean step
+  (:class:`rl_tpu.sampler.lean.LeanDecoder`) calls the same function, found from the attention module's class, so it
+  computes the model's own rotation (interleaved or half-split, partial rotary) rather than a copy of it.
+- A config's ``_attn_implementation`` (:data:`ATTN_IMPL`): which attention function the model's modules call. The
+  sampler swaps it for its own registered function while it runs and reads it to choose its fast paths; the trainer's
+  shared-prefix rows and the TPU lowering read or set it. transformers sets it through ``attn_implementation=`` at
+  load time and ``set_attn_implementation`` on a model; a config's own value has no public getter or setter.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from rl_tpu.patches.record import Patch, names_check, searched
+
+VERSIONS = ">=5.5.3,<5.11,!=5.6.0"  # pyproject's transformers range, the versions the lean step was checked with
+
+ROTARY = Patch(
+    target="transformers.models.<family>.modeling_<family>.apply_rotary_pos_emb",
+    module="transformers.models.llama.modeling_llama", library="transformers", versions=VERSIONS,
+    why="the lean decode step applies the model's own RoPE function, a module-level name of each modeling file",
+    upstream=searched("huggingface/transformers",
+                      "apply_rotary_pos_emb module level function public API rotary embedding per model"),
+    apply=None, applied=names_check("apply_rotary_pos_emb"))
+
+ATTN_IMPL = Patch(
+    target="transformers.PretrainedConfig._attn_implementation", module="transformers", library="transformers",
+    versions=VERSIONS,
+    why="the sampler swaps in its own attention for a while and reads which one a model runs; no public accessor",
+    upstream="https://github.com/huggingface/transformers/pull/32383 (reads config._attn_implementation; "
+             "attn_implementation= at load time is the public way to set it)",
+    apply=None, applied=lambda module: hasattr(module.PretrainedConfig(), "_attn_implementation"))
+
+RECORDS: tuple[Patch, ...] = (ROTARY, ATTN_IMPL)
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation ``config``'s model runs (``"sdpa"``, ``"eager"``, a registered name), or
+    ``None``."""
+    ATTN_IMPL.check()
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config, name: str) -> None:
+    """Make ``config``'s model call attention implementation ``name`` (read by its attention modules per forward)."""
+    ATTN_IMPL.check()
+    config._attn_implementation = name
+
+
+def rotary_function(attention: object) -> Callable | None:
+    """The ``apply_rotary_pos_emb`` beside ``attention``'s class in its modeling module, or ``None`` (no RoPE there).
+
+    Raises:
+        rl_tpu.patches.record.UnsupportedVersionError: transformers outside :data:`VERSIONS`.
+    """
+    ROTARY.check()
+    module = sys.modules.get(type(attention).__module__)
+    return getattr(module, "apply_rotary_pos_emb", None) if module is not None else None
