@@ -54,7 +54,8 @@ DYNAMO = Patch(
     target="torch._dynamo.{config.recompile_limit, exc.*, lookup_backend, utils.guard_failures}",
     module="torch._dynamo",
     library="torch", versions=VERSIONS,
-    why="compiled sampling/training bound recompiles, catch Dynamo's errors and name why a graph recompiled",
+    why="compiled sampling/training bound recompiles, catch Dynamo's errors and name why a graph recompiled; the "
+        "CPU fork server preloads the module by name (verl_backend.host_memory.fork_server.PRELOAD)",
     upstream=searched("pytorch/pytorch", "public API torch.compiler recompile_limit guard_failures "
                                          "TorchDynamoException"),
     apply=None, applied=names_check("config.recompile_limit", "config.accumulated_recompile_limit",

@@ -41,7 +41,7 @@ from pathlib import Path
 # These are ~95% of the import memory (372 of 391 MiB of Pss_Anon with VeRL).
 PRELOAD = (
     "torch",
-    "torch._dynamo",
+    "torch._dynamo",  # a private module: rl_tpu.patches.torch_internals.DYNAMO records it
     "torch.distributed.fsdp",
     "tensordict",
     "numpy",

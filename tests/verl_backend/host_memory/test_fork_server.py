@@ -164,3 +164,20 @@ def test_children_of_a_seeded_job_draw_the_jobs_numbers(server, tmp_path):
         return float(r.stdout.split()[2])
 
     assert draw(5) == draw(5) == random.Random(5).random() != draw(6)
+
+
+def _private_modules(names) -> list[str]:
+    return [name for name in names if any(part.startswith("_") for part in name.split("."))]
+
+
+def test_every_private_module_the_server_preloads_has_a_patch_record():
+    """A private module imported by name (``torch._dynamo``) is a touch point like any other: a record names it,
+    with its versions and upstream. Negative control: an unrecorded private module is found."""
+    from rl_tpu.patches import torch_internals
+
+    recorded = {record.module for record in torch_internals.RECORDS}
+    private = _private_modules(fork_server.PRELOAD)
+    assert private == ["torch._dynamo"], private
+    assert [name for name in private if name not in recorded] == []
+    assert [name for name in _private_modules((*fork_server.PRELOAD, "torch._inductor.fx_passes"))
+            if name not in recorded] == ["torch._inductor.fx_passes"]
