@@ -1,5 +1,8 @@
 """The GRPO recipe study of the default job: which VeRL keys make SmolLM2-135M learn ``basic_arithmetic``.
 
+The default task is ``addition`` (``basic_arithmetic`` with ``+`` only, ``--task addition``) since the third screen;
+``--task basic_arithmetic`` reruns the first two screens on ``+`` and ``-`` (every run gets its task's config).
+
 Each candidate is a list of VeRL / ``rl_tpu.*`` overrides on top of the default job (``verl train --backend
 cpu``). A candidate is trained once per seed (``data.seed``: the data order; the train items stay those of
 ``rl_tpu.seed``), then its last checkpoint and the base model answer, greedily, with the plain Hugging Face
@@ -228,8 +231,10 @@ def cmd_study(args) -> None:
     for name in args.candidates:
         for seed in args.seeds:
             run = OUT / f"{name}-s{seed}"
+            # the task judged is the task trained: its config on the command line (the default job's may differ)
+            task = [] if "--config" in CANDIDATES[name] else ["rl_tpu.task_config=" + json.dumps(TASK_CONFIG)]
             cmd = [verl, "train", "--backend", "cpu", "--output-dir", str(run), f"data.seed={seed}",
-                   "trainer.resume_mode=disable", "trainer.val_before_train=false", *CANDIDATES[name],
+                   "trainer.resume_mode=disable", "trainer.val_before_train=false", *task, *CANDIDATES[name],
                    *args.extra]
             print("$", " ".join(cmd), flush=True)
             t0 = time.monotonic()

@@ -302,7 +302,7 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
     argv = (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1",
              f"actor_rollout_ref.model.path={default_model_dir}"] if job == "default" else
             ["--config", "examples/qwen3_8b_tpu.yaml", "actor_rollout_ref.model.path=examples/models/qwen3-8b"])
-    monkeypatch.chdir(Path(__file__).parents[2])
+    monkeypatch.chdir(Path(__file__).parents[3])  # the repository root
     config, model_path = _aot_config(monkeypatch, tmp_path, argv)
     compiled = json.loads(XLA_V6E8.read_text())[job]
     hf = AutoConfig.from_pretrained(model_path) if model_path else None

@@ -56,7 +56,7 @@ from verl_backend.weight_sync import verify as sv  # noqa: E402
 
 torch.set_num_threads(1)
 
-LR = 1e-5  # the default job's learning rate: an Adam step moves each element by about this much
+LR = 1e-5  # half the default job's learning rate (2e-5): an Adam step moves each element by about this much
 VICTIM = "model.norm.weight"  # 64 elements: the tensor a lost bucket would take with it unnoticed by the probe
 FIRST = "model.embed_tokens.weight"  # the first tensor the trainer sends
 PACKED = "model.layers.0.self_attn.q_proj.weight (packed copy)"  # the first packed copy the check reaches
