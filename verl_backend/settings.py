@@ -25,6 +25,10 @@ from typing import Any, Mapping
 from verl_backend.errors import BadInputError
 
 RECORD_ENV = "RL_TPU_SETTINGS"  # the job's resolved settings, JSON, in every worker's runtime_env
+# process-wide variables the driver forwards from its own environment to every Ray worker of the job
+# (driver.runner) and a rollout server actor takes from the process that creates it (rollout.sampling.server_env):
+# the one list both use
+FORWARDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
 # litert export's quantization recipes (edge_export.quantize.RECIPES; not imported: the driver needs no litert)
 EXPORT_RECIPES = ("none", "dynamic-int8", "weight-int8", "dynamic-int4", "dynamic-int4-block")
 
@@ -346,13 +350,37 @@ def current() -> "RlTpuSettings":
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInputError(f"${RECORD_ENV} is not a settings record ({exc.msg})") from None
-    unknown = set(raw) - set(BY_NAME)
-    if unknown:
-        raise BadInputError(f"${RECORD_ENV} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
-                            "run different rl-tpu versions")
-    settings = RlTpuSettings(**{n: parse_value(BY_NAME[n], v, f"${RECORD_ENV}") for n, v in raw.items()})
+    settings = from_mapping(raw, f"${RECORD_ENV}")
     _LOADED = (text, settings)
     return settings
+
+
+def from_mapping(raw: Mapping[str, Any], where: str) -> "RlTpuSettings":
+    """An already resolved ``rl_tpu:`` section (the record's JSON, or the composed config's ``rl_tpu`` mapping that
+    ``verl train`` writes with :func:`as_dict`) as :class:`RlTpuSettings`, each value checked by :func:`parse_value`;
+    a key left out takes its default.
+
+    Args:
+        raw: ``{name: value}`` (a plain mapping; an OmegaConf one is converted first).
+        where: where it came from, for the errors (``"$RL_TPU_SETTINGS"``, ``"config rl_tpu"``).
+
+    Raises:
+        BadInputError: an unknown name (the driver and this process run different rl-tpu versions), or a value of
+            the wrong type or out of range.
+    """
+    if not isinstance(raw, dict):
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(raw, DictConfig):
+                raw = OmegaConf.to_container(raw, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf comes with VeRL
+            pass
+    unknown = set(raw) - set(BY_NAME)
+    if unknown:
+        raise BadInputError(f"{where} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
+                            "run different rl-tpu versions")
+    return RlTpuSettings(**{n: parse_value(BY_NAME[n], v, where) for n, v in raw.items()})
 
 
 def help_table(width: int = 118) -> str:

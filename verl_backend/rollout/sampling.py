@@ -137,10 +137,11 @@ def run_sampler(sampler, prompts: list[list[int]], params,
 
 
 def server_env() -> dict[str, str]:
-    """Environment for the server actor: the job's settings record, thread count and TorchTPU autoload as in the
-    process that creates it (Ray merges these into the job's own runtime_env)."""
-    from verl_backend.settings import RECORD_ENV
+    """Environment for the server actor: the job's settings record and :data:`verl_backend.settings.FORWARDED_ENV`
+    (thread count, OpenMP wait policy, TorchTPU autoload) as in the process that creates it (Ray merges these into
+    the job's own runtime_env)."""
+    from verl_backend.settings import FORWARDED_ENV, RECORD_ENV
 
-    keep = (RECORD_ENV, "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+    keep = (RECORD_ENV, *FORWARDED_ENV)
     return {k: os.environ[k] for k in keep if k in os.environ}
 
