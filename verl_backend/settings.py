@@ -383,6 +383,72 @@ def from_mapping(raw: Mapping[str, Any], where: str) -> "RlTpuSettings":
     return RlTpuSettings(**{n: parse_value(BY_NAME[n], v, where) for n, v in raw.items()})
 
 
+# --- the sections: what each process entry point hands down as parameters (torchtitan-style component configs).
+# The entry point reads the job's record once (:func:`current`) and builds its section with one function; nothing
+# below it reads the record (tests/verl_backend/test_settings_reads.py fails when a module does).
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The training engine's switches (built by :func:`engine_settings` in the engine's initialisation,
+    :class:`verl_backend.workers.engine.RlTpuFSDPEngineWithLMHead`; each is the ``rl_tpu.<name>`` of the same name).
+
+    Attributes:
+        shared_weights: move the actor's parameters into shared memory for the rollout (one CPU rank).
+        compile_trainer: run the transformer blocks as torch.compile graphs.
+        trim_backward: on CPU, hand freed activation pages back to the OS during the actor's backward.
+        response_only_logits: the LM head runs at response positions only.
+        shared_prefix: hold each prompt once for its GRPO samples (Prefix Grouper).
+        plain_module: on one CPU rank, run the model without FSDP2.
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    compile_trainer: bool = BY_NAME["compile_trainer"].default
+    trim_backward: bool = BY_NAME["trim_backward"].default
+    response_only_logits: bool = BY_NAME["response_only_logits"].default
+    shared_prefix: bool = BY_NAME["shared_prefix"].default
+    plain_module: bool = BY_NAME["plain_module"].default
+
+
+def engine_settings(settings: "RlTpuSettings") -> EngineSettings:
+    """The engine's section of the job's ``settings``."""
+    return EngineSettings(shared_weights=bool(settings.shared_weights), compile_trainer=bool(settings.compile_trainer),
+                          trim_backward=bool(settings.trim_backward),
+                          response_only_logits=bool(settings.response_only_logits),
+                          shared_prefix=bool(settings.shared_prefix), plain_module=bool(settings.plain_module))
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter
+    :class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server
+    :class:`verl_backend.rollout.server.NativeRolloutServer`).
+
+    Attributes:
+        shared_weights: ``rl_tpu.shared_weights`` (weight sync through shared memory on one host).
+        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (every sync proved by a probe).
+        compile_sampler: ``rl_tpu.compile_sampler`` (prefill and decode as torch.compile graphs).
+        threads: torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else
+            ``rl_tpu.num_threads`` (0: leave the process's count as it is).
+        job_seed: ``rl_tpu.job_seed`` (``None``: an unseeded run).
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
+    compile_sampler: bool = BY_NAME["compile_sampler"].default
+    threads: int = 0
+    job_seed: int | None = BY_NAME["job_seed"].default
+
+
+def rollout_settings(settings: "RlTpuSettings") -> RolloutSettings:
+    """The rollout's section of the job's ``settings``."""
+    return RolloutSettings(shared_weights=bool(settings.shared_weights),
+                           verify_weight_sync=bool(settings.verify_weight_sync),
+                           compile_sampler=bool(settings.compile_sampler),
+                           threads=int(settings.rollout_num_threads or settings.num_threads or 0),
+                           job_seed=settings.job_seed)
+
+
 def help_table(width: int = 118) -> str:
     """The table as ``--help`` prints it: ``rl_tpu.<name>=<default>  [choices] help (env alias, flag)``."""
     lines = []
