@@ -11,6 +11,13 @@ under KubeRay) did not inherit the driver's. The driver serialises the resolved 
 (:data:`RECORD_ENV`, JSON) that goes into the job's ``runtime_env``, so every worker of the job on every host gets
 it with the job; :func:`current` is the one typed loader, and a worker that finds no record raises instead of
 running on defaults.
+
+Settings as parameters: only a process's entry points call :func:`current` (the engine's initialisation, a rollout
+replica's adapter, the rollout server's construction, the ``gloo`` checkpoint engine's construction, the TPU
+platform's ``set_device``, the TaskRunner's resource pool creation, the default-model hook), once each; each builds
+its section (:class:`EngineSettings`, :class:`RolloutSettings`, :class:`WeightSyncSettings`, or the plain values)
+and hands it down as parameters. ``tests/verl_backend/test_settings_reads.py`` fails on a read anywhere else. The
+driver's memory plan reads the typed settings too (:func:`from_mapping` over the composed config's ``rl_tpu``).
 """
 
 from __future__ import annotations
@@ -447,6 +454,29 @@ def rollout_settings(settings: "RlTpuSettings") -> RolloutSettings:
                            compile_sampler=bool(settings.compile_sampler),
                            threads=int(settings.rollout_num_threads or settings.num_threads or 0),
                            job_seed=settings.job_seed)
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """The ``gloo`` checkpoint engine's switches (built by :func:`weight_sync_settings` in the engine's construction,
+    :class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`).
+
+    Attributes:
+        shared_weights: ``rl_tpu.shared_weights`` (buckets through a shared-memory file on one host).
+        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (the trainer's proof goes with every sync).
+        rollout_slice: ``rl_tpu.rollout_slice`` (``""``: none; the rollout pool is then on the trainer's hosts).
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
+    rollout_slice: str = BY_NAME["rollout_slice"].default
+
+
+def weight_sync_settings(settings: "RlTpuSettings") -> WeightSyncSettings:
+    """The ``gloo`` checkpoint engine's section of the job's ``settings``."""
+    return WeightSyncSettings(shared_weights=bool(settings.shared_weights),
+                              verify_weight_sync=bool(settings.verify_weight_sync),
+                              rollout_slice=str(settings.rollout_slice or ""))
 
 
 def help_table(width: int = 118) -> str:
