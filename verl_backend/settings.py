@@ -11,6 +11,13 @@ under KubeRay) did not inherit the driver's. The driver serialises the resolved 
 (:data:`RECORD_ENV`, JSON) that goes into the job's ``runtime_env``, so every worker of the job on every host gets
 it with the job; :func:`current` is the one typed loader, and a worker that finds no record raises instead of
 running on defaults.
+
+Settings as parameters: only a process's entry points call :func:`current` (the engine's initialisation, a rollout
+replica's adapter, the rollout server's construction, the ``gloo`` checkpoint engine's construction, the TPU
+platform's ``set_device``, the TaskRunner's resource pool creation, the default-model hook), once each; each builds
+its section (:class:`EngineSettings`, :class:`RolloutSettings`, :class:`WeightSyncSettings`, or the plain values)
+and hands it down as parameters. ``tests/verl_backend/test_settings_reads.py`` fails on a read anywhere else. The
+driver's memory plan reads the typed settings too (:func:`from_mapping` over the composed config's ``rl_tpu``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from typing import Any, Mapping
 from verl_backend.errors import BadInputError
 
 RECORD_ENV = "RL_TPU_SETTINGS"  # the job's resolved settings, JSON, in every worker's runtime_env
+# process-wide variables the driver forwards from its own environment to every Ray worker of the job
+# (driver.runner) and a rollout server actor takes from the process that creates it (rollout.sampling.server_env):
+# the one list both use
+FORWARDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
 # litert export's quantization recipes (edge_export.quantize.RECIPES; not imported: the driver needs no litert)
 EXPORT_RECIPES = ("none", "dynamic-int8", "weight-int8", "dynamic-int4", "dynamic-int4-block")
 
@@ -346,13 +357,126 @@ def current() -> "RlTpuSettings":
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInputError(f"${RECORD_ENV} is not a settings record ({exc.msg})") from None
-    unknown = set(raw) - set(BY_NAME)
-    if unknown:
-        raise BadInputError(f"${RECORD_ENV} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
-                            "run different rl-tpu versions")
-    settings = RlTpuSettings(**{n: parse_value(BY_NAME[n], v, f"${RECORD_ENV}") for n, v in raw.items()})
+    settings = from_mapping(raw, f"${RECORD_ENV}")
     _LOADED = (text, settings)
     return settings
+
+
+def from_mapping(raw: Mapping[str, Any], where: str) -> "RlTpuSettings":
+    """An already resolved ``rl_tpu:`` section (the record's JSON, or the composed config's ``rl_tpu`` mapping that
+    ``verl train`` writes with :func:`as_dict`) as :class:`RlTpuSettings`, each value checked by :func:`parse_value`;
+    a key left out takes its default.
+
+    Args:
+        raw: ``{name: value}`` (a plain mapping; an OmegaConf one is converted first).
+        where: where it came from, for the errors (``"$RL_TPU_SETTINGS"``, ``"config rl_tpu"``).
+
+    Raises:
+        BadInputError: an unknown name (the driver and this process run different rl-tpu versions), or a value of
+            the wrong type or out of range.
+    """
+    if not isinstance(raw, dict):
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(raw, DictConfig):
+                raw = OmegaConf.to_container(raw, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf comes with VeRL
+            pass
+    unknown = set(raw) - set(BY_NAME)
+    if unknown:
+        raise BadInputError(f"{where} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
+                            "run different rl-tpu versions")
+    return RlTpuSettings(**{n: parse_value(BY_NAME[n], v, where) for n, v in raw.items()})
+
+
+# --- the sections: what each process entry point hands down as parameters (torchtitan-style component configs).
+# The entry point reads the job's record once (:func:`current`) and builds its section with one function; nothing
+# below it reads the record (tests/verl_backend/test_settings_reads.py fails when a module does).
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The training engine's switches (built by :func:`engine_settings` in the engine's initialisation,
+    :class:`verl_backend.workers.engine.RlTpuFSDPEngineWithLMHead`; each is the ``rl_tpu.<name>`` of the same name).
+
+    Attributes:
+        shared_weights: move the actor's parameters into shared memory for the rollout (one CPU rank).
+        compile_trainer: run the transformer blocks as torch.compile graphs.
+        trim_backward: on CPU, hand freed activation pages back to the OS during the actor's backward.
+        response_only_logits: the LM head runs at response positions only.
+        shared_prefix: hold each prompt once for its GRPO samples (Prefix Grouper).
+        plain_module: on one CPU rank, run the model without FSDP2.
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    compile_trainer: bool = BY_NAME["compile_trainer"].default
+    trim_backward: bool = BY_NAME["trim_backward"].default
+    response_only_logits: bool = BY_NAME["response_only_logits"].default
+    shared_prefix: bool = BY_NAME["shared_prefix"].default
+    plain_module: bool = BY_NAME["plain_module"].default
+
+
+def engine_settings(settings: "RlTpuSettings") -> EngineSettings:
+    """The engine's section of the job's ``settings``."""
+    return EngineSettings(shared_weights=bool(settings.shared_weights), compile_trainer=bool(settings.compile_trainer),
+                          trim_backward=bool(settings.trim_backward),
+                          response_only_logits=bool(settings.response_only_logits),
+                          shared_prefix=bool(settings.shared_prefix), plain_module=bool(settings.plain_module))
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter
+    :class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server
+    :class:`verl_backend.rollout.server.NativeRolloutServer`).
+
+    Attributes:
+        shared_weights: ``rl_tpu.shared_weights`` (weight sync through shared memory on one host).
+        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (every sync proved by a probe).
+        compile_sampler: ``rl_tpu.compile_sampler`` (prefill and decode as torch.compile graphs).
+        threads: torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else
+            ``rl_tpu.num_threads`` (0: leave the process's count as it is).
+        job_seed: ``rl_tpu.job_seed`` (``None``: an unseeded run).
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
+    compile_sampler: bool = BY_NAME["compile_sampler"].default
+    threads: int = 0
+    job_seed: int | None = BY_NAME["job_seed"].default
+
+
+def rollout_settings(settings: "RlTpuSettings") -> RolloutSettings:
+    """The rollout's section of the job's ``settings``."""
+    return RolloutSettings(shared_weights=bool(settings.shared_weights),
+                           verify_weight_sync=bool(settings.verify_weight_sync),
+                           compile_sampler=bool(settings.compile_sampler),
+                           threads=int(settings.rollout_num_threads or settings.num_threads or 0),
+                           job_seed=settings.job_seed)
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """The ``gloo`` checkpoint engine's switches (built by :func:`weight_sync_settings` in the engine's construction,
+    :class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`).
+
+    Attributes:
+        shared_weights: ``rl_tpu.shared_weights`` (buckets through a shared-memory file on one host).
+        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (the trainer's proof goes with every sync).
+        rollout_slice: ``rl_tpu.rollout_slice`` (``""``: none; the rollout pool is then on the trainer's hosts).
+    """
+
+    shared_weights: bool = BY_NAME["shared_weights"].default
+    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
+    rollout_slice: str = BY_NAME["rollout_slice"].default
+
+
+def weight_sync_settings(settings: "RlTpuSettings") -> WeightSyncSettings:
+    """The ``gloo`` checkpoint engine's section of the job's ``settings``."""
+    return WeightSyncSettings(shared_weights=bool(settings.shared_weights),
+                              verify_weight_sync=bool(settings.verify_weight_sync),
+                              rollout_slice=str(settings.rollout_slice or ""))
 
 
 def help_table(width: int = 118) -> str:

@@ -296,13 +296,14 @@ def test_the_job_setting_reaches_the_sampler(job_settings_here, tmp_path) -> Non
 
     from verl_backend.models import ensure_default_model
     from verl_backend.rollout.sampling import build_sampler
+    from verl_backend.settings import rollout_settings
 
     path = build_tiny_model("llama", ensure_default_model(), tmp_path / "m")
     rollout = SimpleNamespace(prompt_length=32, response_length=16, max_num_seqs=4, dtype="float32")
-    job_settings_here()
-    assert build_sampler(str(path), rollout, "cpu").compiled is None
-    job_settings_here(compile_sampler=True)
-    sampler = build_sampler(str(path), rollout, "cpu")
+    # the job's record -> the rollout's section (what the adapter and the server build once) -> the sampler
+    assert build_sampler(str(path), rollout, "cpu", settings=rollout_settings(job_settings_here())).compiled is None
+    compiled = rollout_settings(job_settings_here(compile_sampler=True))
+    sampler = build_sampler(str(path), rollout, "cpu", settings=compiled)
     assert sampler.compiled is not None and sampler.compiled.backend == "inductor"
     assert sampler.packed is None and not sampler.lean_decode and not sampler.packed_prefill
     assert sampler.compiled.packs is not None  # float32 on the CPU: packed weights inside the graphs

@@ -186,7 +186,22 @@ def resolve_slice(slice_spec):
     return slice_spec
 
 
-def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None) -> MemoryPlan:
+def job_settings_of(config):
+    """The job's typed settings (:class:`verl_backend.settings.RlTpuSettings`) from the composed config's ``rl_tpu``
+    section (``verl train`` writes the resolved table there), parsed by :func:`verl_backend.settings.from_mapping`;
+    a config without the section, or a key left out, takes the table's defaults.
+
+    Raises:
+        BadInputError: an unknown key or a bad value in ``config.rl_tpu``.
+    """
+    from verl_backend.settings import from_mapping
+
+    section = _get(config, "rl_tpu", None)
+    return from_mapping(section if section is not None else {}, "config rl_tpu")
+
+
+def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None,
+                settings=None) -> MemoryPlan:
     """Estimate per-chip memory of the job ``config`` (a composed VeRL config) on ``slice_spec``.
 
     Args:
@@ -196,11 +211,14 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             attention is not assumed fused (XLA's sdpa keeps the softmax output).
         hf_config: the model's transformers config; ``None`` reads ``actor_rollout_ref.model.path``/config.json.
         workers: trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node × trainer.nnodes``.
+        settings: the job's :class:`verl_backend.settings.RlTpuSettings` (``plain_module``, ``compile_trainer``,
+            ``response_only_logits`` are read); ``None``: :func:`job_settings_of` ``config``.
 
     Returns:
         The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).
     """
     spec = resolve_slice(slice_spec)
+    settings = job_settings_of(config) if settings is None else settings
     aro, trust = "actor_rollout_ref", bool(_get(config, "actor_rollout_ref.model.trust_remote_code", False))
     if hf_config is None:  # counted once per model folder (the refusal plans a few slices)
         from transformers import AutoConfig
@@ -245,7 +263,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else "")) if in_worker else "in the rollout server process")
 
     # the actor update: FSDP2 gather buffers, activations at the micro batch, the LM head's logits
-    single_plain = shards == 1 and bool(_get(config, "rl_tpu.plain_module", True)) and not backend_profile.tpu_runtime
+    single_plain = shards == 1 and bool(settings.plain_module) and not backend_profile.tpu_runtime
     if shards > 1 or (b_param != b_model and not single_plain):
         # VeRL's apply_fsdp2 shards each block, and embedding and LM head apart when untied; the root stays gathered
         def units(itemsize):  # (root or LM head, one block) in a dtype, as the TPU lays them out, else dense
@@ -268,7 +286,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     seq = prompt_len + resp_len
     actor = f"{aro}.actor"
     packed = bool(_get(config, f"{aro}.model.use_remove_padding", False))
-    bucketed = not packed and bool(_get(config, "rl_tpu.compile_trainer", False))
+    bucketed = not packed and bool(settings.compile_trainer)
     if bucketed:  # the compiled trainer pads each micro batch on to a power of two (rl_tpu.compiled_blocks)
         from rl_tpu.compiled_blocks import bucket_length
 
@@ -286,7 +304,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         prompts = math.ceil(micro / n) if packed and bool(_get(config, f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
-        response_only = packed and bool(_get(config, "rl_tpu.response_only_logits", True))
+        response_only = packed and bool(settings.response_only_logits)
         logit_tokens = micro * resp_len if response_only else micro * seq
         tokens = micro * seq if bucketed else tokens
     tokens = math.ceil(tokens / sp)
@@ -332,7 +350,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     lp = max(int(_get(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
              int(_get(config, f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
     lp = lp or max(1, int(_get(config, "data.train_batch_size", 1)) * n // w)
-    lp_tokens = lp * (resp_len if packed and bool(_get(config, "rl_tpu.response_only_logits", True)) else seq)
+    lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
     add("log-prob forward", lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param, "log-prob",
         f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
 

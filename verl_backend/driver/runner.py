@@ -180,8 +180,7 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
         # TransferQueue's copy threads (default 8): at most the cores there are (it warns on every put otherwise)
         "TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1))),
     }
-    for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY",
-              *HOST_MALLOC_ENV):
+    for k in (*job_settings.FORWARDED_ENV, *HOST_MALLOC_ENV):
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ.update(env)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from verl_backend.patches.verl_internals import engine_state, set_unwrapped_precision
-from verl_backend.settings import current
+from verl_backend.settings import EngineSettings
 
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -100,12 +100,13 @@ class _SingleRankPlainModule:
     """
 
     plain_module_reason: str | None = "not built yet"  # why FSDP2 wraps the module; None: it trains as it is
+    rl_tpu: EngineSettings = EngineSettings()  # the engine's section, set by its initialisation (workers.engine)
 
     def _plain_module_blocker(self, module: torch.nn.Module) -> str | None:
         from verl.utils.torch_dtypes import PrecisionType
 
         config = self.engine_config
-        if not current().plain_module:
+        if not self.rl_tpu.plain_module:  # the engine's section (verl_backend.workers.engine._JobSettingsHere)
             return "rl_tpu.plain_module=false"
         if config.strategy != "fsdp2":
             return f"strategy {config.strategy}"

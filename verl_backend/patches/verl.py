@@ -87,21 +87,26 @@ def _create_resource_pool(original):
         :class:`SliceResourcePool`; with ``rl_tpu.rollout_slice`` too, each standalone rollout replica's pool
         (``rollout_pool_<rank>``) is its block of the rollout slice (``slice_pool.RolloutSlice``); every other pool
         (and every pool without a slice) is VeRL's own.
+
+        This is where the TaskRunner's pool creation reads the job's settings record, once
+        (:func:`verl_backend.settings.current`), and hands the slices and ``rl_tpu.slice_timeout_s`` down.
         """
         from verl_backend.settings import current
         from verl_backend.workers.slice_pool import (
             SliceResourcePool,
-            job_slice,
             rollout_slice_pool,
+            slice_of,
         )
 
         original(self)
-        spec = job_slice()
+        settings = current()  # the one read of the job's record in pool creation
+        spec, rollout_spec = slice_of(settings.slice), slice_of(settings.rollout_slice)
         if spec is None:
             return
-        timeout_s = current().slice_timeout_s
+        timeout_s = settings.slice_timeout_s
         for pool_name, nodes in self.resource_pool_spec.items():
-            on_rollout_slice = rollout_slice_pool(pool_name, nodes, self.max_colocate_count, timeout_s)
+            on_rollout_slice = rollout_slice_pool(pool_name, nodes, self.max_colocate_count, timeout_s,
+                                                  rollout_spec)
             if on_rollout_slice is not None:
                 self.resource_pool_dict[pool_name] = on_rollout_slice
             elif list(nodes) == [spec.chips_per_host] * spec.hosts:

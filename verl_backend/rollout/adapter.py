@@ -89,8 +89,19 @@ class NativeServerAdapter(BaseRollout):
     def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = -1, **kwargs):
         """``replica_rank``: given by VeRL to a standalone replica's worker (``CheckpointEngineWorker``, created
         before its process group: ``RANK`` is its rank within the replica); ``-1`` in a trainer worker, whose rank
-        gives its colocated replica."""
+        gives its colocated replica.
+
+        This is where a rollout replica's worker reads the job's settings record, once
+        (:func:`verl_backend.settings.current`): its section (:class:`verl_backend.settings.RolloutSettings`) is kept
+        as ``self.rl_tpu`` and handed down (the in-worker sampler, the sync route, verification).
+
+        Raises:
+            verl_backend.settings.SettingsMissingError: this process was not started by a ``verl train`` job.
+        """
         super().__init__(config, model_config, device_mesh, *args, **kwargs)
+        from verl_backend.settings import current, rollout_settings
+
+        self.rl_tpu = rollout_settings(current())  # the one read of the job's record in a rollout replica's worker
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
         tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size
         tp *= self.config.pipeline_model_parallel_size
@@ -120,9 +131,9 @@ class NativeServerAdapter(BaseRollout):
 
             self.sampler = build_sampler(
                 self.model_config.local_path, self.config, get_device_name(),
-                bool(getattr(self.model_config, "trust_remote_code", False) or False),
+                bool(getattr(self.model_config, "trust_remote_code", False) or False), settings=self.rl_tpu,
             )
-            set_worker_sampler(self.sampler)
+            set_worker_sampler(self.sampler, threads=self.rl_tpu.threads)
 
     def _server_handle(self):
         if self._server is None:
@@ -135,9 +146,7 @@ class NativeServerAdapter(BaseRollout):
         if self._writer is None:
             self._writer = False
             self._writer_reason = "rl_tpu.shared_weights=false"
-            from verl_backend.settings import current
-
-            if current().shared_weights:
+            if self.rl_tpu.shared_weights:
                 server = self._server_handle()
                 handle = await server.shared_weights_handle.remote()
                 if handle is None:
@@ -176,9 +185,7 @@ class NativeServerAdapter(BaseRollout):
         """The route of this replica's syncs (:func:`verl_backend.weight_sync.choose_route`), decided at the first
         sync from what this process and the server can map, and logged once with its reason."""
         if self.route is None:
-            from verl_backend.settings import current
-
-            shared = bool(current().shared_weights) and self.placement == "server"
+            shared = bool(self.rl_tpu.shared_weights) and self.placement == "server"
             trainer = server = "rl_tpu.shared_weights=false"
             lora = int(getattr(self.model_config, "lora_rank", 0) or 0)
             if shared and lora > 0:  # adapter-only sync: the server merges what it receives (object store)
@@ -190,7 +197,7 @@ class NativeServerAdapter(BaseRollout):
                 if trainer is not None:
                     server = None if await self._shared_writer() is not None else self._writer_reason
             self.route = weight_sync.choose_route(weight_sync.SyncFacts(
-                placement=self.placement, shared_weights=bool(current().shared_weights), trainer_memory=trainer,
+                placement=self.placement, shared_weights=bool(self.rl_tpu.shared_weights), trainer_memory=trainer,
                 server_memory=server, src_rank=self.src_rank, dst_replica=self.replica_rank,
                 bucket_bytes=self.bucket_bytes))
             print(weight_sync.took_line(self._planned(), self.route), flush=True)
@@ -201,7 +208,6 @@ class NativeServerAdapter(BaseRollout):
         the facts knowable before Ray), to log beside the route taken."""
         from verl.utils.device import get_device_name
 
-        from verl_backend.settings import current
         from verl_backend.weight_sync.route import known_blockers
 
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -210,7 +216,7 @@ class NativeServerAdapter(BaseRollout):
         if not self.colocated:  # the second hop of a pool's sync: from the gloo engine's receiver to its server
             trainer = "the rollout runs in a pool of its own: the weights arrive over the gloo engine"
         return weight_sync.choose_route(weight_sync.SyncFacts(
-            placement=self.placement, shared_weights=bool(current().shared_weights), trainer_memory=trainer,
+            placement=self.placement, shared_weights=bool(self.rl_tpu.shared_weights), trainer_memory=trainer,
             server_memory=server)).transport
 
     async def _transport(self) -> weight_sync.Transport:
@@ -276,7 +282,6 @@ class NativeServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"native rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         global_steps = kwargs.get("global_steps")
-        from verl_backend.settings import current
         from verl_backend.weight_sync.verify import WeightSyncMismatch, take_proof
 
         # a rollout worker fed by the gloo engine (a pool of its own): the trainer's proof comes after the stream,
@@ -287,7 +292,7 @@ class NativeServerAdapter(BaseRollout):
         received = weights
         # every rank (the probe's forward is collective under FSDP): the trainer's probe now, fingerprints as it sends
         start = time.perf_counter()
-        proof, verify_on = None, bool(current().verify_weight_sync)  # the job's record, read once a sync
+        proof, verify_on = None, bool(self.rl_tpu.verify_weight_sync)  # the section read at __init__
         if verify_on:
             weights, proof = take_proof(weights, global_steps, getattr(self.config, "dtype", None))
         probe_seconds = time.perf_counter() - start  # the trainer's side of the verification (its probe forward)
@@ -325,10 +330,8 @@ class NativeServerAdapter(BaseRollout):
         elif transport.name == "shared_memory":
             self._report_first_sync(transport="shared memory")
         else:
-            from verl_backend.settings import current
-
             self._report_first_sync(transport="object store",
-                                    detail="" if current().shared_weights else "rl_tpu.shared_weights=false")
+                                    detail="" if self.rl_tpu.shared_weights else "rl_tpu.shared_weights=false")
 
     async def _verify_sync(self, proof) -> dict:
         """The rollout proves it computes with the weights just sent (:mod:`verl_backend.weight_sync.verify`): this

@@ -21,10 +21,15 @@ from verl.checkpoint_engine.base import (
 _SAMPLER: Any = None
 
 
-def set_worker_sampler(sampler: Any) -> None:
-    """Register the sampler of this worker process (called by the adapter)."""
-    global _SAMPLER
-    _SAMPLER = sampler
+_THREADS = 0  # torch threads it samples with (RolloutSettings.threads of the adapter that built it)
+
+
+def set_worker_sampler(sampler: Any, threads: int = 0) -> None:
+    """Register the sampler of this worker process and the torch threads it samples with (``threads``: the
+    adapter's :attr:`verl_backend.settings.RolloutSettings.threads`; 0: the process's count); called by the
+    adapter."""
+    global _SAMPLER, _THREADS
+    _SAMPLER, _THREADS = sampler, int(threads)
 
 
 class InWorkerGenerate:
@@ -53,7 +58,7 @@ class InWorkerGenerate:
             self._said_where = True
             print(f"[rl-tpu] rollout samples in {type(self).__name__}'s worker process, on {_SAMPLER.device}",
                   flush=True)
-        return run_sampler(_SAMPLER, prompts, key, seeds)
+        return run_sampler(_SAMPLER, prompts, key, seeds, threads=_THREADS)
 
 
 @CheckpointEngineRegistry.register("native")

@@ -9,20 +9,30 @@ from typing import Any
 
 import torch
 
+from verl_backend.settings import RolloutSettings
 
-def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False):
+
+def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False,
+                  settings: RolloutSettings | None = None):
     """An :class:`rl_tpu.sampler.Sampler` over a fresh inference copy of the HF model at ``model_path``.
 
     Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
-    ``rollout.max_num_seqs``; dtype ``rollout.dtype``; compiled steps when the job's ``rl_tpu.compile_sampler``
-    is on (:mod:`rl_tpu.sampler.compiled`); the CPU fast paths as ``rollout.engine_kwargs.native`` fixes them
-    (:func:`sampler_fast_paths`), else the sampler's per-device default.
+    ``rollout.max_num_seqs``; dtype ``rollout.dtype``; compiled steps when ``settings.compile_sampler`` (the job's
+    ``rl_tpu.compile_sampler``) is on (:mod:`rl_tpu.sampler.compiled`); the CPU fast paths as
+    ``rollout.engine_kwargs.native`` fixes them (:func:`sampler_fast_paths`), else the sampler's per-device default.
+
+    Args:
+        settings: the rollout's section of the job's settings (:class:`verl_backend.settings.RolloutSettings`,
+            built by the caller's entry point); ``None``: the table's defaults.
+
+    Raises:
+        ValueError: a fast-path switch that is not true or false (:func:`sampler_fast_paths`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl_tpu.sampler import Sampler
-    from verl_backend.settings import current
 
+    settings = RolloutSettings() if settings is None else settings
     device = torch.device(device)
     dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
     model = AutoModelForCausalLM.from_pretrained(
@@ -41,7 +51,7 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
         gen_buckets=_buckets(int(getattr(rollout_config, "response_length", 512))),
         max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
         device=device,
-        compile=bool(current().compile_sampler),
+        compile=bool(settings.compile_sampler),
         **sampler_fast_paths(rollout_config),
     )
     on = {True: "on", False: "off"}
@@ -110,22 +120,15 @@ def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, r
     return request_params(request, max_tokens=response_length)
 
 
-def rollout_threads() -> int:
-    """Torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else ``rl_tpu.num_threads`` (0: leave
-    the process's count as it is)."""
-    from verl_backend.settings import current
-
-    return current().rollout_num_threads or current().num_threads
-
-
-def run_sampler(sampler, prompts: list[list[int]], params,
-                seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
+def run_sampler(sampler, prompts: list[list[int]], params, seeds: list[int] | None = None,
+                threads: int = 0) -> list[tuple[list[int], list[float] | None]]:
     """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
     in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt.
     ``seeds``: each prompt's random stream (:func:`verl_backend.rollout.server.sample_seed_of`).
-    Samples with :func:`rollout_threads` torch threads, the calling thread's count put back after (a trainer worker
-    that samples in-process keeps its own count for the update)."""
-    threads, before = rollout_threads(), torch.get_num_threads()
+    Samples with ``threads`` torch threads (:attr:`verl_backend.settings.RolloutSettings.threads`, handed down by the
+    caller; 0: the process's count), the calling thread's count put back after (a trainer worker that samples
+    in-process keeps its own count for the update)."""
+    before = torch.get_num_threads()
     if threads and threads != before:
         torch.set_num_threads(threads)
     try:
@@ -137,10 +140,11 @@ def run_sampler(sampler, prompts: list[list[int]], params,
 
 
 def server_env() -> dict[str, str]:
-    """Environment for the server actor: the job's settings record, thread count and TorchTPU autoload as in the
-    process that creates it (Ray merges these into the job's own runtime_env)."""
-    from verl_backend.settings import RECORD_ENV
+    """Environment for the server actor: the job's settings record and :data:`verl_backend.settings.FORWARDED_ENV`
+    (thread count, OpenMP wait policy, TorchTPU autoload) as in the process that creates it (Ray merges these into
+    the job's own runtime_env)."""
+    from verl_backend.settings import FORWARDED_ENV, RECORD_ENV
 
-    keep = (RECORD_ENV, "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+    keep = (RECORD_ENV, *FORWARDED_ENV)
     return {k: os.environ[k] for k in keep if k in os.environ}
 

@@ -34,11 +34,10 @@ import torch
 from verl_backend.host_memory.heap import trim_host_heap
 from verl_backend.rollout.sampling import (
     build_sampler,
-    rollout_threads,
     run_sampler,
     sampling_params_from_request,
 )
-from verl_backend.settings import current
+from verl_backend.settings import RolloutSettings, current, rollout_settings
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +86,12 @@ class NativeRolloutServer:
         worker_method: ``sampler_placement=worker``: the ``execute_checkpoint_engine`` actor method of the worker
             that owns the device (the trainer worker, or a rollout slice's ``CheckpointEngineWorker``); batches run
             there, on its own device (a TPU chip), and this server holds no model.
+        settings: the rollout's section of the job's settings (:class:`verl_backend.settings.RolloutSettings`);
+            ``None`` (a server started as a Ray actor): the server's construction is where it reads the job's
+            record, once (:func:`verl_backend.settings.current`), and everything below takes this section.
+
+    Raises:
+        verl_backend.settings.SettingsMissingError: ``settings`` is ``None`` and this process has no record.
     """
 
     def __init__(
@@ -98,12 +103,14 @@ class NativeRolloutServer:
         batch_window_s: float = 0.05,
         trust_remote_code: bool = False,
         worker_method: Any = None,
+        settings: RolloutSettings | None = None,
     ):
         from rl_tpu.device import set_num_threads
 
-        threads = rollout_threads()
-        if threads:
-            set_num_threads(threads)
+        # the one read of the job's record in a rollout server process
+        self.rl_tpu = rollout_settings(current()) if settings is None else settings
+        if self.rl_tpu.threads:
+            set_num_threads(self.rl_tpu.threads)
         self.config = rollout_config
         self.model_path = model_path
         self.device = torch.device(device)
@@ -115,7 +122,7 @@ class NativeRolloutServer:
         self.global_steps = 0  # step of the weights being served; VeRL tags every output with it
         self.full_determinism = bool(getattr(rollout_config, "full_determinism", False))
         self.rollout_seed = int(getattr(rollout_config, "seed", 0) or 0)
-        self.job_seed = current().job_seed
+        self.job_seed = self.rl_tpu.job_seed
         if self.job_seed is None:  # data.seed unset: VeRL's order is unseeded, so are the draws
             import secrets
 
@@ -145,9 +152,10 @@ class NativeRolloutServer:
         if self.worker_method is None:
             from verl_backend.weight_sync.lora import set_base_path
 
-            self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code)
+            self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code,
+                                         settings=self.rl_tpu)
             set_base_path(self.model_path)  # an adapter-only LoRA sync merges onto these files
-            if self.device.type == "cpu" and current().shared_weights:
+            if self.device.type == "cpu" and self.rl_tpu.shared_weights:
                 from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
 
                 try:
@@ -264,7 +272,7 @@ class NativeRolloutServer:
             )
         start = time.perf_counter()
         if self.worker_method is None:
-            outs = run_sampler(self.sampler, prompts, key, seeds)
+            outs = run_sampler(self.sampler, prompts, key, seeds, threads=self.rl_tpu.threads)
         else:  # the sampler lives in the worker that owns the chip: forward the batch there
             import ray
 

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from verl_backend.rollout.inworker import InWorkerGenerate
-from verl_backend.settings import SettingsMissingError, current
+from verl_backend.settings import SettingsMissingError, WeightSyncSettings, current, weight_sync_settings
 from verl_backend.weight_sync.base import SyncReport
 from verl_backend.weight_sync.pool_broadcast import (
     PoolBroadcast,
@@ -103,24 +103,6 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address().strip("[]") if ray.is_initialized() else "127.0.0.1"
 
 
-def _verify_setting() -> bool:
-    """``rl_tpu.verify_weight_sync``; on (its default) in a process no ``verl train`` job started."""
-    try:
-        return bool(current().verify_weight_sync)
-    except SettingsMissingError:
-        return True
-
-
-def _pool_settings() -> tuple[bool, str | None]:
-    """``(rl_tpu.shared_weights, rl_tpu.rollout_slice)``; the defaults ``(True, None)`` in a process no ``verl train``
-    job started (the engine is VeRL's, usable on its own: tests, ``benchmarks/bench_weight_sync.py``)."""
-    try:
-        s = current()
-    except SettingsMissingError:
-        return True, None
-    return bool(s.shared_weights), s.rollout_slice or None
-
-
 @CheckpointEngineRegistry.register("gloo")
 class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
     """VeRL checkpoint engine ``gloo``: one trainer rank broadcasts bucketed weights to every rollout worker
@@ -132,9 +114,20 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         bucket_size: bytes per bucket (VeRL's ``checkpoint_engine.update_weights_bucket_megabytes`` << 20).
         is_master: this is trainer rank 0 (VeRL passes it on the trainer side; rollout workers get ``False``).
         timeout_s: seconds a collective of the group may wait for its peers before it raises.
+        settings: the engine's section of the job's settings (:class:`verl_backend.settings.WeightSyncSettings`);
+            ``None``: the engine's construction is where it reads the job's record, once
+            (:func:`verl_backend.settings.current`), or takes the table's defaults in a process no ``verl train`` job
+            started (the engine is VeRL's, usable on its own: tests, ``benchmarks/bench_weight_sync.py``).
     """
 
-    def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0, **_: Any) -> None:
+    def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0,
+                 settings: WeightSyncSettings | None = None, **_: Any) -> None:
+        if settings is None:
+            try:
+                settings = weight_sync_settings(current())  # the one read of the job's record in this engine
+            except SettingsMissingError:
+                settings = WeightSyncSettings()
+        self.rl_tpu = settings
         self.bucket_size = int(bucket_size)
         self.is_master = is_master
         self.timeout = timedelta(seconds=timeout_s)
@@ -158,7 +151,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         host = _node_ip()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._no_file = ""
-        if not _pool_settings()[0]:
+        if not self.rl_tpu.shared_weights:
             self._no_file = "rl_tpu.shared_weights=false"
         else:
             try:
@@ -226,7 +219,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
     def planned(self) -> str:
         """The transport :func:`~verl_backend.weight_sync.route.choose_route` plans for this sync between pools
         (``rl_tpu.shared_weights``, ``rl_tpu.rollout_slice``: the plan ``--print-config`` shows)."""
-        shared, rollout_slice = _pool_settings()
+        shared, rollout_slice = self.rl_tpu.shared_weights, self.rl_tpu.rollout_slice or None
         why = f"the rollout pool is on other hosts (rl_tpu.rollout_slice={rollout_slice})" if rollout_slice else None
         return choose_route(SyncFacts(placement="server", shared_weights=shared, trainer_memory=None,
                                       server_memory=None, pool=True, pool_memory=why)).transport
@@ -251,7 +244,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             raise PoolSyncError("checkpoint_engine gloo: send_weights before init_process_group")
         # every trainer rank (the probe's forward is collective under FSDP): the trainer's proof of this version
         proof = None
-        if _verify_setting():
+        if self.rl_tpu.verify_weight_sync:
             weights, proof = take_proof(weights, global_steps, POOL_FINGERPRINT_DTYPES)
         probe_seconds = time.perf_counter() - start
 

@@ -26,7 +26,7 @@ from rl_tpu.patches.torch_internals import unwrap_fsdp  # FSDP1's private wrappe
 from verl_backend import weight_sync
 from verl_backend.host_memory.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
 from verl_backend.patches.verl_internals import engine_state
-from verl_backend.settings import current
+from verl_backend.settings import EngineSettings, current, engine_settings
 from verl_backend.workers.response_logits import (
     first_response_logit_position,
     packed_response_log_probs,
@@ -38,6 +38,22 @@ from verl_backend.workers.shared_prefix import attention_kinds, shared_prefix_in
 DEVICES = ["cpu", "tpu"]
 _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
+
+
+class _JobSettingsHere:
+    """Engine mixin: the engine's initialisation is where the engine reads the job's settings record, once
+    (:func:`verl_backend.settings.current`), and keeps its section as ``self.rl_tpu``
+    (:class:`verl_backend.settings.EngineSettings`), before the module is built; everything below reads that.
+
+    Raises:
+        verl_backend.settings.SettingsMissingError: this process was not started by a ``verl train`` job.
+    """
+
+    rl_tpu: EngineSettings = EngineSettings()  # the defaults until initialize (an engine built without it: tests)
+
+    def initialize(self):
+        self.rl_tpu = engine_settings(current())  # the one read of the job's record in a trainer engine
+        return super().initialize()
 
 
 class _DefaultModelHere:
@@ -54,7 +70,7 @@ class _DefaultModelHere:
 
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
+class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank.
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
@@ -95,7 +111,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
                 weight_sync.hand_over(self.shared_weights)  # to this worker's rollout adapter
         self._shared_weights_reason = reason
         self.compiled_blocks = None
-        if current().compile_trainer:  # the driver refused packed micro batches (rl_tpu.compiled_blocks.refusal)
+        if self.rl_tpu.compile_trainer:  # the driver refused packed micro batches (rl_tpu.compiled_blocks.refusal)
             from verl.utils.device import get_device_name
 
             from rl_tpu.compiled_blocks import CompiledBlocks
@@ -119,7 +135,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
         if next(self.module.parameters()).device.type == "cpu":
             from verl_backend.host_memory.heap import BackwardHeapTrim, freeze_long_lived_objects
 
-            if not self.engine_config.forward_only and current().trim_backward:
+            if not self.engine_config.forward_only and self.rl_tpu.trim_backward:
                 self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update
                 print(f"[rl-tpu] actor backward: heap pages handed back after each of {self.backward_trim.blocks} "
                       "blocks (rl_tpu.trim_backward=false turns it off)", flush=True)
@@ -127,7 +143,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
 
     def _shared_weights_blocker(self) -> str | None:
         """Why this engine's parameters stay in private memory (``None``: they move into shared memory)."""
-        if not current().shared_weights:
+        if not self.rl_tpu.shared_weights:
             return "rl_tpu.shared_weights=false"
         if self.engine_config.forward_only:
             return "a forward-only engine (reference policy) sends no weights"
@@ -168,7 +184,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
         get = tu.get_non_tensor_data
-        if not current().response_only_logits:
+        if not self.rl_tpu.response_only_logits:
             return False
         if get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
             return False
@@ -217,7 +233,7 @@ class RlTpuFSDPEngineWithLMHead(_DefaultModelHere, _SingleRankPlainModule, _HFCo
             keep = response_logit_indices(micro_batch)
             if keep is not None and keep.numel() > 0:
                 device = model_inputs["input_ids"].device
-                kinds = self._shared_prefix_kinds() if current().shared_prefix else None
+                kinds = self._shared_prefix_kinds() if self.rl_tpu.shared_prefix else None
                 shared = shared_prefix_inputs(micro_batch, kinds, self._mask_dtype()) if kinds is not None else None
                 if shared is not None:  # one copy of each prompt, its samples' responses all attend to it
                     row_inputs, row_keep = shared
@@ -305,7 +321,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithValueHead(_DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
+class RlTpuFSDPEngineWithValueHead(_JobSettingsHere, _DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
     """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank."""
 
 

@@ -141,17 +141,16 @@ class DeviceModule:
         return int(vm.available), int(vm.total)
 
 
-def tpu_runtime_from_settings(eager_mode: str | None = None):
-    """:class:`rl_tpu.device.TPURuntimeConfig` with ``eager_mode`` (default: the job's ``rl_tpu.tpu_eager_mode``,
-    :func:`verl_backend.settings.current`).
+def tpu_runtime_from_settings(eager_mode: str):
+    """:class:`rl_tpu.device.TPURuntimeConfig` with ``eager_mode`` (the job's ``rl_tpu.tpu_eager_mode``, handed down
+    by the platform's ``set_device``: strict, debug or fused).
 
     Raises:
         rl_tpu.device.DeviceError: an eager mode other than strict / debug / fused.
     """
     from rl_tpu.device import TPURuntimeConfig
-    from verl_backend.settings import current
 
-    return TPURuntimeConfig(eager_mode=eager_mode if eager_mode is not None else current().tpu_eager_mode)
+    return TPURuntimeConfig(eager_mode=eager_mode)
 
 
 class _RlTpuPlatform(PlatformBase):
@@ -287,11 +286,20 @@ class PlatformTPU(_RlTpuPlatform):
 
     def set_device(self, device_index: int) -> None:
         """Select the chip, applying the TorchTPU eager mode of ``rl_tpu.tpu_eager_mode`` once per process
-        (``verl train --tpu-eager-mode strict|debug|fused``; see :class:`rl_tpu.device.TPURuntimeConfig`)."""
+        (``verl train --tpu-eager-mode strict|debug|fused``; see :class:`rl_tpu.device.TPURuntimeConfig`).
+
+        The first call is where the platform reads the job's settings record, once per process
+        (:func:`verl_backend.settings.current`), for ``rl_tpu.tpu_eager_mode``.
+
+        Raises:
+            verl_backend.settings.SettingsMissingError: this process was not started by a ``verl train`` job.
+            rl_tpu.device.DeviceError: an eager mode other than strict / debug / fused.
+        """
         if not getattr(self, "_runtime_applied", False):
             from rl_tpu.device import apply_tpu_runtime
+            from verl_backend.settings import current
 
-            apply_tpu_runtime(tpu_runtime_from_settings())
+            apply_tpu_runtime(tpu_runtime_from_settings(current().tpu_eager_mode))  # the one read of the record
             self._runtime_applied = True
         super().set_device(device_index)
 

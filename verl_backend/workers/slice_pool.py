@@ -36,12 +36,14 @@ CPUS_PER_WORKER = 1.0  # the bundle's CPU: VeRL schedules a 1-CPU task on bundle
 STANDALONE_POOL = re.compile(r"rollout_pool_\d+")  # VeRL 0.9.1 replica.py: a standalone rollout replica's pool
 
 
-def job_slice(key: str = "slice") -> SliceTopology | None:
-    """A slice of this job's settings record (``rl_tpu.slice``, or ``key="rollout_slice"``; ``"v6e-16:4x4"``), or
-    ``None`` when it has none."""
-    from verl_backend.settings import current
+def slice_of(value: str | None) -> SliceTopology | None:
+    """A slice setting's value (``rl_tpu.slice`` or ``rl_tpu.rollout_slice``, e.g. ``"v6e-16:4x4"``, handed down by
+    the caller that read the job's record) as a :class:`SliceTopology`, or ``None`` when it is empty.
 
-    value = str(getattr(current(), key)).strip()
+    Raises:
+        rl_tpu.topology.TopologyError: an accelerator type or topology that is not a TPU slice.
+    """
+    value = str(value or "").strip()
     if not value:
         return None
     acc, _, topo = value.partition(":")
@@ -98,10 +100,11 @@ class RolloutSlice:
 _ROLLOUT_SLICE: list[RolloutSlice] = []  # this process's (the TaskRunner's) reservation, made on first use
 
 
-def rollout_slice_pool(name: str, nodes: list[int], max_colocate_count: int, timeout_s: float):
-    """The pool of standalone rollout replica ``name`` on the job's rollout slice, or ``None`` when the job has no
-    rollout slice or ``name`` is not a standalone rollout pool (:class:`RolloutSlice`)."""
-    spec = job_slice("rollout_slice")
+def rollout_slice_pool(name: str, nodes: list[int], max_colocate_count: int, timeout_s: float,
+                       spec: SliceTopology | None):
+    """The pool of standalone rollout replica ``name`` on the job's rollout slice ``spec`` (``rl_tpu.rollout_slice``,
+    :func:`slice_of`), or ``None`` when the job has no rollout slice (``spec`` is ``None``) or ``name`` is not a
+    standalone rollout pool (:class:`RolloutSlice`; ``timeout_s``: seconds to wait for its reservation)."""
     if spec is None or not STANDALONE_POOL.fullmatch(name):
         return None
     if not _ROLLOUT_SLICE or _ROLLOUT_SLICE[0].spec != spec:

@@ -38,10 +38,10 @@ def test_the_rollout_samples_with_its_own_thread_count_and_puts_the_workers_back
                                                                                  expected):
     from verl_backend.rollout.sampling import run_sampler
 
-    monkeypatch.setenv(S.RECORD_ENV, S.record(S.RlTpuSettings(**chosen)))
+    section = S.rollout_settings(S.RlTpuSettings(**chosen))  # what the rollout's entry point hands down
     torch.set_num_threads(2)  # the trainer worker's count (an update with 2 threads)
     sampler = CountingSampler()
-    run_sampler(sampler, [[1, 2, 3]], None)
+    run_sampler(sampler, [[1, 2, 3]], None, threads=section.threads)
     assert sampler.threads == [expected]
     assert torch.get_num_threads() == 2
 

@@ -125,7 +125,8 @@ def test_tpu_eager_mode_setting_maps_to_torch_tpu_enum_and_rejects_bad_values(mo
     from verl_backend.workers.platforms import tpu_runtime_from_settings
 
     monkeypatch.setenv(settings.RECORD_ENV, settings.record(settings.RlTpuSettings(tpu_eager_mode="fused")))
-    assert tpu_runtime_from_settings().eager_mode_enum_name == "DEFER_AND_FUSE"  # the job's record
+    # the job's record, as the platform's set_device reads it and hands it down
+    assert tpu_runtime_from_settings(settings.current().tpu_eager_mode).eager_mode_enum_name == "DEFER_AND_FUSE"
     assert tpu_runtime_from_settings("strict").eager_mode_enum_name == "DEFER_NEVER"
     assert tpu_runtime_from_settings("debug").eager_mode_enum_name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
     with pytest.raises(DeviceError, match="turbo"):
