@@ -419,10 +419,7 @@ class EngineSettings:
 
 def engine_settings(settings: "RlTpuSettings") -> EngineSettings:
     """The engine's section of the job's ``settings``."""
-    return EngineSettings(shared_weights=bool(settings.shared_weights), compile_trainer=bool(settings.compile_trainer),
-                          trim_backward=bool(settings.trim_backward),
-                          response_only_logits=bool(settings.response_only_logits),
-                          shared_prefix=bool(settings.shared_prefix), plain_module=bool(settings.plain_module))
+    return EngineSettings(**{f.name: bool(getattr(settings, f.name)) for f in fields(EngineSettings)})
 
 
 @dataclass(frozen=True)
