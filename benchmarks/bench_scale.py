@@ -44,8 +44,8 @@ Columns (means over steps 2..N of ``<run folder>/metrics.jsonl``, VeRL's own met
 - ``peak PSS GiB``: the largest summed proportional set size of every process of the job (the driver, Ray's, every
   ``ray::`` worker) over the whole run, sampled every 0.5 s (``bench_grpo_step.MemorySampler``: a marker environment
   variable inherited by the job's processes, its own ``RAY_TMPDIR``); GiB = 2**30 bytes;
-- ``plan GiB``: the plan's host need (trainer workers x the ``peak estimate`` line; a lower bound: the rollout
-  server's own copy and each process's runtime are not counted);
+- ``plan GiB``: the plan's host need (the ``this host:`` line of ``--print-config``: trainer workers x the ``peak
+  estimate`` line, plus the rollout server's own copy and every process's measured runtime);
 - ``sync MB``: ``weight_sync/bytes`` / 1e6 (what the weight sync reports per step).
 
 Scaling, after the table: update FLOP/s = 6 x N x T / ``update s``, N all the model's parameters, T tokens the update
@@ -110,7 +110,7 @@ MARK = ".bench_scale"  # written last into a built model folder: the spec it was
 BASE = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 VERL = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu"]
 PLAN_PEAK = re.compile(r"^#\s+peak estimate\s+([0-9.]+)", re.M)
-PLAN_HOST = re.compile(r"this host: (\d+) trainer worker\(s\) x ([0-9.]+) GiB = ([0-9.]+) GiB .*? against "
+PLAN_HOST = re.compile(r"this host: (\d+) trainer worker\(s\) x ([0-9.]+) GiB .*?= ([0-9.]+) GiB .*? against "
                        r"(\d+)% of ([0-9.]+) GiB: (fits|DOES NOT FIT)")
 
 
@@ -352,20 +352,20 @@ def fits(rows: list[dict]) -> dict:
 def report(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     head = ["model", "parameters", "mode", "s/step", "rollout s", "log-prob s", "update s", "sync s", "tokens/s",
-            "peak PSS GiB", "plan GiB", "sync MB"]
+            "peak PSS GiB", "plan GiB", "plan / peak", "sync MB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         plan_gib = _f(r.get("plan_host_need_gib"))
         if r.get("outcome") != "ok":
             cells = [r["model"], _params(r.get("params")), _cell(f"{r['mode']}, {r['outcome']}")] + ["n/a"] * 7 + \
-                [plan_gib, "n/a"]
+                [plan_gib, "n/a", "n/a"]
         else:
             m = r["mean"]
             mode = r["mode"] + (f" ({_params(r['trainable_params'])} trainable)" if r["mode"] != "full" else "")
             cells = [r["model"], _params(r["params"]), mode, _f(m["step_s"], ".1f"), _f(m["rollout_s"], ".1f"),
                      _f(m["logprob_s"], ".1f"), _f(m["update_s"], ".1f"), _f(m["sync_s"], ".2f"),
                      _f(r["tokens_per_s"], ".1f"), _f(r["peak_pss_gib"]), plan_gib,
-                     _f(m["sync_bytes"] / 1e6, ".0f" if m["sync_bytes"] >= 1e7 else ".2f")]
+                     _f(r["plan_host_need_gib"] / r["peak_pss_gib"], ".3f"), _f(m["sync_bytes"] / 1e6, ".0f" if m["sync_bytes"] >= 1e7 else ".2f")]
         out.append("| " + " | ".join(cells) + " |")
     ok = [r for r in rows if r.get("outcome") == "ok"]
     clip = [r["mean"]["response_clip_ratio"] for r in ok if MODELS.get(r["model"]) is not None]
@@ -378,7 +378,7 @@ def report(result: dict) -> str:
             + (f"{min(clip):.2f}-{max(clip):.2f}" if clip else "n/a") + "), so this is a cost measurement, not a "
             "learning one" + (f"; {', '.join(trained)} is the default model's trained weights: its responses stop at "
                               "EOS (that fraction at the cap), so it makes fewer tokens a step" if trained else "")
-            + ". plan GiB: the memory plan's host need (a lower bound); peak PSS: every process of the job."]
+            + ". plan GiB: the memory plan's host need (the whole job); peak PSS: every process of the job."]
     out += ["", "| model | mode | parameters N | tokens updated/step T | update s | update GFLOP/s (6NT/s) | "
                 "peak PSS GiB |", "|---|---|---|---|---|---|---|"]
     if not ok:

@@ -51,6 +51,15 @@ the rewritten cache: the cache arguments are not donated), ``sampler temporaries
 The peak is the resident sum plus the largest phase (update, log-prob, critic update, generation), which never
 overlap in time. The python process, the runtime and XLA's own buffers are not counted: :data:`USABLE_FRACTION` of
 the chip's HBM is what the plan may fill.
+
+On the CPU backend every process of the job shares the host's memory, so the plan also counts what the other
+processes hold (:attr:`MemoryPlan.host_terms`, :attr:`MemoryPlan.host_need`): the rollout server's own copy of the
+weights ``P·b(rollout.dtype)`` (unless the sampler runs inside the worker), each trainer worker's runtime
+(:data:`TRAINER_RUNTIME_BYTES`: Python, torch, VeRL and transformers, beyond the plan's tensors) and the job's fixed
+processes (:data:`JOB_RUNTIME_BYTES`: the driver, Ray's daemons and VeRL's agent-loop, reward-loop, load-balancer and
+transfer-queue actors). Both constants are measured (proportional set size at the job's peak,
+``benchmarks/bench_scale.py``'s ``pss_at_peak_gib_by_role``, SmolLM2-135M, 2026-12-05); with them the host need is
+within 2% of the measured peak of the 135M, 360M and 0.49B rows of docs/scale.md.
 """
 
 from __future__ import annotations
@@ -64,6 +73,12 @@ from verl_backend.errors import BadInputError
 
 GIB = float(1 << 30)
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest for the TPU runtime, XLA's scratch buffers and fragmentation
+#: per trainer worker process on the CPU backend, beyond its tensors: the measured PSS of VeRL's WorkerDict at the
+#: 135M job's peak (3.61 GiB) less the plan's terms for it (3.08 GiB)
+TRAINER_RUNTIME_BYTES = 0.54 * GIB
+#: the CPU job's processes that hold no model: the driver (0.48 GiB), VeRL's agent-loop, reward-loop, load-balancer
+#: and transfer-queue actors (0.80) and Ray's daemons (GCS, raylet, dashboard and its agent, monitors: 0.41)
+JOB_RUNTIME_BYTES = 1.69 * GIB
 _BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
 
 
@@ -99,6 +114,13 @@ class MemoryPlan:
     #: TPU only: what the plan expects each kind of compiled graph to hold, ``{name: bytes}`` (the names
     #: :func:`verl_backend.driver.aot.run.plan_comparison` sets beside XLA's numbers)
     graphs: dict[str, float] = field(default_factory=dict)
+    #: CPU backend only: what the job's other processes hold on the same host (bytes; ``when`` is ``host``)
+    host_terms: list[Term] = field(default_factory=list)
+
+    @property
+    def host_need(self) -> float:
+        """Bytes the whole job needs on one host (CPU backend): every trainer worker's peak plus :attr:`host_terms`."""
+        return self.peak * self.workers + sum(t.bytes for t in self.host_terms)
 
     def term(self, name: str) -> float:
         """Bytes of the term whose name starts with ``name``."""
@@ -150,6 +172,8 @@ class MemoryPlan:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             rows.append(f"  {'usable HBM':<34}{self.usable_bytes / GIB:>9.3f}  {'':<12}{USABLE_FRACTION:.0%} of "
                         f"{self.hbm_bytes / GIB:g} GiB per chip: {verdict}")
+        if self.host_terms:
+            rows += [f"  {t.name:<34}{t.bytes / GIB:>9.3f}  {t.when:<12}{t.how}" for t in self.host_terms]
         return "\n".join([head, *rows, *(f"  note: {n}" for n in self.notes)])
 
 
@@ -402,10 +426,19 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             add("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B")
     if packed:
         notes.append("packed micro batches: activations counted at the longest prompt and response (an upper bound)")
+    host_terms: list[Term] = []
+    if backend_profile.host_memory:  # every process of the CPU job on one host
+        if not in_worker:
+            host_terms.append(Term(f"rollout server weights ({dt[b_roll]})", p * b_roll, "host",
+                                   f"{p:.3e} x {b_roll} B, the server's own copy"))
+        host_terms.append(Term("trainer worker runtime", w * TRAINER_RUNTIME_BYTES, "host",
+                               f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)"))
+        host_terms.append(Term("driver and Ray processes", JOB_RUNTIME_BYTES, "host",
+                               "driver, Ray's daemons, VeRL's loop and queue actors (measured)"))
     hbm = spec.hbm_gib * GIB if spec is not None else None
     where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
         str(_get(config, "trainer.device", "cpu"))
-    return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs)
+    return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs, host_terms)
 
 
 def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:
@@ -443,10 +476,11 @@ def show_memory_plan(config, slice_name: str | None, backend) -> None:
     text = plan.format() if plan is not None else f"memory plan: not made ({why})"
     if plan is not None and backend.host_memory:
         host = host_memory_bytes()
-        need = plan.peak * plan.workers
+        need = plan.host_need
         verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
-        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB = {need / GIB:.3f} GiB "
-                 f"(a lower bound: the rollout server's copy and each process's own memory are not counted) against "
+        others = sum(t.bytes for t in plan.host_terms)
+        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB + the other processes "
+                 f"{others / GIB:.3f} GiB = {need / GIB:.3f} GiB (the whole job) against "
                  f"{USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
     print("\n".join(f"# {line}" for line in text.splitlines()))
 
@@ -465,10 +499,10 @@ def host_memory_bytes() -> float:
 
 
 def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | None:
-    """One line when the CPU job's trainer workers, all on this host, pass :data:`USABLE_FRACTION` of its memory
-    (``None``: they fit). The plan counts the trainer workers' terms only (not the rollout server's own copy, nor
-    each process's Python and torch), so it is a lower bound: a job it refuses cannot run here."""
-    need, usable = plan.peak * plan.workers, host_bytes * USABLE_FRACTION
+    """One line when the whole CPU job (its trainer workers, the rollout server's copy, every process's runtime:
+    :attr:`MemoryPlan.host_need`), all on this host, passes :data:`USABLE_FRACTION` of its memory (``None``: it
+    fits)."""
+    need, usable = plan.host_need, host_bytes * USABLE_FRACTION
     if need <= usable:
         return None
     big = plan.biggest
@@ -481,8 +515,10 @@ def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | 
     if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     fixes.append("a host with more memory")
-    return (f"memory plan: {plan.model.name} ({model_path}) needs at least {need / GIB:.1f} GiB on this host "
-            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB), over the {usable / GIB:.1f} GiB usable "
+    others = sum(t.bytes for t in plan.host_terms)
+    return (f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
+            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB + {others / GIB:.1f} GiB for the rollout "
+            f"server and the job's other processes), over the {usable / GIB:.1f} GiB usable "
             f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
             f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)")
 

@@ -19,6 +19,8 @@ import yaml
 
 from verl_backend.driver.memory_plan import (
     GIB,
+    JOB_RUNTIME_BYTES,
+    TRAINER_RUNTIME_BYTES,
     USABLE_FRACTION,
     check_memory_fits,
     plan_memory,
@@ -95,7 +97,7 @@ def test_qwen3_8b_does_not_fit_a_v6e_4_and_is_refused_before_it_starts(qwen3_8b_
     assert "enable_gradient_checkpointing" not in line  # the TPU profile's job has it on already
     # the CPU backend's dry run of the same slice is held to this host's memory instead: 4 host processes of an 8B
     # model's training state cannot fit any machine this runs on (>= 4 x 16 B x 8.2e9 = 489 GiB)
-    with pytest.raises(BadInputError, match=r"needs at least .* GiB on this host \(4 trainer worker\(s\)"):
+    with pytest.raises(BadInputError, match=r"needs about .* GiB on this host \(4 trainer worker\(s\)"):
         check_memory_fits(config, "v6e-4:2x2", PROFILES["cpu"])
 
 
@@ -208,6 +210,10 @@ def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, 
     Qwen3Config(**shape).save_pretrained(tmp_path)
     config = _cpu_job(tmp_path, **({"actor_rollout_ref.model.lora_rank": lora} if lora else {}))
     plan = plan_memory(config, None, PROFILES["cpu"])
+    # the whole job on one host: the trainer's peak, the rollout server's fp32 copy, the processes' runtime
+    server = next(t for t in plan.host_terms if t.name.startswith("rollout server weights"))
+    assert server.bytes == plan.model.params * 4, server
+    assert plan.host_need == pytest.approx(plan.peak + server.bytes + TRAINER_RUNTIME_BYTES + JOB_RUNTIME_BYTES)
     line = host_refusal(plan, str(tmp_path), HOST)
     assert (line is not None) == refused, (plan.format(), line)
     if refused:
