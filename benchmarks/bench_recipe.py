@@ -331,6 +331,41 @@ def cmd_slope(_args) -> None:
               f"{len(mine)} run(s) (seeds {sorted(r['seed'] for r in mine)})")
 
 
+# The default job before the study, as a user ran it (its task had + and -, its validation 32 items): what #30's
+# wall-time bound compares with.
+OLD_DEFAULT = [*OLD, "rl_tpu.task_config=" + json.dumps(TASKS["basic_arithmetic"]), "rl_tpu.val_size=32"]
+
+
+def cmd_walltime(args) -> None:
+    """``verl train --backend cpu`` as a user runs it (validations, checkpoints), the default job against the old
+    default (:data:`OLD_DEFAULT`), alternating for ``--rounds`` rounds; prints each wall time and the ratio of the
+    medians. Each extra ``--variant NAME=KEY=VALUE,...`` is a third command timed in the same rounds."""
+    verl = str(Path(sys.executable).with_name("verl"))
+    commands = {"default": [], "old default": OLD_DEFAULT}
+    for spec in args.variant:
+        name, _, keys = spec.partition("=")
+        commands[name] = [k for k in keys.split(",") if k]
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    (OUT / "walltime").mkdir(parents=True, exist_ok=True)
+    for rnd in range(args.rounds):
+        for name, overrides in commands.items():
+            run = OUT / "walltime" / name.replace(" ", "_")
+            cmd = [verl, "train", "--backend", "cpu", "--output-dir", str(run), "trainer.resume_mode=disable",
+                   *overrides]
+            t0 = time.monotonic()
+            with open(OUT / "walltime" / f"{name.replace(' ', '_')}-r{rnd}.log", "w") as log:
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            wall = time.monotonic() - t0
+            print(f"round {rnd + 1}: {name}: {wall:.0f} s (exit {rc}; load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
+            if rc == 0:
+                walls[name].append(wall)
+    med = {k: sorted(v)[len(v) // 2] for k, v in walls.items() if v}
+    for name, m in med.items():
+        ratio = m / med["old default"] if "old default" in med else float("nan")
+        print(f"{name}: median {m:.0f} s over {len(walls[name])} run(s), {ratio:.2f}x the old default")
+
+
 def main() -> None:
     global TASK, TASK_CONFIG, OUT, RESULTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -350,6 +385,10 @@ def main() -> None:
     jd.add_argument("--run", required=True, help="the run's output folder")
     jd.add_argument("--sets", nargs="+", default=["val", "report"], choices=["val", "report"])
     sub.add_parser("slope", help="the train reward's slope over steps per candidate, pooled over its seeds")
+    wt = sub.add_parser("walltime", help="time the default job against the old default, back to back")
+    wt.add_argument("--rounds", type=int, default=1)
+    wt.add_argument("--variant", nargs="*", default=[], metavar="NAME=KEY=VALUE,...",
+                    help="more commands timed in the same rounds, e.g. 2threads=rl_tpu.num_threads=2")
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
     TASK, TASK_CONFIG = args.task, TASKS[args.task]
@@ -358,7 +397,7 @@ def main() -> None:
         RESULTS = OUT / "results.jsonl"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     {"base": cmd_base, "study": cmd_study, "table": cmd_table, "slope": cmd_slope,
-                                                   "judge": cmd_judge}[args.cmd](args)
+     "judge": cmd_judge, "walltime": cmd_walltime}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
 from verl_backend.errors import BadInputError
+from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
 GIB = float(1 << 30)
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest for the TPU runtime, XLA's scratch buffers and fragmentation
@@ -278,7 +279,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         off = bool(_get(config, f"{aro}.ref.fsdp_config.param_offload", False))
         add(f"reference policy ({dt[b_ref]})", 0 if off else p * b_ref / shards, "resident",
             "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}")
-    placement = str((_get(config, f"{aro}.rollout.engine_kwargs.native", {}) or {}).get("sampler_placement") or "server")
+    placement = native_engine_kwargs(_get(config, f"{aro}.rollout", {})).sampler_placement
     b_roll = _bytes(_get(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
     in_worker = placement == "worker"
     tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms

@@ -82,8 +82,9 @@ def check_native_rollout(config) -> None:
     """Refuse, before any process starts, native-rollout settings that would only fail inside Ray.
 
     - ``actor_rollout_ref.rollout.checkpoint_engine`` must be a mapping (the weight sync reads its bucket size).
-    - ``engine_kwargs.native.sampler_placement`` must be valid (:func:`verl_backend.rollout.adapter.sampler_placement`),
-      and its fast-path keys true or false (:func:`verl_backend.rollout.sampling.sampler_fast_paths`).
+    - ``engine_kwargs.native`` must hold only the native rollout's keys, each valid
+      (:func:`verl_backend.rollout.native_kwargs.native_engine_kwargs`), and ``sampler_placement=worker`` a checkpoint
+      engine that serves it (:func:`verl_backend.rollout.adapter.sampler_placement`).
     - ``tensor_model_parallel_size``, ``data_parallel_size`` and ``pipeline_model_parallel_size`` must be 1: the native
       sampler holds one unsharded model per replica, on one chip, and would silently ignore a split across several.
     - A Phi-3-style ``longrope`` model switches all positions from its short to its long RoPE factors once a forward
@@ -109,11 +110,9 @@ def check_native_rollout(config) -> None:
 
     from rl_tpu.sampler.engine import longrope_switch_length
     from verl_backend.rollout.adapter import sampler_placement
-    from verl_backend.rollout.sampling import sampler_fast_paths
 
     try:
-        sampler_placement(rollout)
-        sampler_fast_paths(rollout)
+        sampler_placement(rollout)  # reads and checks every key of engine_kwargs.native
     except ValueError as exc:
         raise BadInputError(str(exc)) from None
     for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):

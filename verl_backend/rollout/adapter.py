@@ -32,36 +32,24 @@ from verl.workers.rollout.base import BaseRollout
 
 from verl_backend import weight_sync
 from verl_backend.rollout import server_actor_name
+from verl_backend.rollout.native_kwargs import native_engine_kwargs
 from verl_backend.weight_sync.base import full_cpu
 from verl_backend.weight_sync.object_store import MAX_BUCKETS_IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
-PLACEMENTS = ("server", "worker")
-
-
 def sampler_placement(rollout_config) -> str:
-    """``actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement``: ``server`` (default: the rollout
-    server process holds an inference copy, synced through the Ray object store) or ``worker`` (the trainer
-    worker samples on its own device; needed on TPU where each worker owns its chip).
+    """``actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement``
+    (:class:`~verl_backend.rollout.native_kwargs.NativeEngineKwargs`): ``server`` (default: the rollout server
+    process holds an inference copy) or ``worker`` (the trainer worker samples on its own device; needed on TPU where
+    each worker owns its chip), checked against the checkpoint engine.
 
     Raises:
-        ValueError: any other value, or ``worker`` with a checkpoint engine that does not serve the worker's sampler
-            to the rollout server (:data:`IN_WORKER_ENGINES`; without one every generate fails).
+        ValueError: a bad ``engine_kwargs.native`` (:func:`~verl_backend.rollout.native_kwargs.native_engine_kwargs`),
+            or ``worker`` with a checkpoint engine that does not serve the worker's sampler to the rollout server
+            (:data:`IN_WORKER_ENGINES`; without one every generate fails).
     """
-    kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
-    native = kwargs.get("native", None) or {}
-    if not hasattr(native, "get"):
-        raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.native={native!r}: give a mapping, e.g. "
-            "'+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}'"
-        )
-    placement = native.get("sampler_placement", None)
-    placement = "server" if placement is None else str(placement)
-    if placement not in PLACEMENTS:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement={placement!r}: choose one of {PLACEMENTS}"
-        )
+    placement = native_engine_kwargs(rollout_config).sampler_placement
     engine = getattr(rollout_config, "checkpoint_engine", None)
     backend = engine.get("backend", None) if engine is not None else None
     if placement == "worker" and backend not in IN_WORKER_ENGINES:

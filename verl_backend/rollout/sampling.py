@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from verl_backend.rollout.native_kwargs import native_engine_kwargs
 from verl_backend.settings import RolloutSettings
 
 
@@ -64,28 +65,15 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     return sampler
 
 
-FAST_PATHS = ("packed_prefill", "lean_decode", "packed_weights")
-
-
 def sampler_fast_paths(rollout_config: Any) -> dict[str, bool]:
-    """The sampler's CPU fast paths the job's config fixes: ``packed_prefill``, ``lean_decode`` and
-    ``packed_weights`` of ``actor_rollout_ref.rollout.engine_kwargs.native`` (the TPU profile sets all three
-    ``false``: the bucketed, padded sampler). A key not given is left out (the sampler's per-device default).
+    """The sampler's CPU fast paths the job's config fixes (``packed_prefill``, ``lean_decode``, ``packed_weights``
+    of :class:`~verl_backend.rollout.native_kwargs.NativeEngineKwargs`); a key not given is left out (the sampler's
+    per-device default).
 
     Raises:
-        ValueError: a value that is not true or false, naming the key.
+        ValueError: a bad ``engine_kwargs.native`` (:func:`~verl_backend.rollout.native_kwargs.native_engine_kwargs`).
     """
-    native = (getattr(rollout_config, "engine_kwargs", None) or {}).get("native", None) or {}
-    out = {}
-    for key in FAST_PATHS:
-        value = native.get(key, None) if hasattr(native, "get") else None
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.native.{key}={value!r}: give true or false "
-                             "(or leave it out: on for the CPU, off elsewhere)")
-        out[key] = value
-    return out
+    return native_engine_kwargs(rollout_config).fast_paths()
 
 
 def _buckets(limit: int) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verl_backend.rollout.native_kwargs import native_engine_kwargs
 from verl_backend.weight_sync.base import TRANSPORTS
 
 PLACEMENTS = ("server", "worker")
@@ -156,8 +157,7 @@ def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | N
         rollout_slice: ``rl_tpu.rollout_slice`` (the rollout pool on a slice of its own: other hosts).
     """
     rollout = _get(config, "actor_rollout_ref.rollout")
-    native = _get(rollout, "engine_kwargs.native") or {}
-    placement = str(native.get("sampler_placement", None) or "server") if hasattr(native, "get") else "server"
+    placement = native_engine_kwargs(rollout).sampler_placement
     mode = str(_get(config, "trainer.v1.trainer_mode", "sync"))
     backend = str(_get(rollout, "checkpoint_engine.backend", "naive"))
     pool = mode == "separate_async" and backend == "gloo"  # VeRL's standalone replicas, fed by our gloo engine

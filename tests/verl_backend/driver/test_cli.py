@@ -232,6 +232,12 @@ def test_worker_sampler_placement_without_an_engine_serving_it_is_one_line(tmp_p
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
                                 "+actor_rollout_ref.rollout.engine_kwargs.native=worker"))
     assert "engine_kwargs.native='worker': give a mapping" in line, line
+    # a misspelt key of the native rollout is refused, not dropped (it would leave the placement at its default)
+    line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
+                                f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                                "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placment:worker}"))
+    assert "engine_kwargs.native.sampler_placment: not a key of the native rollout; its keys are lean_decode, " \
+        "packed_prefill, packed_weights, sampler_placement" in line, line
     line = _one_error_line(verl("train", "--backend", "cpu", "--output-dir", str(tmp_path),
                                 f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
                                 "actor_rollout_ref.rollout.checkpoint_engine=null"))
