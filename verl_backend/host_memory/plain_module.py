@@ -60,13 +60,13 @@ def match_saved_config_dtype(hf_dir: str | os.PathLike) -> str | None:
 class _HFConfigDtypeOnSave:
     """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`);
     with LoRA, ``huggingface/`` becomes the merged model and ``lora_adapter/`` the adapter
-    (:func:`verl_backend.weight_sync.lora.save_lora_checkpoint`)."""
+    (:func:`verl_backend.workers.lora_checkpoint.save_lora_checkpoint`)."""
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
                                 max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
         if engine_state(self).lora and local_path is not None:
-            from verl_backend.weight_sync.lora import save_lora_checkpoint
+            from verl_backend.workers.lora_checkpoint import save_lora_checkpoint
 
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             save_lora_checkpoint(self.module, local_path, rank=rank)

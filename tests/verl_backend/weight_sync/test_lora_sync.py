@@ -75,14 +75,18 @@ def test_a_lora_checkpoint_holds_the_merged_model_and_the_adapter(models, tmp_pa
     from peft import PeftModel
     from safetensors.torch import save_file
 
-    from verl_backend.weight_sync.lora import save_lora_checkpoint
+    from verl_backend.workers.lora_checkpoint import save_lora_checkpoint
 
     trainer, _ = models
     hf = tmp_path / "actor" / "huggingface"
     hf.mkdir(parents=True)
     trainer.get_base_model().config.save_pretrained(hf)
     save_file({"base_model.model.model.norm.weight": torch.ones(64)}, hf / "model.safetensors")  # as VeRL leaves it
+    (hf / "tokenizer_config.json").write_text('{"kept": true}')  # VeRL's tokenizer files stay
     hf_dir, adapter_dir = save_lora_checkpoint(trainer, str(tmp_path / "actor"))
+    # each folder was written aside and renamed into place: nothing half-written or set aside is left
+    assert sorted(p.name for p in (tmp_path / "actor").iterdir()) == ["huggingface", "lora_adapter"]
+    assert (hf / "tokenizer_config.json").read_text() == '{"kept": true}'
     merged = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = torch.randint(3, 40000, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -106,7 +110,7 @@ def test_the_merged_lora_checkpoint_exports_to_litert(models, tmp_path) -> None:
     pytest.importorskip("litert_torch")
     from edge_export import export_checkpoint
 
-    from verl_backend.weight_sync.lora import save_lora_checkpoint
+    from verl_backend.workers.lora_checkpoint import save_lora_checkpoint
 
     trainer, _ = models
     hf = tmp_path / "actor" / "huggingface"
