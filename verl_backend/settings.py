@@ -89,7 +89,8 @@ SETTINGS: tuple[Setting, ...] = (
             "beside plain_module)", env="RL_TPU_TRIM_BACKWARD"),
     Setting("plain_module", bool, True, "on one CPU rank, run the model without FSDP2 (its copies shard nothing "
             "there); false wraps it anyway", env="RL_TPU_PLAIN_MODULE", checkpoint_format=True),
-    Setting("num_threads", int, 0, "torch threads per process (0: 1 on cpu, torch's own count elsewhere)",
+    Setting("num_threads", int, 0, "torch threads per process (0: on cpu 2, or the host's cores over its trainer workers if fewer; torch's own count "
+            "elsewhere)",
             minimum=0, env="RL_TPU_NUM_THREADS", flag="--num-threads"),
     Setting("rollout_num_threads", int, 0, "torch threads the rollout samples with (0: rl_tpu.num_threads), in its "
             "server process or, with sampler_placement=worker, while the worker samples; e.g. 1 beside a 2-thread "

@@ -38,7 +38,7 @@ from verl_backend.driver.preflight_async import (
     check_trainer_mode,
     rollout_slice_keys,
 )
-from verl_backend.driver.profiles import profile
+from verl_backend.driver.profiles import default_threads, profile
 from verl_backend.driver.run_folder import lock_run_folder, prepare_run_folder
 from verl_backend.driver.runner import (
     fork_server_here,
@@ -119,6 +119,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     merged = [normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
 
+    settings = _apply_threads(backend, settings, keys)
     out = _run_folder(args, keys)
     console = None
     if not args.print_config:
@@ -298,8 +299,8 @@ def _tpu_dry_run(backend, settings, args):
 
 
 def _apply_profile(backend, settings):
-    """The settings as this backend takes them: TPU-only keys refused elsewhere, its thread default, and the host
-    malloc settings of ``rl_tpu.compact_malloc`` put in place for every process started from here on."""
+    """The settings as this backend takes them: TPU-only keys refused elsewhere, and the host malloc settings of
+    ``rl_tpu.compact_malloc`` put in place for every process started from here on."""
     if not backend.tpu_runtime and settings.tpu_eager_mode != "strict":
         raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
                             f"--backend tpu only, not {backend.name}")
@@ -308,15 +309,25 @@ def _apply_profile(backend, settings):
 
         os.environ.update(host_malloc_env())  # every process started from here on (Ray's, the workers)
         tune_host_malloc()  # this one, and the fork server forked from it (verl_backend.host_memory.fork_server)
-    settings = replace(settings, num_threads=settings.num_threads or backend.default_threads)
-    if settings.num_threads:
-        os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)  # this process; workers get the record
     if settings.omp_wait_policy != "default":
         # read by OpenMP when torch loads: this process, the fork server started from it, and every worker (runner.py
         # puts it in the job's runtime_env)
         os.environ["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
     if not backend.tpu_runtime:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # skip TorchTPU's 5-20 s import hook
+    return settings
+
+
+def _apply_threads(backend, settings, keys: dict[str, str]):
+    """``rl_tpu.num_threads`` resolved: the user's count, else the profile's default for this host's cores and the
+    job's trainer workers (:func:`verl_backend.driver.profiles.default_threads`); put in ``OMP_NUM_THREADS`` for this
+    process and the fork server started from it (the workers get the settings record)."""
+    if not settings.num_threads:
+        workers = int(keys.get("trainer.n_gpus_per_node", 1)) * int(keys.get("trainer.nnodes", 1))
+        settings = replace(settings, num_threads=default_threads(backend.default_threads, workers,
+                                                                 len(os.sched_getaffinity(0))))
+    if settings.num_threads:
+        os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)
     return settings
 
 

@@ -16,7 +16,7 @@ def test_every_device_backend_has_a_profile_with_verls_platform_name():
     for name, p in PROFILES.items():
         assert p.name == name and p.slices in ("auto", "dry_run", "none")
         assert p.overrides.get("trainer.device", "cuda") == name  # each profile names its own device to VeRL
-    assert PROFILES["cpu"].default_config.is_file() and PROFILES["cpu"].default_threads == 1
+    assert PROFILES["cpu"].default_config.is_file() and PROFILES["cpu"].default_threads == 2
     assert PROFILES["tpu"].tpu_runtime and not PROFILES["cpu"].tpu_runtime
     assert PROFILES["cpu"].host_memory and not PROFILES["tpu"].host_memory
 
@@ -35,3 +35,18 @@ def test_a_missing_device_is_refused_by_its_profiles_check():
         pytest.skip("a CUDA GPU is visible here: the cuda profile's check passes")
     with pytest.raises(BadInputError, match="--backend cuda: no CUDA GPU visible"):
         PROFILES["cuda"].check()
+
+
+def test_the_cpu_thread_default_gives_each_trainer_worker_its_cores():
+    """``rl_tpu.num_threads=0`` on cpu: 2 threads for the one worker of the default job on 2 cores or more, fewer
+    when the host's cores are shared by more trainer workers (a fake slice's ranks), never 0; a profile without a
+    default leaves torch's own count (0)."""
+    from verl_backend.driver.profiles import default_threads
+
+    cap = PROFILES["cpu"].default_threads
+    assert default_threads(cap, workers=1, cores=2) == 2
+    assert default_threads(cap, workers=1, cores=64) == 2  # the cap: more was not measured to help
+    assert default_threads(cap, workers=1, cores=1) == 1
+    assert default_threads(cap, workers=4, cores=2) == 1  # the TPU dry run's 4 ranks on this machine
+    assert default_threads(cap, workers=2, cores=4) == 2
+    assert default_threads(PROFILES["tpu"].default_threads, workers=1, cores=8) == 0
