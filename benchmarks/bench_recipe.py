@@ -331,9 +331,10 @@ def cmd_slope(_args) -> None:
               f"{len(mine)} run(s) (seeds {sorted(r['seed'] for r in mine)})")
 
 
-# The default job before the study, as a user ran it (its task had + and -, its validation 32 items): what #30's
-# wall-time bound compares with.
-OLD_DEFAULT = [*OLD, "rl_tpu.task_config=" + json.dumps(TASKS["basic_arithmetic"]), "rl_tpu.val_size=32"]
+# The default job before the study, as a user ran it (its task had + and -, its validation 32 items, 1 torch thread
+# a process): what #30's wall-time bound compares with.
+OLD_DEFAULT = [*OLD, "rl_tpu.task_config=" + json.dumps(TASKS["basic_arithmetic"]), "rl_tpu.val_size=32",
+               "rl_tpu.num_threads=1"]
 
 
 def cmd_walltime(args) -> None:
@@ -388,7 +389,7 @@ def main() -> None:
     wt = sub.add_parser("walltime", help="time the default job against the old default, back to back")
     wt.add_argument("--rounds", type=int, default=1)
     wt.add_argument("--variant", nargs="*", default=[], metavar="NAME=KEY=VALUE,...",
-                    help="more commands timed in the same rounds, e.g. 2threads=rl_tpu.num_threads=2")
+                    help="more commands timed in the same rounds, e.g. 1thread=rl_tpu.num_threads=1")
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
     TASK, TASK_CONFIG = args.task, TASKS[args.task]
