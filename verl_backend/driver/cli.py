@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     option("--config", help="YAML file of VeRL config keys (nested), applied before command-line overrides")
     option("--output-dir", help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
                    "(default: outputs/<trainer.experiment_name>)")
-    option("--num-threads", type=int, help="torch threads per process (rl_tpu.num_threads; default on cpu: 2, fewer when the host has fewer cores per trainer worker)")
+    option("--num-threads", type=int, help="torch threads per process (rl_tpu.num_threads; default on cpu: 2, "
+           "fewer when the host has fewer cores per trainer worker)")
     option("--slice", help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
                    "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
                    "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
