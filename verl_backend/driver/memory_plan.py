@@ -120,8 +120,21 @@ class MemoryPlan:
 
     @property
     def host_need(self) -> float:
-        """Bytes the whole job needs on one host (CPU backend): every trainer worker's peak plus :attr:`host_terms`."""
-        return self.peak * self.workers + sum(t.bytes for t in self.host_terms)
+        """Bytes the whole job needs on one host (CPU backend), the larger of its two phases: every trainer worker at
+        its peak beside the other processes' resident :attr:`host_terms` (``host``), or, while the rollout server
+        generates (``host generation``: its packed copies and KV cache), the trainer workers' resident terms
+        without gradients (freed after each update) beside all of :attr:`host_terms`."""
+        others = sum(t.bytes for t in self.host_terms if t.when == "host")
+        generating = sum(t.bytes for t in self.host_terms if t.when == "host generation")
+        resident = self.resident - sum(t.bytes for t in self.terms if t.when == "resident" and
+                                       t.name.startswith("gradients"))
+        return max(self.peak * self.workers, resident * self.workers + generating) + others
+
+    @property
+    def host_phase(self) -> str:
+        """Which phase :attr:`host_need` is: ``update`` (the trainer's peak) or ``generation`` (the server's)."""
+        others = sum(t.bytes for t in self.host_terms if t.when == "host")
+        return "generation" if self.host_need > self.peak * self.workers + others else "update"
 
     def term(self, name: str) -> float:
         """Bytes of the term whose name starts with ``name``."""
@@ -432,6 +445,22 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         if not in_worker:
             host_terms.append(Term(f"rollout server weights ({dt[b_roll]})", p * b_roll, "host",
                                    f"{p:.3e} x {b_roll} B, the server's own copy"))
+            r = _get(config, f"{aro}.rollout", {})
+            if b_roll == 4 and native_engine_kwargs(r).packed_weights is not False:
+                # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
+                # the query/key/value projections once more as one fused matrix
+                linear = shape.layers * shape.layer_params + shape.vocab * shape.hidden
+                fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+                host_terms.append(Term("rollout server packed weights", (linear + fused) * 4, "host generation",
+                                       f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates"))
+            rp = int(_get(config, f"{aro}.rollout.prompt_length", prompt_len))
+            rr = int(_get(config, f"{aro}.rollout.response_length", resp_len))
+            batch = min(_pow2(int(_get(config, "data.train_batch_size", 1)) * n),
+                        _pow2(int(_get(config, f"{aro}.rollout.max_num_seqs", 64))))
+            host_terms.append(Term("rollout server KV cache", 2 * shape.layers * shape.kv_heads * shape.head_dim *
+                                   (rp + rr) * batch * b_roll, "host generation",
+                                   f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
+                                   f"x {b_roll} B"))
         host_terms.append(Term("trainer worker runtime", w * TRAINER_RUNTIME_BYTES, "host",
                                f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)"))
         host_terms.append(Term("driver and Ray processes", JOB_RUNTIME_BYTES, "host",
@@ -479,10 +508,10 @@ def show_memory_plan(config, slice_name: str | None, backend) -> None:
         host = host_memory_bytes()
         need = plan.host_need
         verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
-        others = sum(t.bytes for t in plan.host_terms)
-        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB + the other processes "
-                 f"{others / GIB:.3f} GiB = {need / GIB:.3f} GiB (the whole job) against "
-                 f"{USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
+        phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
+        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB at their peak; with the "
+                 f"rollout server and the job's other processes the whole job = {need / GIB:.3f} GiB at its peak "
+                 f"(while {phase}) against {USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
     print("\n".join(f"# {line}" for line in text.splitlines()))
 
 
@@ -516,12 +545,51 @@ def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | 
     if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     fixes.append("a host with more memory")
-    others = sum(t.bytes for t in plan.host_terms)
+    phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
     return (f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
-            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB + {others / GIB:.1f} GiB for the rollout "
-            f"server and the job's other processes), over the {usable / GIB:.1f} GiB usable "
+            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB at their peak, the rollout server and the "
+            f"job's other processes; the whole job's peak is while {phase}), over the {usable / GIB:.1f} GiB usable "
             f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
             f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)")
+
+
+def fit_packed_weights(config, backend, host_bytes: float | None = None) -> str | None:
+    """A CPU job that passes this host's memory only because of the rollout's packed weights (a packed copy of every
+    float32 linear layer while it generates, :mod:`rl_tpu.sampler.packed`: 6.5 GiB for a 1.5 B model) runs without
+    them: ``actor_rollout_ref.rollout.engine_kwargs.native.packed_weights`` is set false in ``config`` (decode on the
+    plain weights, slower). Left alone when the job fits, when it does not fit either way, or when the key was given.
+    ``host_bytes``: the host's memory (``None``: :func:`host_memory_bytes`).
+
+    Returns:
+        The one line said to the user when it turned them off, else ``None``.
+    """
+    if not backend.host_memory:
+        return None
+    rollout = _get(config, "actor_rollout_ref.rollout", {})
+    if str(_get(config, "actor_rollout_ref.rollout.name", "")) != "native" or \
+            native_engine_kwargs(rollout).packed_weights is not None:
+        return None
+    plan, _ = _memory_plan(config, None, backend)
+    if plan is None:
+        return None
+    usable = (host_memory_bytes() if host_bytes is None else host_bytes) * USABLE_FRACTION
+    packed = sum(t.bytes for t in plan.host_terms if t.name == "rollout server packed weights")
+    if not packed or plan.host_need <= usable:
+        return None
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(config):
+        OmegaConf.update(config, "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights", False,
+                         force_add=True)
+    after = plan_memory(config, None, backend, hf_config=plan.model)
+    if after.host_need > usable:  # no help: put it back, the refusal names the real fixes
+        with open_dict(config):
+            del config.actor_rollout_ref.rollout.engine_kwargs.native["packed_weights"]
+        return None
+    return (f"[rl-tpu] memory plan: {plan.model.name} would need {plan.host_need / GIB:.1f} GiB of this host's "
+            f"{usable / GIB:.1f} usable with the rollout's packed weights ({packed / GIB:.1f} GiB while it generates): "
+            f"sampling on the plain weights instead ({after.host_need / GIB:.1f} GiB; decode is slower). "
+            "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights=true keeps them")
 
 
 def check_memory_fits(config, slice_name: str | None, backend) -> None:

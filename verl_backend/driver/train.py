@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +13,7 @@ from verl_backend.driver.bypass_guard import guard_bypass
 from verl_backend.driver.console import StepLines, capture, job_line
 from verl_backend.driver.data_prep import prepare_data, validate_data_files
 from verl_backend.driver.export_step import check_export
-from verl_backend.driver.memory_plan import check_memory_fits, show_memory_plan
+from verl_backend.driver.memory_plan import check_memory_fits, fit_packed_weights, show_memory_plan
 from verl_backend.driver.plan import (
     compose_config,
     fit_default_micro_batches,
@@ -151,6 +152,9 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     check_batch_sizes(config, workers_from=slice_from if from_slice else "")
     check_rollout_slice_config(config, settings.rollout_slice, rollout_keys, _keys(file_overrides + cli_overrides))
     check_trainer_mode(config)  # separate_async's requirements (VeRL 0.9.1) we do not meet: one line each
+    said = fit_packed_weights(config, backend)  # a CPU job that fits only without the rollout's packed copies
+    if said:  # --print-config's stdout stays YAML
+        print(said, flush=True, file=sys.stderr if args.print_config else sys.stdout)
     from omegaconf import OmegaConf, open_dict
 
     settings = job_settings.mirror_from_config(settings, config)

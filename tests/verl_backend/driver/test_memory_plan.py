@@ -205,15 +205,20 @@ def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, 
     ~29 GiB) cannot fit 24 GiB and is refused naming LoRA; with LoRA, and at 0.6B, it is not."""
     from transformers import Qwen3Config
 
-    from verl_backend.driver.memory_plan import host_refusal
+    from verl_backend.driver.memory_plan import fit_packed_weights, host_refusal
 
     Qwen3Config(**shape).save_pretrained(tmp_path)
     config = _cpu_job(tmp_path, **({"actor_rollout_ref.model.lora_rank": lora} if lora else {}))
+    fit_packed_weights(config, PROFILES["cpu"], host_bytes=HOST)  # as the driver does first (1.7B LoRA: off)
     plan = plan_memory(config, None, PROFILES["cpu"])
-    # the whole job on one host: the trainer's peak, the rollout server's fp32 copy, the processes' runtime
+    # the whole job on one host: the trainer's peak or, while the rollout generates, its resident terms without
+    # gradients beside the server's packed copies and KV cache; the server's fp32 copy; the processes' runtime
     server = next(t for t in plan.host_terms if t.name.startswith("rollout server weights"))
     assert server.bytes == plan.model.params * 4, server
-    assert plan.host_need == pytest.approx(plan.peak + server.bytes + TRAINER_RUNTIME_BYTES + JOB_RUNTIME_BYTES)
+    generating = sum(t.bytes for t in plan.host_terms if t.when == "host generation")
+    resident = plan.resident - plan.term("gradients")
+    assert plan.host_need == pytest.approx(max(plan.peak, resident + generating) + server.bytes
+                                           + TRAINER_RUNTIME_BYTES + JOB_RUNTIME_BYTES)
     line = host_refusal(plan, str(tmp_path), HOST)
     assert (line is not None) == refused, (plan.format(), line)
     if refused:
@@ -353,3 +358,33 @@ def test_aot_only_plans_the_job_it_compiles(monkeypatch, tmp_path, default_model
     given, _ = _aot_config(monkeypatch, tmp_path / "b", ["critic.ppo_micro_batch_size_per_gpu=1", f"{key}=4", model])
     kept, notes = planned_as_compiled(given, 8)
     assert len(notes) == 2 and kept.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+
+
+def test_a_cpu_job_that_fits_only_without_packed_weights_samples_on_plain_weights(tmp_path):
+    """Qwen3-1.7B-shaped LoRA: measured here at a 21.1 GiB peak with the rollout's packed copies (6.5 GiB while it
+    generates), past 90% of 23.5 GiB in the plan; without them it fits, so the driver turns them off in one line. A
+    job that fits keeps them; one that was told keeps what it was told."""
+    from transformers import Qwen3Config
+
+    from verl_backend.driver.memory_plan import fit_packed_weights
+    from verl_backend.rollout.native_kwargs import native_engine_kwargs
+
+    Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path)
+    lora = {"actor_rollout_ref.model.lora_rank": 16, "actor_rollout_ref.model.target_modules": "all-linear"}
+    config = _cpu_job(tmp_path, **lora)
+    before = plan_memory(config, None, PROFILES["cpu"])
+    assert before.host_phase == "generation" and before.host_need > HOST * USABLE_FRACTION, before.format()
+    line = fit_packed_weights(config, PROFILES["cpu"], host_bytes=HOST)
+    assert line is not None and "\n" not in line and "packed_weights=true keeps them" in line, line
+    assert native_engine_kwargs(config.actor_rollout_ref.rollout).packed_weights is False
+    after = plan_memory(config, None, PROFILES["cpu"])
+    assert after.host_need <= HOST * USABLE_FRACTION and f"{after.host_need / GIB:.1f} GiB" in line
+    # told to keep them: left as told (the job is then refused or not by check_memory_fits, not changed here)
+    told = _cpu_job(tmp_path, **lora, **{"+actor_rollout_ref.rollout.engine_kwargs.native.packed_weights": "true"})
+    assert fit_packed_weights(told, PROFILES["cpu"], host_bytes=HOST) is None
+    assert native_engine_kwargs(told.actor_rollout_ref.rollout).packed_weights is True
+    # a job that fits (0.6B-shaped full fine-tuning) keeps them
+    Qwen3Config(**QWEN3_0_6B).save_pretrained(tmp_path / "small")
+    small = _cpu_job(tmp_path / "small")
+    assert fit_packed_weights(small, PROFILES["cpu"], host_bytes=HOST) is None
+    assert native_engine_kwargs(small.actor_rollout_ref.rollout).packed_weights is None
