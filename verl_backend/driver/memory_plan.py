@@ -566,8 +566,11 @@ def fit_packed_weights(config, backend, host_bytes: float | None = None) -> str 
     if not backend.host_memory:
         return None
     rollout = _get(config, "actor_rollout_ref.rollout", {})
-    if str(_get(config, "actor_rollout_ref.rollout.name", "")) != "native" or \
-            native_engine_kwargs(rollout).packed_weights is not None:
+    try:
+        given = native_engine_kwargs(rollout).packed_weights
+    except ValueError:  # refused in one line by preflight.check_native_rollout
+        return None
+    if str(_get(config, "actor_rollout_ref.rollout.name", "")) != "native" or given is not None:
         return None
     plan, _ = _memory_plan(config, None, backend)
     if plan is None:
