@@ -58,8 +58,12 @@ weights ``P·b(rollout.dtype)`` (unless the sampler runs inside the worker), eac
 (:data:`TRAINER_RUNTIME_BYTES`: Python, torch, VeRL and transformers, beyond the plan's tensors) and the job's fixed
 processes (:data:`JOB_RUNTIME_BYTES`: the driver, Ray's daemons and VeRL's agent-loop, reward-loop, load-balancer and
 transfer-queue actors). Both constants are measured (proportional set size at the job's peak,
-``benchmarks/bench_scale.py``'s ``pss_at_peak_gib_by_role``, SmolLM2-135M, 2026-12-05); with them the host need is
-within 2% of the measured peak of the 135M, 360M and 0.49B rows of docs/scale.md.
+``benchmarks/bench_scale.py``'s ``pss_at_peak_gib_by_role``, SmolLM2-135M, 2026-12-05). While the server generates
+it also holds the sampler's packed copies (``rl_tpu.sampler.packed``: every float32 linear layer, the LM head's too,
+and the query/key/value projections once more fused; ``packed_weights`` off: none) and its KV cache at
+``min(pow2(train_batch_size·n), pow2(max_num_seqs))`` sequences; the trainer workers then hold their resident terms
+less gradients. The host need is the larger phase (:attr:`MemoryPlan.host_need`): within 4% of the measured peak of
+the 135M, 360M, 0.49B and 1.51B-with-LoRA rows of docs/scale.md.
 """
 
 from __future__ import annotations
