@@ -327,7 +327,13 @@ def _apply_threads(backend, settings, keys: dict[str, str]):
     job's trainer workers (:func:`verl_backend.driver.profiles.default_threads`); put in ``OMP_NUM_THREADS`` for this
     process and the fork server started from it (the workers get the settings record)."""
     if not settings.num_threads:
-        workers = int(keys.get("trainer.n_gpus_per_node", 1)) * int(keys.get("trainer.nnodes", 1))
+        def count(key: str) -> int:  # an interpolation or a bad value: VeRL's own checks name it later
+            try:
+                return max(1, int(keys.get(key, 1)))
+            except ValueError:
+                return 1
+
+        workers = count("trainer.n_gpus_per_node") * count("trainer.nnodes")
         settings = replace(settings, num_threads=default_threads(backend.default_threads, workers,
                                                                  len(os.sched_getaffinity(0))))
     if settings.num_threads:
