@@ -100,6 +100,9 @@ CANDIDATES: dict[str, list[str]] = {
     "addition_b8n4_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
                             "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=8",
                             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4"],
+    # the default without the KL loss (coefficient 0.001): no reference policy, so no reference forward each step
+    "addition_lr2e5_nokl": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+                            "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.use_kl_loss=false"],
 }
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")

@@ -50,8 +50,9 @@ async def send_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket
     """Pack ``named_tensors`` (CPU) into buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own)
     and ``send`` each, in order, as soon as it is full; then an empty bucket marked last, with the count.
 
-    Memory: one bucket's tensors (what the export made for it), the reused staging buffer of ``bucket_bytes +
-    1 MiB``, nothing more for a tensor larger than a bucket (sent as its own bytes).
+    Memory: one bucket's tensors (what the export made for it), the next tensor (read to find the bucket full), the
+    reused staging buffer of ``bucket_bytes + 1 MiB``, nothing more for a tensor larger than a bucket (sent as its
+    own bytes).
 
     Returns:
         ``(bytes loaded by the receiver, buckets sent)`` (the closing empty bucket included).
