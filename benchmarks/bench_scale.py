@@ -24,7 +24,7 @@ default config's ``vocab_size`` and BOS/EOS/PAD ids, and the default folder's to
 generation config copied beside them; a folder with a matching ``.bench_scale`` mark is reused.
 
 Mode: ``verl train --backend cpu --print-config`` first (same overrides) gives the memory plan
-(``verl_backend/driver/memory_plan.py``: the trainer workers' peak against 90% of this host's memory). Full
+(``verl_backend/driver/memory_plan.py``; ``memory_fit.py`` compares the whole job with 90% of this host's memory). Full
 fine-tuning where it fits; where it does not, the full fine-tuning job is still started, and its one-line refusal
 (``verl: error: memory plan: ...``, before any process starts) is the row ("refused: <line>"), then a LoRA row
 (``actor_rollout_ref.model.lora_rank=R lora_alpha=2R target_modules=all-linear``, VeRL 0.9.1's keys, as in
@@ -201,7 +201,7 @@ def plan(model_dir: Path, out: Path, overrides: list[str], threads: int) -> dict
     peak, host = PLAN_PEAK.search(done.stdout), PLAN_HOST.search(done.stdout)
     if peak is None or host is None:
         raise BenchError(f"`{' '.join(cmd)}` printed no '# memory plan' block with 'peak estimate' and 'this host:' "
-                         "lines (verl_backend/driver/memory_plan.py show_memory_plan)")
+                         "lines (verl_backend/driver/memory_fit.py show_memory_plan)")
     from omegaconf import OmegaConf
 
     config = OmegaConf.create(done.stdout)  # the YAML; the plan's lines are comments
@@ -436,7 +436,7 @@ def main() -> int:
         return 2
     models = list(args.models or ([] if args.tiny else REAL)) + (["qwen3-tiny"] if args.tiny else [])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from verl_backend.driver.memory_plan import host_memory_bytes
+    from verl_backend.driver.memory_fit import host_memory_bytes
 
     load = os.getloadavg()[0]
     rows: list[dict] = []

@@ -64,16 +64,17 @@ and the query/key/value projections once more fused; ``packed_weights`` off: non
 ``min(pow2(train_batch_size·n), pow2(max_num_seqs))`` sequences; the trainer workers then hold their resident terms
 less gradients. The host need is the larger phase (:attr:`MemoryPlan.host_need`): within 4% of the measured peak of
 the 135M, 360M, 0.49B and 1.51B-with-LoRA rows of docs/scale.md.
+
+What ``verl train`` does with the plan (print it, refuse a job that does not fit, sample without packed weights) is
+:mod:`verl_backend.driver.memory_fit`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
-from verl_backend.errors import BadInputError
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
 GIB = float(1 << 30)
@@ -195,7 +196,8 @@ class MemoryPlan:
         return "\n".join([head, *rows, *(f"  note: {n}" for n in self.notes)])
 
 
-def _get(config, key: str, default=None):
+def config_value(config, key: str, default=None):
+    """The value at the dotted ``key`` of the composed config (OmegaConf), else ``default`` (also for a null)."""
     from omegaconf import OmegaConf
 
     value = OmegaConf.select(config, key, default=default, throw_on_missing=False)
@@ -238,7 +240,7 @@ def job_settings_of(config):
     """
     from verl_backend.settings import from_mapping
 
-    section = _get(config, "rl_tpu", None)
+    section = config_value(config, "rl_tpu", None)
     return from_mapping(section if section is not None else {}, "config rl_tpu")
 
 
@@ -261,25 +263,25 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     """
     spec = resolve_slice(slice_spec)
     settings = job_settings_of(config) if settings is None else settings
-    aro, trust = "actor_rollout_ref", bool(_get(config, "actor_rollout_ref.model.trust_remote_code", False))
+    aro, trust = "actor_rollout_ref", bool(config_value(config, "actor_rollout_ref.model.trust_remote_code", False))
     if hf_config is None:  # counted once per model folder (the refusal plans a few slices)
         from transformers import AutoConfig
 
-        path = str(_get(config, f"{aro}.model.path"))
+        path = str(config_value(config, f"{aro}.model.path"))
         hf_config, shape = AutoConfig.from_pretrained(path, trust_remote_code=trust), shape_of_path(path, trust)
     else:
         shape = model_shape(hf_config, trust) if not isinstance(hf_config, ModelShape) else hf_config
-    w = workers or int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
-    fsdp = int(_get(config, f"{aro}.actor.fsdp_config.fsdp_size", -1))
+    w = workers or int(config_value(config, "trainer.n_gpus_per_node", 1)) * int(config_value(config, "trainer.nnodes", 1))
+    fsdp = int(config_value(config, f"{aro}.actor.fsdp_config.fsdp_size", -1))
     shards = fsdp if 0 < fsdp <= w else w
-    n = int(_get(config, f"{aro}.rollout.n", 1))
+    n = int(config_value(config, f"{aro}.rollout.n", 1))
     fc = f"{aro}.actor.fsdp_config"
-    b_model = _bytes(_get(config, f"{fc}.model_dtype", "fp32"), hf_config)
-    b_param = _bytes(_get(config, f"{fc}.mixed_precision.param_dtype", "bf16"))
-    b_reduce = _bytes(_get(config, f"{fc}.mixed_precision.reduce_dtype", "fp32"))
-    lora = int(_get(config, f"{aro}.model.lora_rank", 0))
+    b_model = _bytes(config_value(config, f"{fc}.model_dtype", "fp32"), hf_config)
+    b_param = _bytes(config_value(config, f"{fc}.mixed_precision.param_dtype", "bf16"))
+    b_reduce = _bytes(config_value(config, f"{fc}.mixed_precision.reduce_dtype", "fp32"))
+    lora = int(config_value(config, f"{aro}.model.lora_rank", 0))
     p, p_t = shape.params, (lora * shape.lora_linear if lora else shape.params)
-    p_off, o_off = bool(_get(config, f"{fc}.param_offload", False)), bool(_get(config, f"{fc}.optimizer_offload", False))
+    p_off, o_off = bool(config_value(config, f"{fc}.param_offload", False)), bool(config_value(config, f"{fc}.optimizer_offload", False))
     terms: list[Term] = []
     notes: list[str] = []
     add = lambda *a: terms.append(Term(*a))
@@ -290,14 +292,14 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""))
     add("optimizer (AdamW, 2 moments)", 0 if o_off else 2 * p_t * b_model / shards, "resident",
         "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}")
-    use_kl = bool(_get(config, f"{aro}.actor.use_kl_loss", False)) or bool(_get(config, "algorithm.use_kl_in_reward", False))
+    use_kl = bool(config_value(config, f"{aro}.actor.use_kl_loss", False)) or bool(config_value(config, "algorithm.use_kl_in_reward", False))
     if use_kl and not lora:
-        b_ref = _bytes(_get(config, f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
-        off = bool(_get(config, f"{aro}.ref.fsdp_config.param_offload", False))
+        b_ref = _bytes(config_value(config, f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
+        off = bool(config_value(config, f"{aro}.ref.fsdp_config.param_offload", False))
         add(f"reference policy ({dt[b_ref]})", 0 if off else p * b_ref / shards, "resident",
             "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}")
-    placement = native_engine_kwargs(_get(config, f"{aro}.rollout", {})).sampler_placement
-    b_roll = _bytes(_get(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
+    placement = native_engine_kwargs(config_value(config, f"{aro}.rollout", {})).sampler_placement
+    b_roll = _bytes(config_value(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
     in_worker = placement == "worker"
     tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms
     weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
@@ -324,26 +326,26 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             gathered = max(block_p, root_p) + block_p + max(block_r, root_r) + block_r
             how = "largest unit (LM head) + 1 block unsharded, params and grads"
         add("FSDP2 gather buffers", gathered, "update", how + (", TPU tiles" if tpu else ""))
-    prompt_len, resp_len = int(_get(config, "data.max_prompt_length", 512)), int(_get(config, "data.max_response_length", 512))
+    prompt_len, resp_len = int(config_value(config, "data.max_prompt_length", 512)), int(config_value(config, "data.max_response_length", 512))
     seq = prompt_len + resp_len
     actor = f"{aro}.actor"
-    packed = bool(_get(config, f"{aro}.model.use_remove_padding", False))
+    packed = bool(config_value(config, f"{aro}.model.use_remove_padding", False))
     bucketed = not packed and bool(settings.compile_trainer)
     if bucketed:  # the compiled trainer pads each micro batch on to a power of two (rl_tpu.compiled_blocks)
         from rl_tpu.compiled_blocks import bucket_length
 
         seq = bucket_length(seq)
-    sp = max(int(_get(config, f"{actor}.ulysses_sequence_parallel_size", 1)), int(_get(config, f"{fc}.ulysses_sequence_parallel_size", 1)))
+    sp = max(int(config_value(config, f"{actor}.ulysses_sequence_parallel_size", 1)), int(config_value(config, f"{fc}.ulysses_sequence_parallel_size", 1)))
     dp = max(1, w // sp)
-    if bool(_get(config, f"{actor}.use_dynamic_bsz", False)):
-        tokens = int(_get(config, f"{actor}.ppo_max_token_len_per_gpu", 16384))
+    if bool(config_value(config, f"{actor}.use_dynamic_bsz", False)):
+        tokens = int(config_value(config, f"{actor}.ppo_max_token_len_per_gpu", 16384))
         micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
         logit_tokens = tokens
     else:
-        micro = _get(config, f"{actor}.ppo_micro_batch_size_per_gpu") or \
-            max(1, int(_get(config, f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
+        micro = config_value(config, f"{actor}.ppo_micro_batch_size_per_gpu") or \
+            max(1, int(config_value(config, f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
         micro = int(micro)
-        prompts = math.ceil(micro / n) if packed and bool(_get(config, f"{actor}.use_prefix_grouper", False)) else micro
+        prompts = math.ceil(micro / n) if packed and bool(config_value(config, f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
         response_only = packed and bool(settings.response_only_logits)
@@ -352,7 +354,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     tokens = math.ceil(tokens / sp)
     fused = not backend_profile.tpu_runtime
     block = shape.block_elements(seq, fused)
-    checkpointed = bool(_get(config, f"{aro}.model.enable_gradient_checkpointing", False))
+    checkpointed = bool(config_value(config, f"{aro}.model.enable_gradient_checkpointing", False))
     graphs: dict[str, float] = {}
     if tpu and not packed:  # the compiled TPU graphs' own arrays (ModelShape.block_graph and head_graph), tiled
         rows, length = micro, math.ceil(seq / sp)
@@ -389,28 +391,28 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
-    lp = max(int(_get(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
-             int(_get(config, f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
-    lp = lp or max(1, int(_get(config, "data.train_batch_size", 1)) * n // w)
+    lp = max(int(config_value(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
+             int(config_value(config, f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
+    lp = lp or max(1, int(config_value(config, "data.train_batch_size", 1)) * n // w)
     lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
     add("log-prob forward", lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param, "log-prob",
         f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
 
     # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
-    if str(_get(config, "algorithm.adv_estimator", "grpo")) == "gae":
-        cpath, cshape = _get(config, "critic.model.path", None), shape
-        if cpath and str(cpath) != str(_get(config, f"{aro}.model.path")):
+    if str(config_value(config, "algorithm.adv_estimator", "grpo")) == "gae":
+        cpath, cshape = config_value(config, "critic.model.path", None), shape
+        if cpath and str(cpath) != str(config_value(config, f"{aro}.model.path")):
             try:
                 cshape = shape_of_path(str(cpath), trust)
             except (OSError, ValueError):
                 notes.append(f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor")
-        cb = _bytes(_get(config, "critic.fsdp.model_dtype", _get(config, "critic.model_config.model_dtype", "fp32")))
+        cb = _bytes(config_value(config, "critic.fsdp.model_dtype", config_value(config, "critic.model_config.model_dtype", "fp32")))
         add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
             f"4 x {cshape.params:.3e} x {cb} B / {shards}")
-        cmicro = int(_get(config, "critic.ppo_micro_batch_size_per_gpu", None)
-                     or max(1, int(_get(config, "critic.ppo_mini_batch_size", 1)) * n // dp))
+        cmicro = int(config_value(config, "critic.ppo_micro_batch_size_per_gpu", None)
+                     or max(1, int(config_value(config, "critic.ppo_mini_batch_size", 1)) * n // dp))
         cblock = cshape.block_elements(seq, fused)
-        ckpt = bool(_get(config, "critic.model.enable_gradient_checkpointing", False))
+        ckpt = bool(config_value(config, "critic.model.enable_gradient_checkpointing", False))
         celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
         add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
             f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
@@ -418,9 +420,9 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     # generation: the sampler's static KV cache (in the worker only)
     if in_worker:
         r = f"{aro}.rollout"
-        rp, rr = int(_get(config, f"{r}.prompt_length", prompt_len)), int(_get(config, f"{r}.response_length", resp_len))
-        share = math.ceil(int(_get(config, "data.train_batch_size", 1)) * n / w)
-        batch = min(_pow2(share), _pow2(int(_get(config, f"{r}.max_num_seqs", 64))))
+        rp, rr = int(config_value(config, f"{r}.prompt_length", prompt_len)), int(config_value(config, f"{r}.response_length", resp_len))
+        share = math.ceil(int(config_value(config, "data.train_batch_size", 1)) * n / w)
+        batch = min(_pow2(share), _pow2(int(config_value(config, f"{r}.max_num_seqs", 64))))
         kv_how = f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B"
         if tpu:  # the compiled decode step's arrays (ModelShape.sampler_graph), tiled
             sg = shape.sampler_graph(batch, 1, rp + rr, b_roll)
@@ -449,7 +451,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         if not in_worker:
             host_terms.append(Term(f"rollout server weights ({dt[b_roll]})", p * b_roll, "host",
                                    f"{p:.3e} x {b_roll} B, the server's own copy"))
-            r = _get(config, f"{aro}.rollout", {})
+            r = config_value(config, f"{aro}.rollout", {})
             if b_roll == 4 and native_engine_kwargs(r).packed_weights is not False:
                 # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
                 # the query/key/value projections once more as one fused matrix
@@ -457,10 +459,10 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                 fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
                 host_terms.append(Term("rollout server packed weights", (linear + fused) * 4, "host generation",
                                        f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates"))
-            rp = int(_get(config, f"{aro}.rollout.prompt_length", prompt_len))
-            rr = int(_get(config, f"{aro}.rollout.response_length", resp_len))
-            batch = min(_pow2(int(_get(config, "data.train_batch_size", 1)) * n),
-                        _pow2(int(_get(config, f"{aro}.rollout.max_num_seqs", 64))))
+            rp = int(config_value(config, f"{aro}.rollout.prompt_length", prompt_len))
+            rr = int(config_value(config, f"{aro}.rollout.response_length", resp_len))
+            batch = min(_pow2(int(config_value(config, "data.train_batch_size", 1)) * n),
+                        _pow2(int(config_value(config, f"{aro}.rollout.max_num_seqs", 64))))
             host_terms.append(Term("rollout server KV cache", 2 * shape.layers * shape.kv_heads * shape.head_dim *
                                    (rp + rr) * batch * b_roll, "host generation",
                                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
@@ -471,163 +473,5 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                                "driver, Ray's daemons, VeRL's loop and queue actors (measured)"))
     hbm = spec.hbm_gib * GIB if spec is not None else None
     where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
-        str(_get(config, "trainer.device", "cpu"))
+        str(config_value(config, "trainer.device", "cpu"))
     return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs, host_terms)
-
-
-def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:
-    """One line: the model, the slice, the estimate against usable HBM, the biggest term and the fixes."""
-    big = plan.biggest
-    more = f"more chips ({bigger[0]}: {bigger[1] / GIB:.1f} GiB per chip)" if bigger else "a generation with more HBM"
-    fixes = [more]
-    if plan.term("parameters") or plan.term("optimizer"):
-        fixes.append("actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload=true")
-    fixes.append("a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
-        fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    return (f"memory plan: {plan.model.name} ({model_path}) on {slice_name} needs about {plan.peak / GIB:.1f} GiB per "
-            f"chip, over the {plan.usable_bytes / GIB:.1f} GiB usable ({USABLE_FRACTION:.0%} of {plan.hbm_bytes / GIB:g}"
-            f" GiB HBM); biggest term: {big.name} {big.bytes / GIB:.1f} GiB. Fix: {', '.join(fixes[:-1])} or "
-            f"{fixes[-1]} (`verl train --print-config` shows the table)")
-
-
-# --- what verl train does with the plan: --print-config shows it, a TPU job past its chips' HBM is refused
-def _memory_plan(config, slice_name: str | None, backend):
-    """The job's :class:`~verl_backend.driver.memory_plan.MemoryPlan`, or ``None`` (with the reason) when the model's
-    config.json cannot be read (the model folder check names that)."""
-    try:
-        return plan_memory(config, slice_name or None, backend), ""
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-
-
-def show_memory_plan(config, slice_name: str | None, backend) -> None:
-    """``--print-config``: print the per-chip memory plan under the config when the job has a slice or runs on TPU,
-    as YAML comment lines (``# ``), so that the output still loads as the config."""
-    if not (slice_name or backend.tpu_runtime or backend.host_memory):
-        return
-    plan, why = _memory_plan(config, slice_name, backend)
-    text = plan.format() if plan is not None else f"memory plan: not made ({why})"
-    if plan is not None and backend.host_memory:
-        host = host_memory_bytes()
-        need = plan.host_need
-        verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
-        phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
-        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB at their peak; with the "
-                 f"rollout server and the job's other processes the whole job = {need / GIB:.3f} GiB at its peak "
-                 f"(while {phase}) against {USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
-    print("\n".join(f"# {line}" for line in text.splitlines()))
-
-
-def host_memory_bytes() -> float:
-    """This host's memory in bytes: ``MemTotal``, or the cgroup's ``memory.max`` when that is lower (a container)."""
-    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            total = min(total, float(limit))
-    except OSError:
-        pass
-    return total
-
-
-def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | None:
-    """One line when the whole CPU job (its trainer workers, the rollout server's copy, every process's runtime:
-    :attr:`MemoryPlan.host_need`), all on this host, passes :data:`USABLE_FRACTION` of its memory (``None``: it
-    fits)."""
-    need, usable = plan.host_need, host_bytes * USABLE_FRACTION
-    if need <= usable:
-        return None
-    big = plan.biggest
-    fixes = []
-    if plan.term("gradients") == plan.term("parameters"):  # full fine-tuning
-        fixes.append("actor_rollout_ref.model.lora_rank=16 (LoRA: gradients and AdamW moments for the adapter only)")
-    if any(t.name.startswith("reference policy") and t.bytes for t in plan.terms):
-        fixes.append("actor_rollout_ref.actor.use_kl_loss=false (no reference copy)")
-    fixes.append("a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
-        fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    fixes.append("a host with more memory")
-    phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
-    return (f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
-            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB at their peak, the rollout server and the "
-            f"job's other processes; the whole job's peak is while {phase}), over the {usable / GIB:.1f} GiB usable "
-            f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
-            f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)")
-
-
-def fit_packed_weights(config, backend, host_bytes: float | None = None) -> str | None:
-    """A CPU job that passes this host's memory only because of the rollout's packed weights (a packed copy of every
-    float32 linear layer while it generates, :mod:`rl_tpu.sampler.packed`: 6.5 GiB for a 1.5 B model) runs without
-    them: ``actor_rollout_ref.rollout.engine_kwargs.native.packed_weights`` is set false in ``config`` (decode on the
-    plain weights, slower). Left alone when the job fits, when it does not fit either way, or when the key was given.
-    ``host_bytes``: the host's memory (``None``: :func:`host_memory_bytes`).
-
-    Returns:
-        The one line said to the user when it turned them off, else ``None``.
-    """
-    if not backend.host_memory:
-        return None
-    rollout = _get(config, "actor_rollout_ref.rollout", {})
-    try:
-        given = native_engine_kwargs(rollout).packed_weights
-    except ValueError:  # refused in one line by preflight.check_native_rollout
-        return None
-    if str(_get(config, "actor_rollout_ref.rollout.name", "")) != "native" or given is not None:
-        return None
-    plan, _ = _memory_plan(config, None, backend)
-    if plan is None:
-        return None
-    usable = (host_memory_bytes() if host_bytes is None else host_bytes) * USABLE_FRACTION
-    packed = sum(t.bytes for t in plan.host_terms if t.name == "rollout server packed weights")
-    if not packed or plan.host_need <= usable:
-        return None
-    from omegaconf import OmegaConf, open_dict
-
-    with open_dict(config):
-        OmegaConf.update(config, "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights", False,
-                         force_add=True)
-    after = plan_memory(config, None, backend, hf_config=plan.model)
-    if after.host_need > usable:  # no help: put it back, the refusal names the real fixes
-        with open_dict(config):
-            del config.actor_rollout_ref.rollout.engine_kwargs.native["packed_weights"]
-        return None
-    return (f"[rl-tpu] memory plan: {plan.model.name} would need {plan.host_need / GIB:.1f} GiB of this host's "
-            f"{usable / GIB:.1f} usable with the rollout's packed weights ({packed / GIB:.1f} GiB while it generates): "
-            f"sampling on the plain weights instead ({after.host_need / GIB:.1f} GiB; decode is slower). "
-            "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights=true keeps them")
-
-
-def check_memory_fits(config, slice_name: str | None, backend) -> None:
-    """Refuse, before anything starts, a TPU job whose estimated per-chip peak passes the usable part of the chip's
-    HBM (:data:`USABLE_FRACTION`), or a CPU job whose trainer workers together pass it of this host's memory
-    (:func:`host_refusal`; the CPU backend's fake slices included: their workers are host processes).
-
-    Raises:
-        BadInputError: one line naming the model, the slice or host, the estimate against the memory, the biggest
-            term, the smallest larger slice of the same generation that fits (TPU, if any) and the other fixes.
-    """
-    if backend.host_memory:
-        plan, _ = _memory_plan(config, None, backend)
-        reason = plan and host_refusal(plan, str(config.actor_rollout_ref.model.path), host_memory_bytes())
-        if reason:
-            raise BadInputError(reason)
-        return
-    if not (backend.tpu_runtime and slice_name):
-        return
-    from rl_tpu.topology import accelerator_types, parse_slice
-
-    plan, _ = _memory_plan(config, slice_name, backend)
-    if plan is None or plan.fits is not False:
-        return
-    spec = resolve_slice(slice_name)
-    bigger = None
-    for name in accelerator_types(spec.generation):
-        other = parse_slice(name)
-        if other.chips > spec.chips:
-            est = plan_memory(config, other, backend, hf_config=plan.model, workers=other.chips)
-            if est.fits:
-                bigger = (name, est.peak)
-                break
-    raise BadInputError(refusal(plan, str(config.actor_rollout_ref.model.path), spec.accelerator_type, bigger))

@@ -13,7 +13,7 @@ from verl_backend.driver.bypass_guard import guard_bypass
 from verl_backend.driver.console import StepLines, capture, job_line
 from verl_backend.driver.data_prep import prepare_data, validate_data_files
 from verl_backend.driver.export_step import check_export
-from verl_backend.driver.memory_plan import check_memory_fits, fit_packed_weights, show_memory_plan
+from verl_backend.driver.memory_fit import check_memory_fits, fit_packed_weights, show_memory_plan
 from verl_backend.driver.plan import (
     compose_config,
     fit_default_micro_batches,
@@ -166,7 +166,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         return run_aot_only(config, settings.slice, model_path=getattr(args, "aot_model_path", None))
     if args.print_config:
         print(OmegaConf.to_yaml(config))
-        show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_plan.py)
+        show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_fit.py)
         from verl_backend.weight_sync import plan_routes
 
         print(plan_routes(config, cpu=backend.platform == "cpu", shared_weights=bool(settings.shared_weights),

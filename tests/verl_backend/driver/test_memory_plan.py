@@ -22,9 +22,9 @@ from verl_backend.driver.memory_plan import (
     JOB_RUNTIME_BYTES,
     TRAINER_RUNTIME_BYTES,
     USABLE_FRACTION,
-    check_memory_fits,
     plan_memory,
 )
+from verl_backend.driver.memory_fit import check_memory_fits
 from verl_backend.driver.model_shape import arrays_bytes, tpu_bytes
 from verl_backend.driver.plan import compose_config
 from verl_backend.driver.profiles import PROFILES
@@ -205,7 +205,7 @@ def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, 
     ~29 GiB) cannot fit 24 GiB and is refused naming LoRA; with LoRA, and at 0.6B, it is not."""
     from transformers import Qwen3Config
 
-    from verl_backend.driver.memory_plan import fit_packed_weights, host_refusal
+    from verl_backend.driver.memory_fit import fit_packed_weights, host_refusal
 
     Qwen3Config(**shape).save_pretrained(tmp_path)
     config = _cpu_job(tmp_path, **({"actor_rollout_ref.model.lora_rank": lora} if lora else {}))
@@ -366,7 +366,7 @@ def test_a_cpu_job_that_fits_only_without_packed_weights_samples_on_plain_weight
     job that fits keeps them; one that was told keeps what it was told."""
     from transformers import Qwen3Config
 
-    from verl_backend.driver.memory_plan import fit_packed_weights
+    from verl_backend.driver.memory_fit import fit_packed_weights
     from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
     Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path)
