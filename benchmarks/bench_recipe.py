@@ -103,7 +103,8 @@ CANDIDATES: dict[str, list[str]] = {
     # the default without the KL loss (coefficient 0.001): no reference policy, so no reference forward each step
     "addition_lr2e5_nokl": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
                             "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.use_kl_loss=false"],
-    # ... and the time the reference forward took spent on 4 more steps (16 prompts more), validated and saved at the end
+    # ... and the time the reference forward took spent on 4 more steps (16 prompts more), validated and saved at
+    # the end
     "addition_lr2e5_nokl_s16": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
                                 "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.use_kl_loss=false",
                                 "trainer.total_training_steps=16", "trainer.test_freq=16", "trainer.save_freq=8"],

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
@@ -261,27 +262,28 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     Returns:
         The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).
     """
+    get = partial(config_value, config)  # a dotted key of this job's config, or the default
     spec = resolve_slice(slice_spec)
     settings = job_settings_of(config) if settings is None else settings
-    aro, trust = "actor_rollout_ref", bool(config_value(config, "actor_rollout_ref.model.trust_remote_code", False))
+    aro, trust = "actor_rollout_ref", bool(get("actor_rollout_ref.model.trust_remote_code", False))
     if hf_config is None:  # counted once per model folder (the refusal plans a few slices)
         from transformers import AutoConfig
 
-        path = str(config_value(config, f"{aro}.model.path"))
+        path = str(get(f"{aro}.model.path"))
         hf_config, shape = AutoConfig.from_pretrained(path, trust_remote_code=trust), shape_of_path(path, trust)
     else:
         shape = model_shape(hf_config, trust) if not isinstance(hf_config, ModelShape) else hf_config
-    w = workers or int(config_value(config, "trainer.n_gpus_per_node", 1)) * int(config_value(config, "trainer.nnodes", 1))
-    fsdp = int(config_value(config, f"{aro}.actor.fsdp_config.fsdp_size", -1))
+    w = workers or int(get("trainer.n_gpus_per_node", 1)) * int(get("trainer.nnodes", 1))
+    fsdp = int(get(f"{aro}.actor.fsdp_config.fsdp_size", -1))
     shards = fsdp if 0 < fsdp <= w else w
-    n = int(config_value(config, f"{aro}.rollout.n", 1))
+    n = int(get(f"{aro}.rollout.n", 1))
     fc = f"{aro}.actor.fsdp_config"
-    b_model = _bytes(config_value(config, f"{fc}.model_dtype", "fp32"), hf_config)
-    b_param = _bytes(config_value(config, f"{fc}.mixed_precision.param_dtype", "bf16"))
-    b_reduce = _bytes(config_value(config, f"{fc}.mixed_precision.reduce_dtype", "fp32"))
-    lora = int(config_value(config, f"{aro}.model.lora_rank", 0))
+    b_model = _bytes(get(f"{fc}.model_dtype", "fp32"), hf_config)
+    b_param = _bytes(get(f"{fc}.mixed_precision.param_dtype", "bf16"))
+    b_reduce = _bytes(get(f"{fc}.mixed_precision.reduce_dtype", "fp32"))
+    lora = int(get(f"{aro}.model.lora_rank", 0))
     p, p_t = shape.params, (lora * shape.lora_linear if lora else shape.params)
-    p_off, o_off = bool(config_value(config, f"{fc}.param_offload", False)), bool(config_value(config, f"{fc}.optimizer_offload", False))
+    p_off, o_off = bool(get(f"{fc}.param_offload", False)), bool(get(f"{fc}.optimizer_offload", False))
     terms: list[Term] = []
     notes: list[str] = []
     add = lambda *a: terms.append(Term(*a))
@@ -292,14 +294,14 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""))
     add("optimizer (AdamW, 2 moments)", 0 if o_off else 2 * p_t * b_model / shards, "resident",
         "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}")
-    use_kl = bool(config_value(config, f"{aro}.actor.use_kl_loss", False)) or bool(config_value(config, "algorithm.use_kl_in_reward", False))
+    use_kl = bool(get(f"{aro}.actor.use_kl_loss", False)) or bool(get("algorithm.use_kl_in_reward", False))
     if use_kl and not lora:
-        b_ref = _bytes(config_value(config, f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
-        off = bool(config_value(config, f"{aro}.ref.fsdp_config.param_offload", False))
+        b_ref = _bytes(get(f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
+        off = bool(get(f"{aro}.ref.fsdp_config.param_offload", False))
         add(f"reference policy ({dt[b_ref]})", 0 if off else p * b_ref / shards, "resident",
             "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}")
-    placement = native_engine_kwargs(config_value(config, f"{aro}.rollout", {})).sampler_placement
-    b_roll = _bytes(config_value(config, f"{aro}.rollout.dtype", "bfloat16"), hf_config)
+    placement = native_engine_kwargs(get(f"{aro}.rollout", {})).sampler_placement
+    b_roll = _bytes(get(f"{aro}.rollout.dtype", "bfloat16"), hf_config)
     in_worker = placement == "worker"
     tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms
     weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
@@ -326,26 +328,27 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             gathered = max(block_p, root_p) + block_p + max(block_r, root_r) + block_r
             how = "largest unit (LM head) + 1 block unsharded, params and grads"
         add("FSDP2 gather buffers", gathered, "update", how + (", TPU tiles" if tpu else ""))
-    prompt_len, resp_len = int(config_value(config, "data.max_prompt_length", 512)), int(config_value(config, "data.max_response_length", 512))
+    prompt_len, resp_len = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
     seq = prompt_len + resp_len
     actor = f"{aro}.actor"
-    packed = bool(config_value(config, f"{aro}.model.use_remove_padding", False))
+    packed = bool(get(f"{aro}.model.use_remove_padding", False))
     bucketed = not packed and bool(settings.compile_trainer)
     if bucketed:  # the compiled trainer pads each micro batch on to a power of two (rl_tpu.compiled_blocks)
         from rl_tpu.compiled_blocks import bucket_length
 
         seq = bucket_length(seq)
-    sp = max(int(config_value(config, f"{actor}.ulysses_sequence_parallel_size", 1)), int(config_value(config, f"{fc}.ulysses_sequence_parallel_size", 1)))
+    sp = max(int(get(f"{actor}.ulysses_sequence_parallel_size", 1)),
+             int(get(f"{fc}.ulysses_sequence_parallel_size", 1)))
     dp = max(1, w // sp)
-    if bool(config_value(config, f"{actor}.use_dynamic_bsz", False)):
-        tokens = int(config_value(config, f"{actor}.ppo_max_token_len_per_gpu", 16384))
+    if bool(get(f"{actor}.use_dynamic_bsz", False)):
+        tokens = int(get(f"{actor}.ppo_max_token_len_per_gpu", 16384))
         micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
         logit_tokens = tokens
     else:
-        micro = config_value(config, f"{actor}.ppo_micro_batch_size_per_gpu") or \
-            max(1, int(config_value(config, f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
+        micro = get(f"{actor}.ppo_micro_batch_size_per_gpu") or \
+            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
         micro = int(micro)
-        prompts = math.ceil(micro / n) if packed and bool(config_value(config, f"{actor}.use_prefix_grouper", False)) else micro
+        prompts = math.ceil(micro / n) if packed and bool(get(f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
         response_only = packed and bool(settings.response_only_logits)
@@ -354,7 +357,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     tokens = math.ceil(tokens / sp)
     fused = not backend_profile.tpu_runtime
     block = shape.block_elements(seq, fused)
-    checkpointed = bool(config_value(config, f"{aro}.model.enable_gradient_checkpointing", False))
+    checkpointed = bool(get(f"{aro}.model.enable_gradient_checkpointing", False))
     graphs: dict[str, float] = {}
     if tpu and not packed:  # the compiled TPU graphs' own arrays (ModelShape.block_graph and head_graph), tiled
         rows, length = micro, math.ceil(seq / sp)
@@ -391,28 +394,28 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
-    lp = max(int(config_value(config, f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
-             int(config_value(config, f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
-    lp = lp or max(1, int(config_value(config, "data.train_batch_size", 1)) * n // w)
+    lp = max(int(get(f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
+             int(get(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
+    lp = lp or max(1, int(get("data.train_batch_size", 1)) * n // w)
     lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
     add("log-prob forward", lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param, "log-prob",
         f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
 
     # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
-    if str(config_value(config, "algorithm.adv_estimator", "grpo")) == "gae":
-        cpath, cshape = config_value(config, "critic.model.path", None), shape
-        if cpath and str(cpath) != str(config_value(config, f"{aro}.model.path")):
+    if str(get("algorithm.adv_estimator", "grpo")) == "gae":
+        cpath, cshape = get("critic.model.path", None), shape
+        if cpath and str(cpath) != str(get(f"{aro}.model.path")):
             try:
                 cshape = shape_of_path(str(cpath), trust)
             except (OSError, ValueError):
                 notes.append(f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor")
-        cb = _bytes(config_value(config, "critic.fsdp.model_dtype", config_value(config, "critic.model_config.model_dtype", "fp32")))
+        cb = _bytes(get("critic.fsdp.model_dtype", get("critic.model_config.model_dtype", "fp32")))
         add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
             f"4 x {cshape.params:.3e} x {cb} B / {shards}")
-        cmicro = int(config_value(config, "critic.ppo_micro_batch_size_per_gpu", None)
-                     or max(1, int(config_value(config, "critic.ppo_mini_batch_size", 1)) * n // dp))
+        cmicro = int(get("critic.ppo_micro_batch_size_per_gpu", None)
+                     or max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp))
         cblock = cshape.block_elements(seq, fused)
-        ckpt = bool(config_value(config, "critic.model.enable_gradient_checkpointing", False))
+        ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
         celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
         add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
             f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
@@ -420,9 +423,9 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     # generation: the sampler's static KV cache (in the worker only)
     if in_worker:
         r = f"{aro}.rollout"
-        rp, rr = int(config_value(config, f"{r}.prompt_length", prompt_len)), int(config_value(config, f"{r}.response_length", resp_len))
-        share = math.ceil(int(config_value(config, "data.train_batch_size", 1)) * n / w)
-        batch = min(_pow2(share), _pow2(int(config_value(config, f"{r}.max_num_seqs", 64))))
+        rp, rr = int(get(f"{r}.prompt_length", prompt_len)), int(get(f"{r}.response_length", resp_len))
+        share = math.ceil(int(get("data.train_batch_size", 1)) * n / w)
+        batch = min(_pow2(share), _pow2(int(get(f"{r}.max_num_seqs", 64))))
         kv_how = f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B"
         if tpu:  # the compiled decode step's arrays (ModelShape.sampler_graph), tiled
             sg = shape.sampler_graph(batch, 1, rp + rr, b_roll)
@@ -451,7 +454,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         if not in_worker:
             host_terms.append(Term(f"rollout server weights ({dt[b_roll]})", p * b_roll, "host",
                                    f"{p:.3e} x {b_roll} B, the server's own copy"))
-            r = config_value(config, f"{aro}.rollout", {})
+            r = get(f"{aro}.rollout", {})
             if b_roll == 4 and native_engine_kwargs(r).packed_weights is not False:
                 # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
                 # the query/key/value projections once more as one fused matrix
@@ -459,10 +462,10 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                 fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
                 host_terms.append(Term("rollout server packed weights", (linear + fused) * 4, "host generation",
                                        f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates"))
-            rp = int(config_value(config, f"{aro}.rollout.prompt_length", prompt_len))
-            rr = int(config_value(config, f"{aro}.rollout.response_length", resp_len))
-            batch = min(_pow2(int(config_value(config, "data.train_batch_size", 1)) * n),
-                        _pow2(int(config_value(config, f"{aro}.rollout.max_num_seqs", 64))))
+            rp = int(get(f"{aro}.rollout.prompt_length", prompt_len))
+            rr = int(get(f"{aro}.rollout.response_length", resp_len))
+            batch = min(_pow2(int(get("data.train_batch_size", 1)) * n),
+                        _pow2(int(get(f"{aro}.rollout.max_num_seqs", 64))))
             host_terms.append(Term("rollout server KV cache", 2 * shape.layers * shape.kv_heads * shape.head_dim *
                                    (rp + rr) * batch * b_roll, "host generation",
                                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
@@ -473,5 +476,5 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                                "driver, Ray's daemons, VeRL's loop and queue actors (measured)"))
     hbm = spec.hbm_gib * GIB if spec is not None else None
     where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
-        str(config_value(config, "trainer.device", "cpu"))
+        str(get("trainer.device", "cpu"))
     return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs, host_terms)
