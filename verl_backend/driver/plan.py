@@ -246,34 +246,46 @@ def slice_defaults(slice_arg: str | None, given_as: str = "rl_tpu.slice") -> tup
     return keys, f"{spec.accelerator_type}:{spec.topology}"
 
 
+def drop_replaced_micro_batches(defaults: dict[str, str], user_keys: set[str]) -> dict[str, str]:
+    """The backend profile's overrides less each per-chip micro batch size (``…_micro_batch_size_per_gpu``) whose
+    global form (``…_micro_batch_size``) the user gives (``user_keys``: the ``--config`` file's and the command
+    line's): VeRL refuses a section with both, and the user's is the one meant."""
+    suffix = "_per_gpu"
+    return {k: v for k, v in defaults.items()
+            if not (k.endswith("_micro_batch_size" + suffix) and k[:-len(suffix)] in user_keys)}
+
+
 DEFAULT_MICRO_KEYS = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                      "critic.ppo_micro_batch_size_per_gpu")
 
 
-def fit_default_micro_batches(config, user_keys: set[str]) -> None:
-    """Lower the embedded default config's micro batch sizes to what each worker gets, when there are many workers.
+def fit_default_micro_batches(config, user_keys: set[str], source: str = "the embedded default") -> None:
+    """Lower default micro batch sizes to what each worker gets, when there are many workers.
 
     ``verl_backend/configs/grpo_cpu.yaml`` sizes its micro batches for one worker (log-prob 8, update 4 of 16
-    sequences a step). On a slice (``--slice v6e-16``: 16 workers) each worker gets 1 sequence, which VeRL's engine
-    cannot split into micro batches of 8, and :func:`check_batch_sizes` would refuse the README's own command. A
-    micro batch size the user set (``user_keys``: on the command line) is never changed; that one is refused there.
-    Each change is printed as one ``[rl-tpu]`` line.
+    sequences a step); the TPU profile sets 8 of each (``profiles.TPU_MICRO_KEYS``). On a slice (``--slice v6e-16``:
+    16 workers) each worker may get fewer sequences than that, which VeRL's engine cannot split into micro batches
+    of 8, and :func:`check_batch_sizes` would refuse the README's own command. A micro batch size the user set
+    (``user_keys``) is never changed; that one is refused there. ``source`` names where the defaults came from. Each
+    change is printed as one ``[rl-tpu]`` line.
     """
     from omegaconf import OmegaConf
 
     workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
-    mini = config.actor_rollout_ref.actor.get("ppo_mini_batch_size")
     for key in DEFAULT_MICRO_KEYS:
         micro = OmegaConf.select(config, key)
         if key in user_keys or not micro:
             continue
-        share = (int(mini) * n if key.endswith("ppo_micro_batch_size_per_gpu") and mini else batch * n) // workers
+        mini = OmegaConf.select(config, key.rsplit(".", 1)[0] + ".ppo_mini_batch_size") if \
+            key.endswith("ppo_micro_batch_size_per_gpu") else None
+        share = (int(mini) * n if mini else batch * n) // workers
         if share < 1 or share % int(micro) == 0:
             continue  # divides, or nothing to split (check_batch_sizes names that)
         fitted = math.gcd(int(micro), share)
         OmegaConf.update(config, key, fitted)
-        print(f"[rl-tpu] {key} lowered from {micro} (the embedded default) to {fitted}: each of the {workers} "
+        print(f"[rl-tpu] {key} lowered from {micro} ({source}) to {fitted}: each of the {workers} "
               f"workers gets {share} sequence(s) at a time", flush=True)
 

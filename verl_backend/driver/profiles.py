@@ -25,6 +25,13 @@ _FP32_MP = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 # (no CPU fast path; see rl_tpu/sampler/engine.py).
 TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
 
+#: the micro batch sizes (sequences a chip runs at once) the tpu row sets: the actor's update, the old policy's and
+#: the reference's log-prob forward, the critic's update (its values forward follows it, VeRL's own interpolation)
+TPU_MICRO_KEYS = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                  "critic.ppo_micro_batch_size_per_gpu")
+
 COMMON: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "native",
     "actor_rollout_ref.rollout.mode": "async",
@@ -109,6 +116,12 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         # actor's), and each sequence keeps its own copy of its prompt (no Prefix Grouper).
         "algorithm.rollout_correction.bypass_mode": "false",
         "actor_rollout_ref.actor.use_prefix_grouper": "false",
+        # Sequences a chip runs at once: VeRL sets none, so its own defaults (GAE, 1024 x 1 prompts) were refused
+        # for the critic, and a forward without one holds a worker's whole share (128 sequences of 1024 tokens on
+        # v6e-8: 40.7 GiB of logits a chip in the memory plan). 8 keeps every graph of the default job under 5% of a
+        # v6e chip's HBM and is one compiled shape per length bucket; a smaller batch share is fitted to
+        # (plan.fit_default_micro_batches), a VeRL *_micro_batch_size (global) or dynamic batch the user gives wins.
+        **{key: "8" for key in TPU_MICRO_KEYS},
     },
     "cuda": {
         "trainer.device": "cuda",
@@ -161,6 +174,8 @@ class BackendProfile:
         check: raises :class:`BadInputError` (one line) when the backend's device is missing.
         default_slice: the (fake) slice the job runs on when ``--slice`` is not given (``""``: none); the TPU
             dry run's ``v6e-4``.
+        settings: ``rl_tpu`` settings this backend sets where the user's ``--config`` file and command line do not
+            (``{name: value}``, typed as :mod:`verl_backend.settings` declares them).
     """
 
     name: str
@@ -173,11 +188,19 @@ class BackendProfile:
     tpu_runtime: bool = False
     check: Callable[[], None] = field(default=_no_check, repr=False)
     default_slice: str = ""
+    settings: Mapping[str, object] = field(default_factory=dict)
+
+
+# On a chip every eager op is a launch (TorchTPU's strict eager mode): the default job's decode step is 1,017 ATen ops
+# and its update's block forward and backward 258, each a launch, where a compiled graph is one
+# (docs/tpu.md, "Compiled or eager on the TPU"). Both compile flags are on for --backend tpu; the TPU dry run keeps the
+# CPU's default (off: inductor on CPU is not the TPU's compiler; its compile check lowers the same graphs for the chip).
+TPU_SETTINGS = {"compile_trainer": True, "compile_sampler": True}
 
 
 PROFILES: dict[str, BackendProfile] = {
     "tpu": BackendProfile("tpu", platform="tpu", overrides=_OVERRIDES["tpu"], slices="auto", tpu_runtime=True,
-                          check=_require_tpu),
+                          check=_require_tpu, settings=TPU_SETTINGS),
     "cpu": BackendProfile("cpu", platform="cpu", overrides=_OVERRIDES["cpu"], default_config=CONFIGS / "grpo_cpu.yaml",
                           default_threads=2, slices="dry_run", host_memory=True),
     "cuda": BackendProfile("cuda", platform="nvidia", overrides=_OVERRIDES["cuda"], check=_require_cuda),

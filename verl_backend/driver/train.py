@@ -16,6 +16,8 @@ from verl_backend.driver.export_step import check_export
 from verl_backend.driver.memory_fit import check_memory_fits, fit_packed_weights, show_memory_plan
 from verl_backend.driver.plan import (
     compose_config,
+    DEFAULT_MICRO_KEYS,
+    drop_replaced_micro_batches,
     fit_default_micro_batches,
     flatten_yaml_overrides,
     guard_user_reward,
@@ -93,12 +95,14 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         "--quantize": getattr(args, "quantize", None), "--tpu-dry-run": getattr(args, "tpu_dry_run", None),
         "--rollout-slice": getattr(args, "rollout_slice", None)})
     backend, settings = _tpu_dry_run(backend, settings, args)
+    given = set(cli_ours) | set(file_ours)  # the profile's own settings, under the user's
+    settings = replace(settings, **{k: v for k, v in backend.settings.items() if k not in given})
     settings = _apply_profile(backend, settings)
     # the folder as this host sees it: workers on other hosts convert the default model to this very path
     settings = replace(settings, model_cache=str(cache_root(settings.model_cache)))
 
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
-    defaults = dict(backend.overrides)
+    defaults = drop_replaced_micro_batches(dict(backend.overrides), _keys(file_overrides + cli_overrides))
     defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
     slice_keys: dict[str, str] = {}
     slice_from = f"--slice {args.slice}" if getattr(args, "slice", None) else \
@@ -147,6 +151,8 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         # the embedded default (--backend cpu's, and the dry run's), also when given to --aot-only as --config: the
         # TPU dry run and `--backend tpu --aot-only --config <it>` are then the same job (aot/graphs.json)
         fit_default_micro_batches(config, _keys(cli_overrides))
+    elif any(key in backend.overrides for key in DEFAULT_MICRO_KEYS):  # the TPU profile's, under the user's keys
+        fit_default_micro_batches(config, _keys(file_overrides + cli_overrides), f"the {backend.name} profile's default")
     guard_bypass(config, _keys(file_overrides + cli_overrides))
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=slice_from if from_slice else "")

@@ -21,9 +21,14 @@ from verl_backend.driver.aot.graphs import GraphRequest, job_graphs
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0)
 REQUESTS = [GraphRequest("block", 2, 16), GraphRequest("lm_head", 2, 16), GraphRequest("prefill", 2, 16, 48),
-            GraphRequest("decode", 2, 1, 48)]
+            GraphRequest("decode", 2, 1, 48), GraphRequest("block_forward", 2, 16),
+            GraphRequest("lm_head_forward", 2, 16), GraphRequest("value_head", 2, 16),
+            GraphRequest("value_head_forward", 2, 16)]
 KINDS = {"trainer.block[2x16].fwd", "trainer.block[2x16].bwd", "trainer.lm_head[2x16].fwd",
-         "trainer.lm_head[2x16].bwd", "sampler.prefill[2x16|cache 48]", "sampler.decode[2x1|cache 48]"}
+         "trainer.lm_head[2x16].bwd", "sampler.prefill[2x16|cache 48]", "sampler.decode[2x1|cache 48]",
+         # the no-grad log-prob forward (old policy, reference policy) and the critic's value head
+         "trainer.block_forward[2x16]", "trainer.lm_head_forward[2x16]", "critic.value_head[2x16].fwd",
+         "critic.value_head[2x16].bwd", "critic.value_head_forward[2x16]"}
 
 
 def _aot_python():
@@ -70,6 +75,13 @@ def test_every_graph_kind_lowers_and_compiles_for_v5e_and_v6e(aot):
         assert 1.3 < bwd["flops"] / fwd["flops"] < 3.5
         # a decode step (2 tokens) does far less work than a prefill (32 tokens)
         assert rows["sampler.decode[2x1|cache 48]"]["flops"] < rows["sampler.prefill[2x16|cache 48]"]["flops"] / 4
+        # the no-grad forward keeps nothing for a backward: it returns the block's output alone, far less than the
+        # update's forward (its saved tensors, inputs and parameters)
+        nograd = rows["trainer.block_forward[2x16]"]
+        assert nograd["output_bytes"] < fwd["output_bytes"] / 4
+        assert 0.8 < nograd["flops"] / fwd["flops"] < 1.25
+        # the critic's head is one output a token: far less work than the LM head's 256-way one
+        assert rows["critic.value_head[2x16].fwd"]["flops"] < rows["trainer.lm_head[2x16].fwd"]["flops"] / 20
     assert {g["device_kind"] for g in (aot.compiled["v6e:2x2"], aot.compiled["v5e:2x2"])} == {"TPU v6 lite",
                                                                                             "TPU v5 lite"}
     ours = {**aot.compiled["v6e:2x2"], "graphs": [g for g in aot.compiled["v6e:2x2"]["graphs"] if g["label"] == "qwen3"]}
@@ -194,8 +206,27 @@ def test_job_graphs_follow_the_config():
                                     "rollout": {"n": 4, "max_num_seqs": 64}}}
     graphs = job_graphs(config, workers=4)
     assert graphs[0] == GraphRequest("block", 2, 512) and graphs[1] == GraphRequest("lm_head", 2, 512)
-    assert graphs[2] == GraphRequest("prefill", 8, 100, 300)  # 8x4 rows over 4 workers; the rollout's 100 + 200
+    # the old policy's log-probs are recomputed (no bypass), at the update's micro batch when none is set
+    assert graphs[2:4] == [GraphRequest("block_forward", 2, 512), GraphRequest("lm_head_forward", 2, 512)]
+    assert graphs[4] == GraphRequest("prefill", 8, 100, 300)  # 8x4 rows over 4 workers; the rollout's 100 + 200
     assert [g.batch for g in graphs if g.kind == "decode"] == [8, 4, 2, 1]
+    # bypass mode reuses the rollout's log-probs: no forward graph; a KL loss brings the reference's, at its micro
+    # batch; GAE the critic's update and values forward (a block shape the actor has is listed once)
+    config["algorithm"] = {"rollout_correction": {"bypass_mode": True}}
+    assert not [g for g in job_graphs(config, 4) if g.kind.endswith("_forward")]
+    config["actor_rollout_ref"]["actor"]["use_kl_loss"] = True
+    config["actor_rollout_ref"]["ref"] = {"log_prob_micro_batch_size_per_gpu": 4}
+    assert [g for g in job_graphs(config, 4) if g.kind.endswith("_forward")] == [
+        GraphRequest("block_forward", 4, 512), GraphRequest("lm_head_forward", 4, 512)]
+    config["algorithm"]["adv_estimator"] = "gae"
+    config["critic"] = {"ppo_micro_batch_size_per_gpu": 2, "forward_micro_batch_size_per_gpu": 4}
+    critic = [g for g in job_graphs(config, 4) if g.kind not in ("prefill", "decode")]
+    assert critic == [GraphRequest("block", 2, 512), GraphRequest("lm_head", 2, 512),
+                      GraphRequest("block_forward", 4, 512), GraphRequest("lm_head_forward", 4, 512),
+                      GraphRequest("value_head", 2, 512), GraphRequest("value_head_forward", 4, 512)]
+    assert critic[4].name == "critic.value_head[2x512]"
+    config["critic"]["enable"] = False  # the control: no critic, no value head
+    assert not [g for g in job_graphs(config, 4) if g.kind.startswith("value_head")]
 
 
 def test_patch_record_pins_torch_tpu():
@@ -210,7 +241,7 @@ def test_numerics_every_graph_kind_matches_torch_eager_on_xla_cpu(aot):
     from verl_backend.driver.aot.compile import RTOL
 
     rows = {g["graph"]: g for g in aot.compiled["cpu"]["graphs"] if g["label"] == "numerics"}
-    assert set(rows) == KINDS  # which graph kinds were compared: all six
+    assert set(rows) == KINDS  # which graph kinds were compared: all eleven graphs of the eight kinds
     for name, g in rows.items():
         assert g["error"] is None, g["error"]
         assert g["ok"] and g["max_abs_diff"] <= RTOL * g["max_abs_ref"], (name, g)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from verl_backend.driver.memory_plan import (
     GIB,
@@ -318,7 +319,7 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
     compiled = json.loads(XLA_V6E8.read_text())[job]
     hf = AutoConfig.from_pretrained(model_path) if model_path else None
     planned, notes = planned_as_compiled(config, 8)
-    assert notes == ["rl_tpu.compile_trainer=true", "rl_tpu.compile_sampler=true"]
+    assert notes == []  # the TPU profile compiles both (profiles.TPU_SETTINGS), and both jobs set micro batches
     rows = plan_comparison(plan_memory(planned, "v6e-8", TPU, hf_config=hf), compiled, True)
     measured = {name: (plan, xla) for name, plan, xla, _ in rows if xla is not None}
     assert set(measured) == ROWS
@@ -335,29 +336,33 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
     table = comparison_table(rows, notes)
     assert "plan/XLA" in table and all(name in table for name in ROWS)
     if job == "qwen3-8b":  # negative control: planned as the job says, 1536 tokens, not the graphs' 2048 bucket
-        eager = plan_memory(config, "v6e-8", TPU, hf_config=hf)
+        eager = config.copy()
+        OmegaConf.update(eager, "rl_tpu.compile_trainer", False)
+        eager = plan_memory(eager, "v6e-8", TPU, hf_config=hf)
         off = {name: plan / xla for name, plan, xla, _ in plan_comparison(eager, compiled, True) if xla}
         assert off["activations"] < 0.85 and off["LM head logits"] < 0.85, off
 
 
 def test_aot_only_plans_the_job_it_compiles(monkeypatch, tmp_path, default_model_dir):
-    """``--aot-only``'s plan is the job's with both compile flags on and, where the job sets no actor micro batch (the
-    TPU default job; VeRL would refuse it), the graphs' micro batch of 1, each said in the table's head line.
-    Negative control: a micro batch the job sets is kept, and without the flags the plan counts other tokens."""
+    """``--aot-only``'s plan is the job's with both compile flags on. The TPU default job runs as it is: the TPU
+    profile's micro batches of 8 (VeRL sets none); where a job sets no actor micro batch, the graphs' micro batch of 1,
+    said in the table's head line. Negative control: without the flags and the micro batch the plan counts another
+    micro batch."""
     from verl_backend.driver.aot.job import planned_as_compiled
 
     model = f"actor_rollout_ref.model.path={default_model_dir}"
-    bare, _ = _aot_config(monkeypatch, tmp_path / "a", ["critic.ppo_micro_batch_size_per_gpu=1", model])
-    planned, notes = planned_as_compiled(bare, 8)
+    flags = ["rl_tpu.compile_trainer=true", "rl_tpu.compile_sampler=true"]
+    default, _ = _aot_config(monkeypatch, tmp_path / "a", [model])
+    planned, notes = planned_as_compiled(default, 8)
+    assert notes == [f for f in flags if not OmegaConf.select(default, f.split("=")[0])]
+    assert planned.rl_tpu.compile_trainer
+    assert "8 seqs" in next(t.how for t in plan_memory(planned, "v6e-8", TPU).terms if t.name == "activations")
     key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-    assert notes == ["rl_tpu.compile_trainer=true", "rl_tpu.compile_sampler=true",
-                     f"{key}=1 (the graphs' micro batch; the job sets none)"]
-    assert planned.rl_tpu.compile_trainer and not bare.rl_tpu.compile_trainer  # the job's own config is untouched
+    bare, _ = _aot_config(monkeypatch, tmp_path / "b", [f"{key}=null", model])
+    planned, notes = planned_as_compiled(bare, 8)
+    assert notes[-1] == f"{key}=1 (the graphs' micro batch; the job sets none)"
     assert "1 seqs" in next(t.how for t in plan_memory(planned, "v6e-8", TPU).terms if t.name == "activations")
     assert "32 seqs" in next(t.how for t in plan_memory(bare, "v6e-8", TPU).terms if t.name == "activations")
-    given, _ = _aot_config(monkeypatch, tmp_path / "b", ["critic.ppo_micro_batch_size_per_gpu=1", f"{key}=4", model])
-    kept, notes = planned_as_compiled(given, 8)
-    assert len(notes) == 2 and kept.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
 
 
 def test_a_cpu_job_that_fits_only_without_packed_weights_samples_on_plain_weights(tmp_path):

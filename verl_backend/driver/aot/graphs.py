@@ -3,8 +3,15 @@
 A :class:`GraphRequest` is one graph kind at one shape:
 
 - ``block``: one transformer block of the trainer, forward and backward (two graphs, ``…fwd`` and ``…bwd``), on a
-  padded micro batch ``(batch, seq)`` with ``seq`` a power of two (``rl_tpu.compile_trainer`` pads to one);
+  padded micro batch ``(batch, seq)`` with ``seq`` a power of two (``rl_tpu.compile_trainer`` pads to one): the
+  actor's update, and the critic's when its micro batch is another;
 - ``lm_head``: the final norm, LM head and the log-probs of the labels, ``(batch, seq)``, forward and backward;
+- ``block_forward`` and ``lm_head_forward``: the same without gradients (one graph each, no saved tensors), at the
+  log-prob micro batch: the old policy's log-probs (``algorithm.rollout_correction.bypass_mode=false``) and the
+  reference policy's (a KL loss or KL reward);
+- ``value_head`` (forward and backward) and ``value_head_forward``: the critic's final norm and one-output ``score``
+  projection (VeRL's critic is the model's ``…ForTokenClassification`` with one label), at the critic's update and
+  forward micro batches (PPO with GAE); its blocks are ``block`` / ``block_forward`` graphs;
 - ``prefill``: the sampler's whole-model forward over ``(batch, prompt)`` tokens against a static KV cache of
   ``cache`` slots (``rl_tpu.sampler``'s buckets), last-position logits;
 - ``decode``: the same with ``(batch, 1)`` tokens.
@@ -16,7 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
-
+#: graph kinds of the trainer worker's models (actor, reference policy), of the critic, and of the sampler
+TRAINER_KINDS = ("block", "lm_head", "block_forward", "lm_head_forward")
+CRITIC_KINDS = ("value_head", "value_head_forward")
+SAMPLER_KINDS = ("prefill", "decode")
+#: kinds traced with a backward (two graphs, ``.fwd`` and ``.bwd``)
+WITH_BACKWARD = ("block", "lm_head", "value_head")
 
 @dataclasses.dataclass(frozen=True)
 class GraphRequest:
@@ -30,7 +42,7 @@ class GraphRequest:
     @property
     def name(self) -> str:
         """A stable name, e.g. ``trainer.block[4x1024]`` or ``sampler.decode[64x1|cache 1536]``."""
-        where = "trainer" if self.kind in ("block", "lm_head") else "sampler"
+        where = "critic" if self.kind in CRITIC_KINDS else "trainer" if self.kind in TRAINER_KINDS else "sampler"
         cache = f"|cache {self.cache}" if self.cache else ""
         return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}]"
 
@@ -51,35 +63,62 @@ def config_get(config, key: str, default=None):
 
 
 def job_graphs(config, workers: int) -> list[GraphRequest]:
-    """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers.
+    """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers, each listed
+    once (a shape two models share is one graph: the blocks' parameters are graph inputs).
 
-    Trainer: the actor's micro batch (``ppo_micro_batch_size_per_gpu``, else 1) by the padded length of prompt plus
-    response, a power of two. Sampler (in the worker): this worker's share of ``train_batch_size × rollout.n``
-    (at most ``rollout.max_num_seqs``, a power of two), at the largest of the rollout's buckets
-    (:func:`verl_backend.rollout.sampling._buckets`: powers of two up to the rollout's ``prompt_length`` and
-    ``response_length``, those limits last): a prefill of ``prompt_length`` tokens against a cache of
-    ``prompt_length + response_length`` slots; decode also at every halved batch bucket (the sampler drops finished
-    rows), down to 1. Smaller prompt and generation buckets compile graphs of their own, not listed.
+    Trainer, at the padded length of prompt plus response (a power of two): the actor's update at its micro batch
+    (``actor.ppo_micro_batch_size_per_gpu``, else 1); the no-grad log-prob forward at
+    ``rollout.log_prob_micro_batch_size_per_gpu`` when the old policy's log-probs are recomputed
+    (``algorithm.rollout_correction.bypass_mode`` false) and at ``ref.log_prob_micro_batch_size_per_gpu`` when a
+    reference policy runs (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); with GAE the critic's update at
+    ``critic.ppo_micro_batch_size_per_gpu`` and its values forward at ``critic.forward_micro_batch_size_per_gpu``
+    (else the update's), on the actor's model shape. Sampler (in the worker): this worker's share of
+    ``train_batch_size × rollout.n`` (at most ``rollout.max_num_seqs``, a power of two), at the largest of the
+    rollout's buckets (:func:`verl_backend.rollout.sampling._buckets`: powers of two up to the rollout's
+    ``prompt_length`` and ``response_length``, those limits last): a prefill of ``prompt_length`` tokens against a
+    cache of ``prompt_length + response_length`` slots; decode also at every halved batch bucket (the sampler drops
+    finished rows), down to 1. Smaller prompt and generation buckets compile graphs of their own, not listed.
     """
 
     def get(key, default):
         return config_get(config, key, default)
 
+    def micro(key, fallback):  # the per-chip size, else VeRL's global one split over the workers
+        per_chip = get(key, 0) or int(get(key[:-len("_per_gpu")], 0) or 0) // max(1, workers)
+        return int(per_chip or fallback)
+
+    aro = "actor_rollout_ref"
     prompt, response = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
-    micro = int(get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 0) or 1)
+    update = micro(f"{aro}.actor.ppo_micro_batch_size_per_gpu", 1)
     seq = pow2(prompt + response)
-    rows = int(get("data.train_batch_size", 1)) * int(get("actor_rollout_ref.rollout.n", 1))
+    out = [GraphRequest("block", update, seq), GraphRequest("lm_head", update, seq)]
+    forwards = []
+    if not _true(get("algorithm.rollout_correction.bypass_mode", False)):  # the old policy's log-probs, recomputed
+        forwards.append(micro(f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", update))
+    if _true(get(f"{aro}.actor.use_kl_loss", False)) or _true(get("algorithm.use_kl_in_reward", False)):
+        forwards.append(micro(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", update))
+    for rows in forwards:
+        out += [GraphRequest("block_forward", rows, seq), GraphRequest("lm_head_forward", rows, seq)]
+    if str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False:
+        critic = micro("critic.ppo_micro_batch_size_per_gpu", 1)
+        values = micro("critic.forward_micro_batch_size_per_gpu", critic)
+        out += [GraphRequest("block", critic, seq), GraphRequest("value_head", critic, seq),
+                GraphRequest("block_forward", values, seq), GraphRequest("value_head_forward", values, seq)]
+    rows = int(get("data.train_batch_size", 1)) * int(get(f"{aro}.rollout.n", 1))
     share = max(1, -(-rows // max(1, workers)))
-    batch = pow2(min(share, int(get("actor_rollout_ref.rollout.max_num_seqs", share) or share)))
-    p = int(get("actor_rollout_ref.rollout.prompt_length", prompt) or prompt)  # the rollout's largest buckets
-    cache = p + int(get("actor_rollout_ref.rollout.response_length", response) or response)
-    out = [GraphRequest("block", micro, seq), GraphRequest("lm_head", micro, seq),
-           GraphRequest("prefill", batch, p, cache)]
+    batch = pow2(min(share, int(get(f"{aro}.rollout.max_num_seqs", share) or share)))
+    p = int(get(f"{aro}.rollout.prompt_length", prompt) or prompt)  # the rollout's largest buckets
+    cache = p + int(get(f"{aro}.rollout.response_length", response) or response)
+    out.append(GraphRequest("prefill", batch, p, cache))
     b = batch
     while b >= 1:
         out.append(GraphRequest("decode", b, 1, cache))
         b //= 2
-    return out
+    return list(dict.fromkeys(out))  # each shape once, in the order first listed
+
+
+def _true(value) -> bool:
+    return value is True or str(value).lower() == "true"
 
 
 def job_workers(config) -> int:

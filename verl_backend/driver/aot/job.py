@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from verl_backend.driver.aot.graphs import config_get as _get
-from verl_backend.driver.aot.graphs import job_graphs, job_workers
+from verl_backend.driver.aot.graphs import SAMPLER_KINDS, job_graphs, job_workers
 from verl_backend.driver.aot.run import (AotError, errors, jax_topology, lower_and_compile, per_chip_bytes,
                                          plan_comparison, table)
 
@@ -41,8 +41,8 @@ def aot_jobs(config, workers: int, attention: str = "sdpa", model_path: str | No
                                        "bf16")), "bfloat16")
     sample_dtype = _DTYPES.get(str(_get(config, "actor_rollout_ref.rollout.dtype", "bfloat16")), "bfloat16")
     graphs = [dataclasses.asdict(g) for g in job_graphs(config, workers)]
-    trainer = [g for g in graphs if g["kind"] in ("block", "lm_head")]
-    sampler = [g for g in graphs if g["kind"] in ("prefill", "decode")]
+    trainer = [g for g in graphs if g["kind"] not in SAMPLER_KINDS]  # the actor's, the reference's, the critic's
+    sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     base = {"config": cfg, "model_type": model_type, "attention": attention}
     return [{**base, "label": "trainer", "dtype": train_dtype, "graphs": trainer},
             {**base, "label": "sampler", "dtype": sample_dtype, "graphs": sampler}]

@@ -10,7 +10,8 @@ the meta device (no weights: the model is built from its config on meta), throug
 decompositions and min-cut partitioning (forward and backward graphs), then every ``device=meta`` in it is pointed
 at ``tpu`` and it is lowered on metadata-only TPU placeholders by TorchTPU's kernels
 (:mod:`verl_backend.patches.torch_tpu_aot`). Writes ``<out>/<label>/<n>.mlir`` per graph and ``<out>/lowered.json``:
-one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs", "error"}``; ``error`` is one line
+one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs", "ops", "error"}`` (``ops``: the
+graph's ATen calls after TorchTPU's decompositions); ``error`` is one line
 (op, module, graph) or ``None``.
 """
 
@@ -22,6 +23,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from verl_backend.driver.aot.graphs import WITH_BACKWARD
 
 
 def _dtype(name: str):
@@ -112,9 +115,10 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
     torch.compiler.reset()  # a new trace each time (dynamo caches per code object)
     inner = model.model
     hidden = config.hidden_size
-    if kind == "block":
+    grad = kind in WITH_BACKWARD  # the update's graphs; the *_forward kinds run under no_grad (log-probs, values)
+    if kind in ("block", "block_forward"):
         layer = inner.layers[0]
-        x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(True)
+        x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
         pos = torch.arange(seq, device=device)[None].expand(batch, seq)
         rotary = inner.rotary_emb
         layer_types = getattr(config, "layer_types", None)
@@ -128,19 +132,36 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
             out = layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=pos)
             return out[0] if isinstance(out, tuple) else out
 
-        out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(x, cos, sin, mask)
-        out.float().sum().backward()
-    elif kind == "lm_head":
-        norm, head = inner.norm, model.lm_head
-        h = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(True)
-        labels = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(x, cos.detach(),
+                                                                                         sin.detach(), mask)
+        if grad:
+            out.float().sum().backward()
+    elif kind in ("lm_head", "lm_head_forward", "value_head", "value_head_forward"):
+        norm = inner.norm
+        h = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
+        if kind.startswith("lm_head"):
+            head = model.lm_head
+            labels = torch.zeros(batch, seq, dtype=torch.long, device=device)
 
-        def logprob(h, labels):
-            logits = head(norm(h)).float()  # (batch, seq, vocab) fp32
-            return torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (batch, seq)
+            def logprob(h, labels):
+                logits = head(norm(h)).float()  # (batch, seq, vocab) fp32
+                return torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (batch, seq)
 
-        out = torch.compile(logprob, backend=rec.backend, fullgraph=True, dynamic=False)(h, labels)
-        out.sum().backward()
+            fn, args = logprob, (h, labels)
+        else:  # VeRL's critic: the model's ...ForTokenClassification with one label, its `score` Linear (with bias)
+            score = torch.nn.Linear(hidden, 1, dtype=dtype, device=device)
+            if device != "meta":
+                torch.nn.init.normal_(score.weight, 0, 0.2)
+
+            def values(h):
+                return score(norm(h)).float().squeeze(-1)  # (batch, seq) fp32
+
+            fn, args = values, (h,)
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(fn, backend=rec.backend, fullgraph=True, dynamic=False)(*args)
+        if grad:
+            out.sum().backward()
     elif kind in ("prefill", "decode"):
         from transformers import StaticCache
 
@@ -217,9 +238,9 @@ def graph_name(request: dict, part: str, index: int, parts: int) -> str:
     from verl_backend.driver.aot.graphs import GraphRequest
 
     base = GraphRequest(**request).name
-    if request["kind"] in ("block", "lm_head"):
+    if request["kind"] in WITH_BACKWARD:
         return f"{base}.{part}" if parts == 2 else f"{base}.{part}{index}"
-    return base
+    return base if parts == 1 else f"{base}.{index}"
 
 
 def run(spec: dict) -> list[dict]:
@@ -285,7 +306,9 @@ def run(spec: dict) -> list[dict]:
                 path.write_text(text)
                 record = {**base, "graph": name, "file": str(path), "seconds": time.perf_counter() - t0,
                           "trace_seconds": t0 - start, "mosaic": "tpu_custom_call" in text,
-                          "inputs": len(example), "error": None}
+                          "inputs": len(example), "error": None,
+                          # ATen ops after TorchTPU's decompositions: what strict eager mode would launch one by one
+                          "ops": sum(1 for n in gm.graph.nodes if n.op == "call_function")}
                 if runs is not None and index < len(runs):
                     import numpy as np
 

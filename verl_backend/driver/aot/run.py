@@ -18,6 +18,7 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
+from verl_backend.driver.aot.graphs import SAMPLER_KINDS
 from verl_backend.errors import BadInputError
 
 #: per chip generation: (peak bf16 dense FLOP/s, HBM bytes/s), from the Cloud TPU "TPU versions" pages
@@ -223,8 +224,8 @@ def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> d
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
     fwd = [g for g in graphs if g["kind"] == "block" and g["graph"].endswith(".fwd")]
     saved = max((saved_activations(g, layers, checkpointed) for g in fwd), default=0)
-    trainer = max((working(g) for g in graphs if g["kind"] in ("block", "lm_head")), default=0)
-    sampler = max((working(g) for g in graphs if g["kind"] in ("prefill", "decode")), default=0)
+    trainer = max((working(g) for g in graphs if g["kind"] not in SAMPLER_KINDS), default=0)
+    sampler = max((working(g) for g in graphs if g["kind"] in SAMPLER_KINDS), default=0)
     return {"saved_activations": saved, "largest_trainer_graph": trainer, "largest_sampler_graph": sampler,
             "training_peak": saved + trainer}
 
@@ -258,7 +259,7 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
     fwd, bwd, hf, hb = first("block", ".fwd"), first("block", ".bwd"), first("lm_head", ".fwd"), \
         first("lm_head", ".bwd")
     decode = max((g for g in graphs if g["kind"] == "decode"), key=lambda g: g["argument_bytes"], default=None)
-    sampler = [g for g in graphs if g["kind"] in ("prefill", "decode")]
+    sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     xla: list[tuple[str, float | None, str]] = []
     if fwd:
         xla.append(("block forward arguments", fwd["argument_bytes"],
