@@ -104,11 +104,11 @@ SETTINGS: tuple[Setting, ...] = (
             env="RL_TPU_EAGER_MODE", flag="--tpu-eager-mode"),
     Setting("compile_sampler", bool, False, "the rollout's prefill and decode run as torch.compile graphs "
             "(fullgraph, one per bucket shape; backend tpu on TPU, inductor on CPU/CUDA); the CPU sampler's fast "
-            "paths are then off"),
+            "paths are then off; on by default with --backend tpu (the TPU profile's)"),
     Setting("compile_trainer", bool, False, "the actor's and reference policy's transformer blocks run as "
             "torch.compile graphs (fullgraph, static shapes; backend tpu on TPU, inductor on CPU/CUDA): needs padded "
             "micro batches (actor_rollout_ref.model.use_remove_padding=false, the TPU profile's); what cannot compile "
-            "runs eagerly, said in one line"),
+            "runs eagerly, said in one line; on by default with --backend tpu (the TPU profile's)"),
     Setting("slice", str, "", "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
             "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice", flag="--slice"),
     Setting("tpu_dry_run", bool, False, "--backend cpu only: run the job with the TPU profile's choices (padded "

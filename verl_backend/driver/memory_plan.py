@@ -398,8 +398,10 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
              int(get(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
     lp = lp or max(1, int(get("data.train_batch_size", 1)) * n // w)
     lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
-    add("log-prob forward", lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param, "log-prob",
-        f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
+    lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param
+    add("log-prob forward", lp_bytes, "log-prob", f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
+    if graphs:  # XLA's: the no-grad LM head's logits and log-softmax, and one no-grad block's output and temporaries
+        graphs["log-prob forward"] = lp_bytes
 
     # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
     if str(get("algorithm.adv_estimator", "grpo")) == "gae":
@@ -416,9 +418,21 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                      or max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp))
         cblock = cshape.block_elements(seq, fused)
         ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
-        celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
-        add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
-            f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
+        if graphs:  # the compiled block graph's arrays at the critic's micro batch, as the actor's above, + value head
+            rows, length = cmicro, math.ceil(seq / sp)
+            cg = cshape.block_graph(rows, length, b_param)
+            x = tpu_bytes((rows, length, cshape.hidden), b_param)
+            fwd_out = arrays_bytes(cg["saved"]) + arrays_bytes(cg["returned"])
+            kept = cshape.layers * x + fwd_out if ckpt else cshape.layers * fwd_out
+            head = 2 * x + 2 * tpu_bytes((rows, length), 4)  # its norm's output, the hidden states, rsqrt, values
+            cacts = kept + arrays_bytes(cg["arguments"][-3:]) + head
+            graphs["critic activations"] = cacts
+            add("critic activations", cacts, "critic", f"{cmicro} seqs, padded to {rows}x{length}"
+                + (", checkpointed" if ckpt else "") + "; as the actor's + the value head's outputs; TPU tiles")
+        else:
+            celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
+            add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
+                f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
 
     # generation: the sampler's static KV cache (in the worker only)
     if in_worker:

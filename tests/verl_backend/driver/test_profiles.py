@@ -50,3 +50,15 @@ def test_the_cpu_thread_default_gives_each_trainer_worker_its_cores():
     assert default_threads(cap, workers=4, cores=2) == 1  # the TPU dry run's 4 ranks on this machine
     assert default_threads(cap, workers=2, cores=4) == 2
     assert default_threads(PROFILES["tpu"].default_threads, workers=1, cores=8) == 0
+
+
+def test_the_tpu_row_compiles_and_its_dry_run_does_not():
+    """``--backend tpu`` turns both compile flags on (every eager op is a launch on a chip: docs/tpu.md); the TPU
+    dry run is the tpu row's VeRL keys on CPU devices, without those settings (inductor on CPU is not the TPU's
+    compiler), and the cpu row sets none."""
+    from verl_backend.driver.profiles import TPU_MICRO_KEYS, tpu_dry_run
+
+    assert dict(PROFILES["tpu"].settings) == {"compile_trainer": True, "compile_sampler": True}
+    dry = tpu_dry_run(PROFILES["cpu"])
+    assert not dry.settings and not PROFILES["cpu"].settings
+    assert all(dry.overrides[k] == "8" for k in TPU_MICRO_KEYS)  # the tpu row's VeRL keys, kept

@@ -238,9 +238,15 @@ IN_NO_GRAPH = {
     "reference policy": "in no graph: the reference's shard; its log-prob forward is not in the list",
     "FSDP2 gather buffers": "in no graph as such: its bf16 parts are the graphs' parameter arguments and gradient "
                             "outputs above; the fp32 copies for the reduce-scatter live outside the graphs",
-    "log-prob forward": "in no graph here: the no-grad forward (reference, old policy) is not in the list",
-    "critic": "in no graph: the critic's graphs are not in the list",
+    "log-prob forward": "in no graph here: no no-grad forward (reference, old policy) was compiled",
+    "critic activations": "in no graph here: the critic's graphs were not compiled",
+    "critic": "in no graph: the critic's fp32 shard, gradients and AdamW moments, between graphs",
 }
+
+
+def _shape_of(graph: str) -> str:
+    """``8x1024`` of a graph name such as ``critic.value_head[8x1024].fwd``."""
+    return graph[graph.index("[") + 1:graph.index("]")]
 
 
 def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float | None, float | None, str]]:
@@ -286,9 +292,24 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
     if sampler:
         top = max(sampler, key=lambda g: g["temp_bytes"])
         xla.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
+    by_name = {g["graph"]: g for g in graphs}
+    # the no-grad forward: one block's and the LM head's outputs and temporaries (one at a time), largest micro batch
+    pairs = [(by_name.get(f"trainer.block_forward[{_shape_of(g['graph'])}]"), g) for g in graphs
+             if g["kind"] == "lm_head_forward"]
+    pairs = [(b, h) for b, h in pairs if b]
+    if pairs:
+        b, h = max(pairs, key=lambda bh: sum(g["output_bytes"] + g["temp_bytes"] for g in bh))
+        xla.append(("log-prob forward", sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
+                    f"{b['graph']} and {h['graph']} outputs + temporaries"))
+    value = first("value_head", ".fwd")
+    cfwd = value and by_name.get(f"trainer.block[{_shape_of(value['graph'])}].fwd")
+    if cfwd:
+        xla.append(("critic activations", saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
+                    f"as activations, from {cfwd['graph']}, + {value['graph']} outputs"))
     out = [(name, planned[name], number, how) for name, number, how in xla if name in planned]
+    compared = {name for name, *_ in out}
     for term in plan.terms:
         why = next((v for k, v in IN_NO_GRAPH.items() if term.name.startswith(k)), None)
-        if why is not None:
+        if why is not None and term.name not in compared:
             out.append((term.name, term.bytes, None, why))
     return out
