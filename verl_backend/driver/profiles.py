@@ -118,9 +118,10 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         "actor_rollout_ref.actor.use_prefix_grouper": "false",
         # Sequences a chip runs at once: VeRL sets none, so its own defaults (GAE, 1024 x 1 prompts) were refused
         # for the critic, and a forward without one holds a worker's whole share (128 sequences of 1024 tokens on
-        # v6e-8: 40.7 GiB of logits a chip in the memory plan). 8 keeps every graph of the default job under 5% of a
-        # v6e chip's HBM and is one compiled shape per length bucket; a smaller batch share is fitted to
-        # (plan.fit_default_micro_batches), a VeRL *_micro_batch_size (global) or dynamic batch the user gives wins.
+        # v6e-8: 40.7 GiB of logits a chip in the memory plan). At 8 the default job's largest trainer graph holds
+        # 2.4 GiB (7% of a v6e chip's HBM, docs/tpu.md) and there is one compiled shape per length bucket; a smaller
+        # batch share is fitted to (plan.fit_default_micro_batches), a VeRL *_micro_batch_size (global) or dynamic
+        # batch the user gives wins.
         **{key: "8" for key in TPU_MICRO_KEYS},
     },
     "cuda": {

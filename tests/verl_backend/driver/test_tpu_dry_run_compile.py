@@ -67,7 +67,8 @@ def test_the_dry_runs_graph_list_is_aot_onlys_and_a_missing_bucket_is_found(monk
                for g in j["graphs"]]
     assert len(lowered) == len(recorded) >= 4
     assert graph_list_differences(recorded, lowered) == []
-    assert {g["kind"] for g in recorded} == {"block", "lm_head", "prefill", "decode"}
+    # the update, the no-grad log-prob forward (old policy recomputed, KL loss's reference), the sampler
+    assert {g["kind"] for g in recorded} == {"block", "lm_head", "block_forward", "lm_head_forward", "prefill", "decode"}
     # negative control: one of --aot-only's decode buckets left out is reported, naming it
     decodes = [i for i, g in enumerate(lowered) if g["kind"] == "decode"]
     assert decodes
