@@ -15,6 +15,11 @@ from verl_backend.errors import BadInputError
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
 
+#: how each phase of the CPU job's host peak (MemoryPlan.host_phase) reads in a line
+HOST_PHASES = {"update": "the trainer updates", "generation": "the rollout generates",
+               "sync": "the rollout takes a LoRA adapter"}
+
+
 def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:
     """One line: the model, the slice, the estimate against usable HBM, the biggest term and the fixes."""
     big = plan.biggest
@@ -51,7 +56,7 @@ def show_memory_plan(config, slice_name: str | None, backend) -> None:
         host = host_memory_bytes()
         need = plan.host_need
         verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
-        phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
+        phase = HOST_PHASES[plan.host_phase]
         text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB at their peak; with the "
                  f"rollout server and the job's other processes the whole job = {need / GIB:.3f} GiB at its peak "
                  f"(while {phase}) against {USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
@@ -88,7 +93,7 @@ def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | 
     if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     fixes.append("a host with more memory")
-    phase = "the rollout generates" if plan.host_phase == "generation" else "the trainer updates"
+    phase = HOST_PHASES[plan.host_phase]
     return (f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
             f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB at their peak, the rollout server and the "
             f"job's other processes; the whole job's peak is while {phase}), over the {usable / GIB:.1f} GiB usable "

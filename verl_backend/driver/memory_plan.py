@@ -124,23 +124,32 @@ class MemoryPlan:
     #: CPU backend only: what the job's other processes hold on the same host (bytes; ``when`` is ``host``)
     host_terms: list[Term] = field(default_factory=list)
 
-    @property
-    def host_need(self) -> float:
-        """Bytes the whole job needs on one host (CPU backend), the larger of its two phases: every trainer worker at
-        its peak beside the other processes' resident :attr:`host_terms` (``host``), or, while the rollout server
-        generates (``host generation``: its packed copies and KV cache), the trainer workers' resident terms
-        without gradients (freed after each update) beside all of :attr:`host_terms`."""
+    def _host_phases(self) -> dict[str, float]:
         others = sum(t.bytes for t in self.host_terms if t.when == "host")
-        generating = sum(t.bytes for t in self.host_terms if t.when == "host generation")
         resident = self.resident - sum(t.bytes for t in self.terms if t.when == "resident" and
                                        t.name.startswith("gradients"))
-        return max(self.peak * self.workers, resident * self.workers + generating) + others
+        phases = {"update": self.peak * self.workers + others}
+        for phase in ("generation", "sync"):
+            extra = [t.bytes for t in self.host_terms if t.when == f"host {phase}"]
+            if extra:
+                phases[phase] = resident * self.workers + sum(extra) + others
+        return phases
+
+    @property
+    def host_need(self) -> float:
+        """Bytes the whole job needs on one host (CPU backend), the largest of its phases: every trainer worker at
+        its peak beside the other processes' resident :attr:`host_terms` (``host``); or the trainer workers' resident
+        terms without gradients (freed after each update) beside all of those and, while the rollout server
+        generates, ``host generation`` (its packed copies and KV cache), or, while it takes an adapter-only LoRA
+        sync, ``host sync`` (the model's files it maps to refill and merge)."""
+        return max(self._host_phases().values())
 
     @property
     def host_phase(self) -> str:
-        """Which phase :attr:`host_need` is: ``update`` (the trainer's peak) or ``generation`` (the server's)."""
-        others = sum(t.bytes for t in self.host_terms if t.when == "host")
-        return "generation" if self.host_need > self.peak * self.workers + others else "update"
+        """Which phase :attr:`host_need` is: ``update`` (the trainer's peak), ``generation`` or ``sync`` (the
+        server's)."""
+        phases = self._host_phases()
+        return max(phases, key=phases.get)
 
     def term(self, name: str) -> float:
         """Bytes of the term whose name starts with ``name``."""
@@ -243,6 +252,23 @@ def job_settings_of(config):
 
     section = config_value(config, "rl_tpu", None)
     return from_mapping(section if section is not None else {}, "config rl_tpu")
+
+
+def _files_refilled(config, settings, lora: int, model_bytes: float) -> float:
+    """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync: with shared-memory
+    weights released while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``), it refills them from
+    the files and merges the adapter onto them (:func:`verl_backend.weight_sync.lora.unadapted_for_refill`), so every
+    page of the files is mapped at once (measured: 5.09 GiB of file pages beside its 5.66 GiB of weights, Qwen3-1.7B
+    shaped, fp32 files). 0 without LoRA or without that release. ``model_bytes`` stands in where no file is found."""
+    import glob
+    import os
+
+    aro = "actor_rollout_ref"
+    if not lora or not bool(getattr(settings, "shared_weights", False)) or \
+            config_value(config, f"{aro}.rollout.free_cache_engine", True) is False:
+        return 0.0
+    files = glob.glob(os.path.join(str(config_value(config, f"{aro}.model.path", "") or ""), "*.safetensors"))
+    return float(sum(os.path.getsize(f) for f in files)) if files else float(model_bytes)
 
 
 def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None,
@@ -484,6 +510,11 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                                    (rp + rr) * batch * b_roll, "host generation",
                                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
                                    f"x {b_roll} B"))
+            refill = _files_refilled(config, settings, lora, p * b_model)
+            if refill:  # the third phase: the rollout wakes and takes the adapter (LoRA, adapter-only sync)
+                host_terms.append(Term("rollout server files (mapped)", refill, "host sync",
+                                       "the model's safetensors, mapped while the server refills its released weights "
+                                       "from them and merges the adapter (file pages, counted in its PSS)"))
         host_terms.append(Term("trainer worker runtime", w * TRAINER_RUNTIME_BYTES, "host",
                                f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)"))
         host_terms.append(Term("driver and Ray processes", JOB_RUNTIME_BYTES, "host",

@@ -212,13 +212,16 @@ def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, 
     config = _cpu_job(tmp_path, **({"actor_rollout_ref.model.lora_rank": lora} if lora else {}))
     fit_packed_weights(config, PROFILES["cpu"], host_bytes=HOST)  # as the driver does first (1.7B LoRA: off)
     plan = plan_memory(config, None, PROFILES["cpu"])
-    # the whole job on one host: the trainer's peak or, while the rollout generates, its resident terms without
-    # gradients beside the server's packed copies and KV cache; the server's fp32 copy; the processes' runtime
+    # the whole job on one host: the trainer's peak or its resident terms without gradients beside, while the
+    # rollout generates, the server's packed copies and KV cache, or, while it takes a LoRA adapter, the model's
+    # files it maps; the server's fp32 copy; the processes' runtime
     server = next(t for t in plan.host_terms if t.name.startswith("rollout server weights"))
     assert server.bytes == plan.model.params * 4, server
     generating = sum(t.bytes for t in plan.host_terms if t.when == "host generation")
+    syncing = sum(t.bytes for t in plan.host_terms if t.when == "host sync")
+    assert bool(syncing) == bool(lora)
     resident = plan.resident - plan.term("gradients")
-    assert plan.host_need == pytest.approx(max(plan.peak, resident + generating) + server.bytes
+    assert plan.host_need == pytest.approx(max(plan.peak, resident + generating, resident + syncing) + server.bytes
                                            + TRAINER_RUNTIME_BYTES + JOB_RUNTIME_BYTES)
     line = host_refusal(plan, str(tmp_path), HOST)
     assert (line is not None) == refused, (plan.format(), line)
@@ -425,3 +428,34 @@ def test_the_tpu_default_job_fits_a_v6e_chip_with_the_profiles_micro_batches(mon
     assert actor.ppo_micro_batch_size == 16 and actor.ppo_micro_batch_size_per_gpu is None
     assert given.critic.ppo_micro_batch_size_per_gpu == 8  # the other sections keep the profile's
     assert given.rl_tpu.compile_trainer and not given.rl_tpu.compile_sampler
+
+
+def test_a_lora_cpu_job_plans_the_rollouts_refill_from_the_model_files(tmp_path):
+    """Adapter-only LoRA on CPU: the rollout server gives its shared-memory weights back while the actor updates and,
+    woken, refills them from the model's safetensors and merges the adapter, with every page of the files mapped (the
+    Qwen3-1.7B-shaped job, packed weights off, measured here at a 19.53 GiB peak: the server 5.09 GiB of file pages
+    beside its 5.66 GiB of weights). The plan counts that third phase ("sync") at the files' size: 19.2 GiB, within
+    15%; the update and generation phases alone said 15.5. Negative controls: no LoRA, or no shared-memory weights,
+    no such phase."""
+    import dataclasses
+
+    from transformers import Qwen3Config
+
+    from verl_backend.driver.memory_plan import job_settings_of
+
+    Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path)
+    lora = {"actor_rollout_ref.model.lora_rank": 16, "actor_rollout_ref.model.target_modules": "all-linear",
+            "+actor_rollout_ref.rollout.engine_kwargs.native.packed_weights": "false"}
+    plan = plan_memory(_cpu_job(tmp_path, **lora), None, PROFILES["cpu"])
+    [sync] = [t for t in plan.host_terms if t.when == "host sync"]
+    assert sync.bytes == plan.model.params * 4  # no files here: the fp32 model's bytes stand in
+    assert plan.host_phase == "sync" and abs(plan.host_need / (19.53 * GIB) - 1) <= 0.15, plan.host_need / GIB
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)  # with files, their size
+    assert [t.bytes for t in plan_memory(_cpu_job(tmp_path, **lora), None, PROFILES["cpu"]).host_terms
+            if t.when == "host sync"] == [4096]
+    full = plan_memory(_cpu_job(tmp_path), None, PROFILES["cpu"])
+    assert not [t for t in full.host_terms if t.when == "host sync"] and full.host_phase != "sync"
+    config = _cpu_job(tmp_path, **lora)
+    unshared = dataclasses.replace(job_settings_of(config), shared_weights=False)
+    assert not [t for t in plan_memory(config, None, PROFILES["cpu"], settings=unshared).host_terms
+                if t.when == "host sync"]
