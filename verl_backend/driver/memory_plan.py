@@ -62,8 +62,11 @@ transfer-queue actors). Both constants are measured (proportional set size at th
 it also holds the sampler's packed copies (``rl_tpu.sampler.packed``: every float32 linear layer, the LM head's too,
 and the query/key/value projections once more fused; ``packed_weights`` off: none) and its KV cache at
 ``min(pow2(train_batch_size·n), pow2(max_num_seqs))`` sequences; the trainer workers then hold their resident terms
-less gradients. The host need is the larger phase (:attr:`MemoryPlan.host_need`): within 4% of the measured peak of
-the 135M, 360M, 0.49B and 1.51B-with-LoRA rows of docs/scale.md.
+less gradients. Under LoRA with adapter-only syncs the server, woken after the update, refills its released weights
+from the model's safetensors and merges the adapter onto them with the files mapped: a third phase, ``sync``, the
+files' size beside the trainer's resident terms less gradients. The host need is the largest phase
+(:attr:`MemoryPlan.host_need`): within 4% of the measured peak of the 135M, 360M, 0.49B and both 1.51B-with-LoRA rows
+of docs/scale.md (packed weights on: generation; off: sync).
 
 What ``verl train`` does with the plan (print it, refuse a job that does not fit, sample without packed weights) is
 :mod:`verl_backend.driver.memory_fit`.
@@ -258,7 +261,7 @@ def _files_refilled(config, settings, lora: int, model_bytes: float) -> float:
     """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync: with shared-memory
     weights released while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``), it refills them from
     the files and merges the adapter onto them (:func:`verl_backend.weight_sync.lora.unadapted_for_refill`), so every
-    page of the files is mapped at once (measured: 5.09 GiB of file pages beside its 5.66 GiB of weights, Qwen3-1.7B
+    page of the files is mapped at once (measured: 5.63 GiB of file pages beside its 5.61 GiB of weights, Qwen3-1.7B
     shaped, fp32 files). 0 without LoRA or without that release. ``model_bytes`` stands in where no file is found."""
     import glob
     import os
