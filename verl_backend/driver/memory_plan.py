@@ -257,20 +257,21 @@ def job_settings_of(config):
     return from_mapping(section if section is not None else {}, "config rl_tpu")
 
 
-def _files_refilled(config, settings, lora: int, model_bytes: float) -> float:
-    """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync: with shared-memory
-    weights released while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``), it refills them from
-    the files and merges the adapter onto them (:func:`verl_backend.weight_sync.lora.unadapted_for_refill`), so every
-    page of the files is mapped at once (measured: 5.63 GiB of file pages beside its 5.61 GiB of weights, Qwen3-1.7B
-    shaped, fp32 files). 0 without LoRA or without that release. ``model_bytes`` stands in where no file is found."""
+def _files_refilled(config, lora: int, model_bytes: float) -> float:
+    """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync. With shared-memory
+    weights given back while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``: the defaults) it
+    refills them from the files and merges the adapter onto them (:func:`verl_backend.weight_sync.lora
+    .unadapted_for_refill`), every page of the files mapped at once (measured: 5.63 GiB of file pages beside its
+    5.61 GiB of weights, Qwen3-1.7B shaped, fp32 files); without the release it maps the adapted matrices' pages only,
+    for which the files' size is an upper bound (not measured). 0 without LoRA. ``model_bytes`` stands in where no
+    file is found."""
     import glob
     import os
 
-    aro = "actor_rollout_ref"
-    if not lora or not bool(getattr(settings, "shared_weights", False)) or \
-            config_value(config, f"{aro}.rollout.free_cache_engine", True) is False:
+    if not lora:
         return 0.0
-    files = glob.glob(os.path.join(str(config_value(config, f"{aro}.model.path", "") or ""), "*.safetensors"))
+    folder = str(config_value(config, "actor_rollout_ref.model.path", "") or "")
+    files = glob.glob(os.path.join(folder, "*.safetensors"))
     return float(sum(os.path.getsize(f) for f in files)) if files else float(model_bytes)
 
 
@@ -375,7 +376,8 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         logit_tokens = tokens
     else:
         micro = get(f"{actor}.ppo_micro_batch_size_per_gpu") or \
-            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
+            int(get(f"{actor}.ppo_micro_batch_size", 0) or 0) // dp or \
+            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)  # VeRL's global size is split over dp
         micro = int(micro)
         prompts = math.ceil(micro / n) if packed and bool(get(f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
@@ -423,8 +425,8 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
-    lp = max(int(get(f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", 0) or 0),
-             int(get(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", 0) or 0))
+    lp = max(int(get(f"{aro}.{r}.log_prob_micro_batch_size_per_gpu", 0) or 0)
+             or int(get(f"{aro}.{r}.log_prob_micro_batch_size", 0) or 0) // w for r in ("rollout", "ref"))
     lp = lp or max(1, int(get("data.train_batch_size", 1)) * n // w)
     lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
     lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param
@@ -433,7 +435,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         graphs["log-prob forward"] = lp_bytes
 
     # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
-    if str(get("algorithm.adv_estimator", "grpo")) == "gae":
+    if str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False:
         cpath, cshape = get("critic.model.path", None), shape
         if cpath and str(cpath) != str(get(f"{aro}.model.path")):
             try:
@@ -444,6 +446,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
             f"4 x {cshape.params:.3e} x {cb} B / {shards}")
         cmicro = int(get("critic.ppo_micro_batch_size_per_gpu", None)
+                     or int(get("critic.ppo_micro_batch_size", 0) or 0) // dp
                      or max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp))
         cblock = cshape.block_elements(seq, fused)
         ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
@@ -513,7 +516,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
                                    (rp + rr) * batch * b_roll, "host generation",
                                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
                                    f"x {b_roll} B"))
-            refill = _files_refilled(config, settings, lora, p * b_model)
+            refill = _files_refilled(config, lora, p * b_model)
             if refill:  # the third phase: the rollout wakes and takes the adapter (LoRA, adapter-only sync)
                 host_terms.append(Term("rollout server files (mapped)", refill, "host sync",
                                        "the model's safetensors, mapped while the server refills its released weights "

@@ -246,13 +246,15 @@ def slice_defaults(slice_arg: str | None, given_as: str = "rl_tpu.slice") -> tup
     return keys, f"{spec.accelerator_type}:{spec.topology}"
 
 
-def drop_replaced_micro_batches(defaults: dict[str, str], user_keys: set[str]) -> dict[str, str]:
+def drop_replaced_micro_batches(defaults: dict[str, str], user: dict[str, str]) -> dict[str, str]:
     """The backend profile's overrides less each per-chip micro batch size (``…_micro_batch_size_per_gpu``) whose
-    global form (``…_micro_batch_size``) the user gives (``user_keys``: the ``--config`` file's and the command
-    line's): VeRL refuses a section with both, and the user's is the one meant."""
+    global form (``…_micro_batch_size``) the user gives a value (``user``: the ``--config`` file's and the command
+    line's ``{key: value}``; a ``null`` is no value): VeRL refuses a section with both, and the user's is the one
+    meant."""
     suffix = "_per_gpu"
+    given = {k for k, v in user.items() if str(v).strip().lower() not in ("null", "none", "~", "")}
     return {k: v for k, v in defaults.items()
-            if not (k.endswith("_micro_batch_size" + suffix) and k[:-len(suffix)] in user_keys)}
+            if not (k.endswith("_micro_batch_size" + suffix) and k[:-len(suffix)] in given)}
 
 
 DEFAULT_MICRO_KEYS = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
@@ -267,25 +269,40 @@ def fit_default_micro_batches(config, user_keys: set[str], source: str = "the em
     ``verl_backend/configs/grpo_cpu.yaml`` sizes its micro batches for one worker (log-prob 8, update 4 of 16
     sequences a step); the TPU profile sets 8 of each (``profiles.TPU_MICRO_KEYS``). On a slice (``--slice v6e-16``:
     16 workers) each worker may get fewer sequences than that, which VeRL's engine cannot split into micro batches
-    of 8, and :func:`check_batch_sizes` would refuse the README's own command. A micro batch size the user set
-    (``user_keys``) is never changed; that one is refused there. ``source`` names where the defaults came from. Each
-    change is printed as one ``[rl-tpu]`` line.
+    of 8, and :func:`check_batch_sizes` would refuse the README's own command. Shares are counted as that check
+    counts them: a PPO update's over the data-parallel ranks (workers / Ulysses size), a step's log-probs over the
+    workers. A micro batch size the user set (``user_keys``, or its global form, which VeRL's critic config
+    interpolates into the per-chip key) is never changed; that one is refused there. Keys VeRL does not read are
+    left alone: under dynamic batch sizes, the critic's without GAE. ``source`` names where the defaults came from.
+    Each change is printed as one ``[rl-tpu]`` line.
     """
     from omegaconf import OmegaConf
 
     workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
+    critic = str(OmegaConf.select(config, "algorithm.adv_estimator")) == "gae" and \
+        OmegaConf.select(config, "critic.enable") is not False
     for key in DEFAULT_MICRO_KEYS:
-        micro = OmegaConf.select(config, key)
-        if key in user_keys or not micro:
+        section = key.rsplit(".", 1)[0]
+        if key in user_keys or key[:-len("_per_gpu")] in user_keys or (section == "critic" and not critic):
             continue
-        mini = OmegaConf.select(config, key.rsplit(".", 1)[0] + ".ppo_mini_batch_size") if \
-            key.endswith("ppo_micro_batch_size_per_gpu") else None
-        share = (int(mini) * n if mini else batch * n) // workers
+        micro = OmegaConf.select(config, key)
+        if not micro or OmegaConf.select(config, f"{section}.use_dynamic_bsz") or \
+                OmegaConf.select(config, f"{section}.log_prob_use_dynamic_bsz"):
+            continue
+        if key.endswith("ppo_micro_batch_size_per_gpu"):
+            mini = OmegaConf.select(config, f"{section}.ppo_mini_batch_size")
+            engine = OmegaConf.select(config, f"{section}.{'fsdp' if section == 'critic' else 'fsdp_config'}") or {}
+            sp = max(int(OmegaConf.select(config, f"{section}.ulysses_sequence_parallel_size") or 1),
+                     int(engine.get("ulysses_sequence_parallel_size") or 1))
+            ranks = max(1, workers // sp)
+            share = int(mini) * n // ranks if mini else 0
+        else:
+            ranks, share = workers, batch * n // workers
         if share < 1 or share % int(micro) == 0:
             continue  # divides, or nothing to split (check_batch_sizes names that)
         fitted = math.gcd(int(micro), share)
         OmegaConf.update(config, key, fitted)
-        print(f"[rl-tpu] {key} lowered from {micro} ({source}) to {fitted}: each of the {workers} "
-              f"workers gets {share} sequence(s) at a time", flush=True)
-
+        print(f"[rl-tpu] {key} lowered from {micro} ({source}) to {fitted}: each of the {ranks} "
+              f"{'data-parallel ranks' if ranks != workers else 'workers'} gets {share} sequence(s) at a time",
+              flush=True)

@@ -102,7 +102,8 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     settings = replace(settings, model_cache=str(cache_root(settings.model_cache)))
 
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
-    defaults = drop_replaced_micro_batches(dict(backend.overrides), _keys(file_overrides + cli_overrides))
+    user = {o.split("=", 1)[0].lstrip("+~"): o.partition("=")[2] for o in file_overrides + cli_overrides}
+    defaults = drop_replaced_micro_batches(dict(backend.overrides), user)
     defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
     slice_keys: dict[str, str] = {}
     slice_from = f"--slice {args.slice}" if getattr(args, "slice", None) else \
@@ -152,7 +153,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         # TPU dry run and `--backend tpu --aot-only --config <it>` are then the same job (aot/graphs.json)
         fit_default_micro_batches(config, _keys(cli_overrides))
     elif any(key in backend.overrides for key in DEFAULT_MICRO_KEYS):  # the TPU profile's, under the user's keys
-        fit_default_micro_batches(config, _keys(file_overrides + cli_overrides), f"the {backend.name} profile's default")
+        fit_default_micro_batches(config, _keys(file_overrides + cli_overrides), "the TPU profile's default")
     guard_bypass(config, _keys(file_overrides + cli_overrides))
     from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
     check_batch_sizes(config, workers_from=slice_from if from_slice else "")
@@ -189,6 +190,9 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         from rl_tpu.compiled_blocks import refusal
 
         reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)), backend.name)
+        if reason and "compile_trainer" in backend.settings and "compile_trainer" not in given:
+            reason += (f"; the {backend.name} profile turned rl_tpu.compile_trainer on: rl_tpu.compile_trainer=false "
+                       "runs the blocks eagerly")
         if reason:
             raise BadInputError(reason)
     check_export(settings, config)

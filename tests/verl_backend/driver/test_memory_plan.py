@@ -435,8 +435,8 @@ def test_a_lora_cpu_job_plans_the_rollouts_refill_from_the_model_files(tmp_path)
     woken, refills them from the model's safetensors and merges the adapter, with every page of the files mapped (the
     Qwen3-1.7B-shaped job, packed weights off, measured here at a 19.53 GiB peak: the server 5.09 GiB of file pages
     beside its 5.66 GiB of weights). The plan counts that third phase ("sync") at the files' size: 19.2 GiB, within
-    15%; the update and generation phases alone said 15.5. Negative controls: no LoRA, or no shared-memory weights,
-    no such phase."""
+    15%; the update and generation phases alone said 15.5. Without shared-memory weights the merge still maps the
+    files (their size an upper bound). Negative control: no LoRA, no such phase."""
     import dataclasses
 
     from transformers import Qwen3Config
@@ -457,5 +457,44 @@ def test_a_lora_cpu_job_plans_the_rollouts_refill_from_the_model_files(tmp_path)
     assert not [t for t in full.host_terms if t.when == "host sync"] and full.host_phase != "sync"
     config = _cpu_job(tmp_path, **lora)
     unshared = dataclasses.replace(job_settings_of(config), shared_weights=False)
-    assert not [t for t in plan_memory(config, None, PROFILES["cpu"], settings=unshared).host_terms
-                if t.when == "host sync"]
+    assert [t.bytes for t in plan_memory(config, None, PROFILES["cpu"], settings=unshared).host_terms
+            if t.when == "host sync"] == [4096]
+
+
+def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(monkeypatch, tmp_path, default_model_dir,
+                                                                             capsys):
+    """The TPU profile's micro batches of 8 under what the user says: a VeRL global micro batch with a value replaces
+    the per-chip key (a ``null`` one does not: VeRL's own YAML lists them null), and the plan reads the global one
+    split over the ranks (it counted a worker's whole share, 41 GiB, and refused the job); a fitted value divides the
+    share check_batch_sizes counts (data-parallel ranks under Ulysses), and is said to come from the TPU profile;
+    keys VeRL does not read (dynamic batch sizes, the critic without GAE) are left alone."""
+    from verl_backend.driver.plan import drop_replaced_micro_batches
+    from verl_backend.driver.profiles import TPU_MICRO_KEYS
+
+    actor = "actor_rollout_ref.actor.ppo_micro_batch_size"
+    kept = drop_replaced_micro_batches({f"{actor}_per_gpu": "8"}, {actor: "null"})
+    assert kept == {f"{actor}_per_gpu": "8"}
+    assert drop_replaced_micro_batches({f"{actor}_per_gpu": "8"}, {actor: "64"}) == {}
+
+    model = f"actor_rollout_ref.model.path={default_model_dir}"
+    grpo = "algorithm.adv_estimator=grpo"
+    globals_ = [f"{actor}=64", "actor_rollout_ref.rollout.log_prob_micro_batch_size=64",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size=64"]
+    config, _ = _aot_config(monkeypatch, tmp_path / "a", [model, grpo, *globals_])
+    plan = plan_memory(config, "v6e-8", TPU)
+    assert plan.fits and next(t.how for t in plan.terms if t.name == "log-prob forward").startswith("8 seqs")
+
+    capsys.readouterr()
+    sp = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
+    small = ["data.train_batch_size=24", "actor_rollout_ref.actor.ppo_mini_batch_size=20", sp]
+    config, _ = _aot_config(monkeypatch, tmp_path / "b", [model, grpo, *small])
+    out = capsys.readouterr().out
+    assert config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 1  # 20 / 4 ranks = 5 a rank
+    assert f"{actor}_per_gpu lowered from 8 (the TPU profile's default) to 1: each of the 4 data-parallel ranks" in out
+    assert "critic.ppo_micro_batch_size_per_gpu lowered" not in out  # GRPO: no critic
+    dynamic = ["data.train_batch_size=48", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+               "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    config, _ = _aot_config(monkeypatch, tmp_path / "c", [model, grpo, *dynamic])
+    # VeRL reads no micro batch under dynamic batch sizes (its log-prob ones follow the actor's): all left at 8,
+    # though 8 does not divide the 6 sequences a worker scores
+    assert [OmegaConf.select(config, k) for k in TPU_MICRO_KEYS[:3]] == [8, 8, 8]
