@@ -78,6 +78,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
+from verl_backend.driver.aot.graphs import per_chip_micro_batch, runs_critic
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
@@ -375,10 +376,8 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
         logit_tokens = tokens
     else:
-        micro = get(f"{actor}.ppo_micro_batch_size_per_gpu") or \
-            int(get(f"{actor}.ppo_micro_batch_size", 0) or 0) // dp or \
-            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)  # VeRL's global size is split over dp
-        micro = int(micro)
+        micro = per_chip_micro_batch(get, f"{actor}.ppo_micro_batch_size_per_gpu", dp) or \
+            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
         prompts = math.ceil(micro / n) if packed and bool(get(f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
@@ -425,8 +424,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
-    lp = max(int(get(f"{aro}.{r}.log_prob_micro_batch_size_per_gpu", 0) or 0)
-             or int(get(f"{aro}.{r}.log_prob_micro_batch_size", 0) or 0) // w for r in ("rollout", "ref"))
+    lp = max(per_chip_micro_batch(get, f"{aro}.{r}.log_prob_micro_batch_size_per_gpu", w) for r in ("rollout", "ref"))
     lp = lp or max(1, int(get("data.train_batch_size", 1)) * n // w)
     lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
     lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param
@@ -435,7 +433,7 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         graphs["log-prob forward"] = lp_bytes
 
     # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
-    if str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False:
+    if runs_critic(get):
         cpath, cshape = get("critic.model.path", None), shape
         if cpath and str(cpath) != str(get(f"{aro}.model.path")):
             try:
@@ -445,9 +443,8 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         cb = _bytes(get("critic.fsdp.model_dtype", get("critic.model_config.model_dtype", "fp32")))
         add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
             f"4 x {cshape.params:.3e} x {cb} B / {shards}")
-        cmicro = int(get("critic.ppo_micro_batch_size_per_gpu", None)
-                     or int(get("critic.ppo_micro_batch_size", 0) or 0) // dp
-                     or max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp))
+        cmicro = per_chip_micro_batch(get, "critic.ppo_micro_batch_size_per_gpu", dp) or \
+            max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp)
         cblock = cshape.block_elements(seq, fused)
         ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
         if graphs:  # the compiled block graph's arrays at the critic's micro batch, as the actor's above, + value head

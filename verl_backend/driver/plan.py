@@ -278,10 +278,11 @@ def fit_default_micro_batches(config, user_keys: set[str], source: str = "the em
     """
     from omegaconf import OmegaConf
 
+    from verl_backend.driver.aot.graphs import runs_critic
+
     workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
-    critic = str(OmegaConf.select(config, "algorithm.adv_estimator")) == "gae" and \
-        OmegaConf.select(config, "critic.enable") is not False
+    critic = runs_critic(lambda key, default: OmegaConf.select(config, key, default=default))
     for key in DEFAULT_MICRO_KEYS:
         section = key.rsplit(".", 1)[0]
         if key in user_keys or key[:-len("_per_gpu")] in user_keys or (section == "critic" and not critic):

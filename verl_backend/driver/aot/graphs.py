@@ -30,6 +30,7 @@ SAMPLER_KINDS = ("prefill", "decode")
 #: kinds traced with a backward (two graphs, ``.fwd`` and ``.bwd``)
 WITH_BACKWARD = ("block", "lm_head", "value_head")
 
+
 @dataclasses.dataclass(frozen=True)
 class GraphRequest:
     """One graph kind at one shape (see the module docstring); sizes are token counts."""
@@ -83,9 +84,8 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
     def get(key, default):
         return config_get(config, key, default)
 
-    def micro(key, fallback):  # the per-chip size, else VeRL's global one split over the workers
-        per_chip = get(key, 0) or int(get(key[:-len("_per_gpu")], 0) or 0) // max(1, workers)
-        return int(per_chip or fallback)
+    def micro(key, fallback):
+        return per_chip_micro_batch(get, key, workers) or fallback
 
     aro = "actor_rollout_ref"
     prompt, response = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
@@ -99,7 +99,7 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
         forwards.append(micro(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", update))
     for rows in forwards:
         out += [GraphRequest("block_forward", rows, seq), GraphRequest("lm_head_forward", rows, seq)]
-    if str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False:
+    if runs_critic(get):
         critic = micro("critic.ppo_micro_batch_size_per_gpu", 1)
         values = micro("critic.forward_micro_batch_size_per_gpu", critic)
         out += [GraphRequest("block", critic, seq), GraphRequest("value_head", critic, seq),
@@ -119,6 +119,20 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
 
 def _true(value) -> bool:
     return value is True or str(value).lower() == "true"
+
+
+def per_chip_micro_batch(get, key: str, ranks: int) -> int:
+    """Sequences a chip runs at once for the VeRL micro batch ``key`` (a ``…_micro_batch_size_per_gpu``), read through
+    ``get(key, default)``: its value, else VeRL's global ``…_micro_batch_size`` split over the ``ranks`` that share it
+    (as VeRL's workers normalise it); 0 when neither is set."""
+    per_chip = get(key, 0) or int(get(key[:-len("_per_gpu")], 0) or 0) // max(1, ranks)
+    return int(per_chip or 0)
+
+
+def runs_critic(get) -> bool:
+    """Whether the job trains VeRL's critic: PPO with GAE (``algorithm.adv_estimator=gae``) and ``critic.enable``
+    not ``false``, read through ``get(key, default)``."""
+    return str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False
 
 
 def job_workers(config) -> int:

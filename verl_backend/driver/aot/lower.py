@@ -240,7 +240,7 @@ def graph_name(request: dict, part: str, index: int, parts: int) -> str:
     base = GraphRequest(**request).name
     if request["kind"] in WITH_BACKWARD:
         return f"{base}.{part}" if parts == 2 else f"{base}.{part}{index}"
-    return base if parts == 1 else f"{base}.{index}"
+    return base
 
 
 def run(spec: dict) -> list[dict]:
