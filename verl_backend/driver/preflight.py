@@ -255,12 +255,95 @@ def check_sdpa_attention(key: str, path: Path, config) -> None:
     )
 
 
+# What a non-attention layer type (transformers 5.x ``config.layer_types``) holds, for the refusal's reason
+_NON_ATTENTION_KINDS = {
+    "mamba": "Mamba state-space layers",
+    "conv": "short-convolution layers",
+    "linear_attention": "linear-attention (recurrent-state) layers",
+    "hybrid": "layers with a Mamba state-space mixer beside their attention",
+    "recurrent": "recurrent (RG-LRU) layers",
+}
+
+
+def non_attention_layers(config) -> dict[str, int]:
+    """The layer types of ``config``'s decoder that are not key/value attention, each with its layer count;
+    ``{}`` for a model whose every layer is attention (full, sliding-window or chunked).
+
+    Read from the text config's ``layer_types`` (transformers 5.x names every layer there, and maps each type to a
+    cache layer in ``transformers.cache_utils.LAYER_TYPE_CACHE_MAPPING``: a type whose cache layer holds a
+    convolution or recurrent state, ``LinearAttentionCacheLayerMixin``, is not attention), else
+    ``layers_block_type`` / ``block_types`` (RecurrentGemma). A type that names no attention and is not in that
+    mapping (NemotronH's ``mlp`` layers) counts as not attention too.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (a multimodal one is read through ``get_text_config()``).
+
+    Returns:
+        ``{layer type: number of layers}``, in the order first met.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if not types:
+        types = getattr(text, "layers_block_type", None) or getattr(text, "block_types", None)
+    if not isinstance(types, (list, tuple)):
+        return {}
+    try:
+        from transformers.cache_utils import LAYER_TYPE_CACHE_MAPPING, LinearAttentionCacheLayerMixin
+    except ImportError:  # an older transformers: names only
+        LAYER_TYPE_CACHE_MAPPING, LinearAttentionCacheLayerMixin = {}, ()
+    found: dict[str, int] = {}
+    for kind in types:
+        kind = str(kind)
+        layer = LAYER_TYPE_CACHE_MAPPING.get(kind)
+        state = isinstance(layer, type) and bool(LinearAttentionCacheLayerMixin) and \
+            issubclass(layer, LinearAttentionCacheLayerMixin)
+        if state or (layer is None and "attention" not in kind):
+            found[kind] = found.get(kind, 0) + 1
+    return found
+
+
+def check_attention_layers(key: str, path: Path, config) -> None:
+    """Refuse a model whose decoder layers are not all attention: a hybrid of attention with convolution,
+    state-space or linear-attention layers (LFM2, Jamba, Bamba, Falcon-H1, Zamba, NemotronH, GraniteMoeHybrid,
+    Qwen3-Next, Qwen3.5, OLMo-Hybrid, MiniMax, RecurrentGemma) or a model with no attention (Mamba, Mamba2,
+    FalconMamba), by :func:`non_attention_layers`.
+
+    rl-tpu's paths cannot run them exactly: the native sampler keeps one static key/value cache per layer and no
+    convolution or recurrent state, and the trainer's packed micro batches and shared-prefix forward put several
+    sequences in one row, which only an attention mask keeps apart (a convolution or a recurrent state carries one
+    sequence into the next). Such a job ended inside Ray, in the rollout's weight-sync check, as a ``RuntimeError``
+    traceback.
+
+    Args:
+        key: the config key that named the folder (``actor_rollout_ref.model.path``).
+        path: the model folder.
+        config: its transformers config (``AutoConfig.from_pretrained(path)``).
+
+    Raises:
+        BadInputError: one line naming the family, its non-attention layers (type and count), why, and the fix.
+    """
+    found = non_attention_layers(config)
+    if not found:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    total = int(getattr(text, "num_hidden_layers", 0) or 0)
+    kinds = ", ".join(f"{n}{f' of {total}' if total else ''} {_NON_ATTENTION_KINDS.get(k, f'{k!r} layers')}"
+                      for k, n in found.items())
+    raise BadInputError(
+        f"{key}={path}: its {config.model_type} model has {kinds}; rl-tpu's native sampler caches only attention "
+        "keys and values, and its packed micro batches keep sequences apart only by an attention mask, so it cannot "
+        "run this family exactly; train a family whose layers are all attention (Llama, Qwen2, Qwen3, Qwen3-MoE, "
+        "Gemma3, Mistral)"
+    )
+
+
 def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None:
     """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
 
     Checks: ``config.json`` and ``*.safetensors`` are there; transformers loads its config and a tokenizer (from
-    ``tokenizer_path`` when given); the config has ``num_key_value_heads``, which VeRL's FSDP engine reads for every
-    model (``verl/models/transformers/monkey_patch.py``, ``apply_monkey_patch``; GPT-2-style configs lack it).
+    ``tokenizer_path`` when given); its layers are all attention (:func:`check_attention_layers`); the config has
+    ``num_key_value_heads``, which VeRL's FSDP engine reads for every model
+    (``verl/models/transformers/monkey_patch.py``, ``apply_monkey_patch``; GPT-2-style configs lack it).
 
     Raises:
         BadInputError: the first check that fails.
@@ -282,6 +365,7 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
     except Exception as exc:
         raise BadInputError(f"{key}={path}: transformers cannot read its config.json ({first_line(exc)}); pass a "
                             "folder written by save_pretrained") from None
+    check_attention_layers(key, path, config)  # before the key/value-head check: Mamba has no heads at all
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "num_key_value_heads", None) is None:
         raise BadInputError(
