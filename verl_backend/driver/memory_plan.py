@@ -78,7 +78,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from verl_backend.driver.aot.graphs import per_chip_micro_batch, runs_critic
+from verl_backend.driver.job_keys import per_chip_micro_batch, runs_critic
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
 

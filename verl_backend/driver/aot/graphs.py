@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# the config readers the memory plan shares (re-exported: graphs.config_get etc. still work)
+from verl_backend.driver.job_keys import config_get, per_chip_micro_batch, pow2, runs_critic  # noqa: F401
+
 #: graph kinds of the trainer worker's models (actor, reference policy), of the critic, and of the sampler
 TRAINER_KINDS = ("block", "lm_head", "block_forward", "lm_head_forward")
 CRITIC_KINDS = ("value_head", "value_head_forward")
@@ -39,28 +42,23 @@ class GraphRequest:
     batch: int
     seq: int = 0  # block / lm_head: padded sequence length; prefill: prompt bucket; decode: 1
     cache: int = 0  # prefill / decode: KV cache slots (prompt bucket + generation bucket)
+    #: block / block_forward: the kind of block traced, when a model has several (``moe``, ``dense``, ``sliding``,
+    #: ``full``, ...: :func:`verl_backend.driver.aot.lower.block_kinds`); ``""`` for a model of one kind of block.
+    #: Set by the lowering, which sees the model; the job's list leaves it empty
+    block: str = ""
 
     @property
     def name(self) -> str:
-        """A stable name, e.g. ``trainer.block[4x1024]`` or ``sampler.decode[64x1|cache 1536]``."""
+        """A stable name, e.g. ``trainer.block[4x1024]``, ``trainer.block[4x1024|moe]`` (one kind of block of
+        several) or ``sampler.decode[64x1|cache 1536]``."""
         where = "critic" if self.kind in CRITIC_KINDS else "trainer" if self.kind in TRAINER_KINDS else "sampler"
         cache = f"|cache {self.cache}" if self.cache else ""
-        return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}]"
+        block = f"|{self.block}" if self.block else ""
+        return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}{block}]"
 
 
-def pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
-def config_get(config, key: str, default=None):
-    """The value at the dotted ``key`` of a nested config (a dict or OmegaConf node), else ``default``."""
-    node = config
-    for part in key.split("."):
-        node = node.get(part) if hasattr(node, "get") else None
-        if node is None:
-            return default
-    return node
 
 
 def job_graphs(config, workers: int) -> list[GraphRequest]:
@@ -121,18 +119,8 @@ def _true(value) -> bool:
     return value is True or str(value).lower() == "true"
 
 
-def per_chip_micro_batch(get, key: str, ranks: int) -> int:
-    """Sequences a chip runs at once for the VeRL micro batch ``key`` (a ``…_micro_batch_size_per_gpu``), read through
-    ``get(key, default)``: its value, else VeRL's global ``…_micro_batch_size`` split over the ``ranks`` that share it
-    (as VeRL's workers normalise it); 0 when neither is set."""
-    per_chip = get(key, 0) or int(get(key[:-len("_per_gpu")], 0) or 0) // max(1, ranks)
-    return int(per_chip or 0)
 
 
-def runs_critic(get) -> bool:
-    """Whether the job trains VeRL's critic: PPO with GAE (``algorithm.adv_estimator=gae``) and ``critic.enable``
-    not ``false``, read through ``get(key, default)``."""
-    return str(get("algorithm.adv_estimator", "grpo")) == "gae" and get("critic.enable", None) is not False
 
 
 def job_workers(config) -> int:
@@ -142,7 +130,8 @@ def job_workers(config) -> int:
 
 def graph_list(config) -> list[dict]:
     """The job's (graph, input shapes) list as ``--aot-only`` lowers it (:func:`job_graphs` over
-    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache"}``; what the TPU dry run
+    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block`` empty: the lowering
+    adds a graph per kind of block); what the TPU dry run
     records in its run folder (``aot/graphs.json``)."""
     return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(config, job_workers(config))]
 
