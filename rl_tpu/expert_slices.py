@@ -7,6 +7,13 @@ export (``verl.workers.engine.fsdp.utils.unfuse_moe_params``, on every path but 
 them per expert: ``<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight``, 2-D. :func:`expert_slice` says where such a
 tensor goes in the fused one, so a weight sync writes each expert into its slice in place: no fused copy is ever
 assembled, and the sync's extra memory stays one bucket whatever the expert tensors' size.
+
+On TPU the experts run as transformers' ``batched_mm`` (:data:`TPU_EXPERTS`), not its default ``grouped_mm``:
+``grouped_mm`` counts each expert's tokens with ``torch.cumsum``, which TorchTPU 0.2.0 lowers to ``chlo.scan``, and
+libtpu 0.0.52 refuses that op (XLA:CPU aborts on it). ``batched_mm`` gathers each token's ``k`` experts' weights and
+runs one batched matmul: static shapes, no scan, at the cost of ``tokens x k`` copies of an expert's weights
+(docs/tpu.md, "MoE on TPU"). :func:`tpu_experts_kwargs` is what a TPU process passes to ``from_pretrained``; the
+trainer's models get it through the TPU profile's ``override_config`` (:mod:`verl_backend.driver.profiles`).
 """
 
 from __future__ import annotations
@@ -44,3 +51,20 @@ def expert_slice(name: str, lookup: Callable[[str], torch.Tensor | None]) -> tup
     half = fused.shape[1] // 2
     rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
     return fused_name, fused[e, rows]  # (intermediate, hidden)
+
+
+#: the experts implementation of every MoE model a TPU job builds (trainer, reference, critic, sampler, lowering)
+TPU_EXPERTS = "batched_mm"
+
+
+def tpu_experts_kwargs(device_type: str) -> dict[str, str]:
+    """``from_pretrained`` keyword arguments for a model that runs on ``device_type`` (``"tpu"``, ``"cpu"``, ...):
+    ``{"experts_implementation": "batched_mm"}`` on TPU (harmless for a model without experts), else ``{}``
+    (transformers' default)."""
+    return {"experts_implementation": TPU_EXPERTS} if device_type == "tpu" else {}
+
+
+def has_fused_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a mixture of experts stored fused (a 3-D ``down_proj`` parameter, ``(experts, ., .)``):
+    the modules an experts implementation applies to."""
+    return any(name.endswith("experts.down_proj") and p.dim() == 3 for name, p in model.named_parameters())

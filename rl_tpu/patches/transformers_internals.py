@@ -62,3 +62,25 @@ def rotary_function(attention: object) -> Callable | None:
     ROTARY.check()
     module = sys.modules.get(type(attention).__module__)
     return getattr(module, "apply_rotary_pos_emb", None) if module is not None else None
+
+
+#: transformers' grouped experts (``grouped_mm``, its default) count each expert's tokens with ``torch.cumsum``, which
+#: TorchTPU 0.2.0 lowers to ``chlo.scan``: libtpu 0.0.52 refuses it, XLA:CPU aborts on it. ``batched_mm`` gathers each
+#: token's experts instead (no cumsum). A config's ``_experts_implementation`` is what the experts' forward reads per
+#: call; VeRL's ``override_config`` sets config attributes, so the TPU profile sets the experts through this name.
+EXPERTS_IMPL = Patch(
+    target="transformers.PretrainedConfig._experts_implementation", module="transformers", library="transformers",
+    versions=VERSIONS,
+    why="the TPU job runs MoE experts as batched_mm (no cumsum); VeRL's override_config can set only attributes",
+    upstream="https://github.com/huggingface/transformers/pull/42697 (the experts implementations; "
+             "experts_implementation= at load time is the public way to set it)",
+    apply=None, applied=lambda module: hasattr(module.PretrainedConfig(), "_experts_implementation"))
+
+RECORDS = RECORDS + (EXPERTS_IMPL,)
+
+
+def experts_implementation(config) -> str | None:
+    """The experts implementation ``config``'s MoE blocks run (``"grouped_mm"``, ``"batched_mm"``, ``"eager"``), or
+    ``None`` (not set yet: transformers picks ``grouped_mm`` when the model is built)."""
+    EXPERTS_IMPL.check()
+    return getattr(config, "_experts_implementation", None)

@@ -123,6 +123,11 @@ _OVERRIDES: dict[str, dict[str, str]] = {
         # batch share is fitted to (plan.fit_default_micro_batches), a VeRL *_micro_batch_size (global) or dynamic
         # batch the user gives wins.
         **{key: "8" for key in TPU_MICRO_KEYS},
+        # Mixture-of-experts blocks as transformers' batched_mm, not its grouped_mm: grouped_mm's torch.cumsum lowers
+        # to chlo.scan, which libtpu 0.0.52 refuses (rl_tpu.expert_slices; docs/tpu.md, "MoE on TPU"). A config
+        # attribute, as VeRL sets override_config; no effect on a model without experts.
+        "+actor_rollout_ref.model.override_config._experts_implementation": "batched_mm",
+        "+critic.model.override_config._experts_implementation": "batched_mm",
     },
     "cuda": {
         "trainer.device": "cuda",

@@ -31,13 +31,16 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rl_tpu.expert_slices import has_fused_experts, tpu_experts_kwargs
     from rl_tpu.sampler import Sampler
 
     settings = RolloutSettings() if settings is None else settings
     device = torch.device(device)
     dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
+    experts = tpu_experts_kwargs(device.type)  # MoE on TPU: batched_mm, no torch.cumsum (rl_tpu.expert_slices)
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+        **experts,
     )
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -61,7 +64,9 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
                                                          and sampler.compiled.packs is not None))
     print(f"[rl-tpu] native sampler ({dtype}, {device.type}): packed prefill {on[sampler.packed_prefill]}, lean "
           f"decode {on[sampler.lean_decode]}, packed weights {on[packed]}, compiled "
-          f"{on[sampler.compiled is not None]}", flush=True)
+          f"{on[sampler.compiled is not None]}"
+          + (f", experts {experts['experts_implementation']}" if experts and has_fused_experts(model) else ""),
+          flush=True)
     return sampler
 
 

@@ -114,7 +114,8 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
     for record in lowered:
         if record.get("error") or not record.get("file"):
             continue
-        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None}
+        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None,
+               "block": record.get("block", ""), "block_layers": record.get("block_layers")}
         start = time.perf_counter()
         try:
             module_text = compatible(Path(record["file"]).read_text())
@@ -188,7 +189,7 @@ def check_numerics(lowered: list[dict]) -> dict:
         if record.get("error") or not record.get("numerics"):
             continue
         row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None,
-               "ok": False}
+               "ok": False, "block": record.get("block", "")}
         try:
             text = compatible(Path(record["file"]).read_text())
             saved = np.load(record["numerics"])

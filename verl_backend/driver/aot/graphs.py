@@ -130,9 +130,9 @@ def job_workers(config) -> int:
 
 def graph_list(config) -> list[dict]:
     """The job's (graph, input shapes) list as ``--aot-only`` lowers it (:func:`job_graphs` over
-    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block`` empty: the lowering
-    adds a graph per kind of block); what the TPU dry run
-    records in its run folder (``aot/graphs.json``)."""
+    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block``
+    empty: the lowering adds a graph per kind of block); what the TPU dry run records in its run folder
+    (``aot/graphs.json``)."""
     return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(config, job_workers(config))]
 
 

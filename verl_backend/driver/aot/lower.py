@@ -5,14 +5,18 @@ Run as ``python -m verl_backend.driver.aot.lower SPEC.json`` by the interpreter 
 an eager TPU op outside compile mode aborts the whole process.
 
 ``SPEC.json``: ``{"out": folder, "jobs": [{"label", "config" (a config.json dict), "model_type", "dtype"
-("bfloat16"|"float32"), "attention" ("sdpa"|"eager"), "graphs": [GraphRequest fields…]}]}``. Each graph is traced on
+("bfloat16"|"float32"), "attention" ("sdpa"|"eager"), "experts" (optional: transformers' experts implementation,
+default the TPU job's ``batched_mm``, :data:`rl_tpu.expert_slices.TPU_EXPERTS`), "graphs": [GraphRequest
+fields…]}]}``. A ``block`` or ``block_forward`` request is traced once per distinct kind of block of the model
+(:func:`block_kinds`: dense and MoE, sliding and full attention, with and without RoPE). Each graph is traced on
 the meta device (no weights: the model is built from its config on meta), through aot_autograd with TorchTPU's
 decompositions and min-cut partitioning (forward and backward graphs), then every ``device=meta`` in it is pointed
 at ``tpu`` and it is lowered on metadata-only TPU placeholders by TorchTPU's kernels
 (:mod:`verl_backend.patches.torch_tpu_aot`). Writes ``<out>/<label>/<n>.mlir`` per graph and ``<out>/lowered.json``:
-one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs", "ops", "error"}`` (``ops``: the
-graph's ATen calls after TorchTPU's decompositions); ``error`` is one line
-(op, module, graph) or ``None``.
+one record per graph, ``{"label", "graph", "file", "seconds", "mosaic", "inputs", "ops", "block", "block_layers",
+"error"}`` (``ops``: the graph's ATen calls after TorchTPU's decompositions; ``block``: the block kind's label, ``""``
+for a model of one kind or a graph of no block; ``block_layers``: how many of the model's blocks are of that kind);
+``error`` is one line (op, module, graph) or ``None``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ def _dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-def build_model(config: dict, model_type: str, dtype, attention: str, device: str = "meta"):
-    """A causal LM of ``config`` (a config.json dict) on ``device`` with ``attention`` as attention implementation."""
+def build_model(config: dict, model_type: str, dtype, attention: str, device: str = "meta",
+                experts: str | None = None):
+    """A causal LM of ``config`` (a config.json dict) on ``device`` with ``attention`` as attention implementation and
+    ``experts`` as transformers' experts implementation (default: the TPU job's, ``batched_mm``; it applies only to a
+    mixture of experts)."""
     import torch
     import transformers
+
+    from rl_tpu.expert_slices import TPU_EXPERTS
 
     cfg = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
     from rl_tpu.patches.transformers_internals import set_attn_implementation
@@ -46,8 +55,57 @@ def build_model(config: dict, model_type: str, dtype, attention: str, device: st
         if hasattr(cfg, sub):
             set_attn_implementation(getattr(cfg, sub), attention)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype,
+                                                               experts_implementation=experts or TPU_EXPERTS)
     return model.eval()
+
+
+def _layer_type(model, index: int) -> str | None:
+    types = getattr(model.config, "layer_types", None)
+    if types and index < len(types):
+        return str(types[index])
+    value = getattr(model.model.layers[index], "attention_type", None)
+    return value if isinstance(value, str) else None
+
+
+def block_kinds(model) -> list[dict]:
+    """The distinct kinds of ``model``'s decoder blocks, in the order first met: ``[{"label", "layer", "layers"}]``
+    (``layer``: the first block of the kind, the one traced; ``layers``: how many blocks are of the kind).
+
+    Two blocks are of one kind when their module trees (each submodule's path and class: a dense MLP against a
+    mixture of experts) and their attention's per-layer settings (``config.layer_types``, ``attention_type``,
+    ``sliding_window``, ``use_rope``, ``is_sliding`` of the block and its ``self_attn``) agree. ``label`` is ``""``
+    when all blocks are one kind (graph names stay as they were), else what tells the kinds apart, from ``dense`` /
+    ``moe``, the layer type (``sliding``, ``full``, …) and ``rope`` / ``norope``; ``layer<i>`` when none of those
+    does."""
+    from rl_tpu.expert_slices import has_fused_experts
+
+    layers = list(model.model.layers)
+    kinds: dict[tuple, dict] = {}
+    for i, layer in enumerate(layers):
+        tree = tuple((name, type(m).__name__) for name, m in layer.named_modules())
+        settings = [_layer_type(model, i)]
+        for obj in (layer, getattr(layer, "self_attn", None)):
+            for attr in ("attention_type", "sliding_window", "use_rope", "is_sliding"):
+                value = getattr(obj, attr, None) if obj is not None else None
+                settings.append(value if isinstance(value, (str, int, float, bool, type(None))) else type(value))
+        key = (tree, tuple(settings))
+        if key in kinds:
+            kinds[key]["layers"] += 1
+            continue
+        rope = getattr(getattr(layer, "self_attn", None), "use_rope", True)
+        kinds[key] = {"layer": i, "layers": 1, "features": {
+            "mlp": "moe" if has_fused_experts(layer) else "dense",
+            "attention": (_layer_type(model, i) or "").replace("_attention", ""),
+            "rope": "rope" if rope in (True, None, 1) else "norope"}}
+    out = list(kinds.values())
+    varying = [f for f in ("mlp", "attention", "rope") if len({k["features"][f] for k in out}) > 1]
+    for k in out:
+        k["label"] = ",".join(k["features"][f] for f in varying) if len(out) > 1 else ""
+    if len({k["label"] for k in out}) < len(out):  # the features above do not tell them apart
+        for k in out:
+            k["label"] = f"layer{k['layer']}"
+    return [{"label": k["label"], "layer": k["layer"], "layers": k["layers"]} for k in out]
 
 
 #: deliberately wrong decompositions for the numerics check's negative control: name -> (op, replacement)
@@ -102,10 +160,12 @@ def _causal_mask(batch, seq, dtype, device):
     return mask[None, None].expand(batch, 1, seq, seq).contiguous()  # (batch, 1, seq, seq) additive
 
 
-def trace(model, request: dict, device: str = "meta", rec: Recorder | None = None) -> list[tuple[str, object, list]]:
+def trace(model, request: dict, device: str = "meta", rec: Recorder | None = None,
+          layer: int = 0) -> list[tuple[str, object, list]]:
     """The FX graphs of one :class:`~verl_backend.driver.aot.graphs.GraphRequest` (dict form) of ``model``:
     ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``; ``rec``:
-    the recorder to trace with (default: a new one)."""
+    the recorder to trace with (default: a new one); ``layer``: the block a ``block`` / ``block_forward`` graph
+    traces (its rotary tables of that block's layer type)."""
     import torch
 
     kind, batch, seq, cache_len = request["kind"], request["batch"], request["seq"], request["cache"]
@@ -117,13 +177,13 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
     hidden = config.hidden_size
     grad = kind in WITH_BACKWARD  # the update's graphs; the *_forward kinds run under no_grad (log-probs, values)
     if kind in ("block", "block_forward"):
-        layer = inner.layers[0]
+        layer_type = _layer_type(model, layer)
+        layer = inner.layers[layer]
         x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
         pos = torch.arange(seq, device=device)[None].expand(batch, seq)
         rotary = inner.rotary_emb
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
-            cos, sin = rotary(x, pos, layer_types[0])
+        if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
+            cos, sin = rotary(x, pos, layer_type)
         else:
             cos, sin = rotary(x, pos)
         mask = _causal_mask(batch, seq, dtype, device)
@@ -234,6 +294,43 @@ def lower(gm, example_inputs) -> tuple[str, list]:
     return lower_fx_to_mlir(gm, args), constants
 
 
+def tracing_failure(exc: BaseException) -> tuple[str | None, str | None, str]:
+    """What a dynamo / aot_autograd tracing failure says, in one line each: ``(op, where, why)``. ``op``: the ATen op
+    or torch function that failed (from the message, else the call in the innermost line of user code); ``where``:
+    the module class whose code holds that line and its file and line (``Qwen3MoeExperts
+    (modeling_qwen3_moe.py:123)``); ``why``: the exception's type and its first line."""
+    import re
+
+    text = str(exc)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    why = f"{type(exc).__name__}: {(lines[0] if lines else '')[:200]}"
+    op = None
+    m = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text) or \
+        re.search(r"call_(?:function|method) <(?:built-in method|function) (\w+)", text)
+    if m:
+        op = m.group(1)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', text.split("from user code:")[-1])
+    where = None
+    if frames:
+        path, line, code = frames[-1]
+        if op is None:
+            call = re.search(r"\b((?:torch|F|self)\.[\w.]+)\s*\(", code)
+            op = call.group(1) if call else code.strip()[:80] or None
+        owner = None
+        try:  # the nearest class statement above the line, indented less than it
+            source = Path(path).read_text().splitlines()[:int(line)]
+            depth = len(source[-1]) - len(source[-1].lstrip())
+            for text_line in reversed(source):
+                m = re.match(r"(\s*)class (\w+)", text_line)
+                if m and len(m.group(1)) < depth:
+                    owner = m.group(2)
+                    break
+        except (OSError, IndexError):
+            pass
+        where = f"{owner + ' ' if owner else ''}({Path(path).name}:{line})"
+    return op, where, why
+
+
 def graph_name(request: dict, part: str, index: int, parts: int) -> str:
     from verl_backend.driver.aot.graphs import GraphRequest
 
@@ -258,7 +355,9 @@ def run(spec: dict) -> list[dict]:
         folder.mkdir(parents=True, exist_ok=True)
         numerics = job.get("numerics")
         device = "cpu" if numerics is not None else "meta"
-        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device)
+        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device,
+                            job.get("experts"))
+        kinds = block_kinds(model)
         if numerics is not None:  # real random weights far from zero, so a wrong op shows in the numbers
             with torch.no_grad():
                 for p in model.parameters():
@@ -266,27 +365,36 @@ def run(spec: dict) -> list[dict]:
                         p.normal_(0, 0.2)
         if job.get("train_mode"):  # dropout on: random ops in the graphs
             model.train()
+        expanded = []  # (request, block traced, blocks of its kind): a block graph per kind of block
         for request in job["graphs"]:
+            if request["kind"] in ("block", "block_forward"):
+                expanded += [({**request, "block": k["label"]}, k["layer"], k["layers"]) for k in kinds]
+            else:
+                expanded.append((request, 0, None))
+        for request, layer, count in expanded:
             start = time.perf_counter()
-            base = {"label": job["label"], "kind": request["kind"], "request": request}
+            base = {"label": job["label"], "kind": request["kind"], "request": request,
+                    "block": request.get("block", ""), "block_layers": count}
             runs = None
             try:
                 if numerics is None:
-                    graphs = trace(model, request)
+                    graphs = trace(model, request, layer=layer)
                 else:  # torch eager on CPU runs each graph once (the reference), then the graphs to lower are
                     ref = Recorder(capture=True)  # traced again, with a wrong decomposition for the control
                     torch.manual_seed(1)
-                    graphs = trace(model, request, "cpu", ref)
+                    graphs = trace(model, request, "cpu", ref, layer=layer)
                     runs = ref.runs
                     if numerics.get("wrong"):
                         torch.manual_seed(1)
-                        graphs = trace(model, request, "cpu", Recorder(wrong=numerics["wrong"]))
+                        graphs = trace(model, request, "cpu", Recorder(wrong=numerics["wrong"]), layer=layer)
             except Exception as exc:  # dynamo / aot tracing on meta
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 from verl_backend.driver.aot.graphs import GraphRequest
 
-                records.append({**base, "graph": GraphRequest(**request).name, "file": None, "seconds": None,
-                                "mosaic": None, "error": f"tracing failed: {type(exc).__name__}: {first}"})
+                name = GraphRequest(**request).name
+                op, where, why = tracing_failure(exc)
+                records.append({**base, "graph": name, "file": None, "seconds": None, "mosaic": None, "op": op,
+                                "error": f"tracing failed: {op or 'an op'}{f' in {where}' if where else ''} of "
+                                         f"graph {name}: {why}"})
                 continue
             for index, (part, gm, example) in enumerate(graphs):
                 name = graph_name(request, part, index, len(graphs))

@@ -159,12 +159,25 @@ def lower_and_compile(jobs: list[dict], topologies: list[str], folder: Path | No
 
 
 def errors(result: AotResult) -> list[str]:
-    """Every one-line failure in ``result``: graphs not lowered, topologies refused, graphs not compiled."""
-    lines = [r["error"] for r in result.lowered if r.get("error")]
+    """Every failure in ``result`` once, one line each: graphs not lowered, topologies refused, graphs not compiled.
+    A failure that several graphs share (the same op in the same module: a prefill and every decode bucket) is the
+    first graph's line, ending with how many more graphs it stopped and the first of them."""
+    rows = [r for r in result.lowered if r.get("error")]
+    lines = []
     for topo in result.compiled.values():
         if topo.get("error"):
             lines.append(topo["error"])
-        lines += [g["error"] for g in topo.get("graphs", []) if g.get("error")]
+        rows += [g for g in topo.get("graphs", []) if g.get("error")]
+    seen: dict[str, list] = {}
+    for row in rows:  # the cause: the line without its graph's name
+        seen.setdefault(row["error"].replace(row["graph"], "<graph>"), []).append(row)
+    for same in seen.values():
+        more = [r["graph"] for r in same[1:]]
+        line = same[0]["error"]
+        if more:
+            line += f" (also {len(more)} more graph{'s' if len(more) > 1 else ''}: {', '.join(more[:2])}" + \
+                    (", ..." if len(more) > 2 else "") + ")"
+        lines.append(line)
     return lines
 
 
@@ -201,14 +214,31 @@ def _shared_inputs(fwd: dict) -> int:
     return sum(a[2] for a in arrays[1:] if len(a[0]) >= 3)
 
 
-def saved_activations(fwd: dict, layers: int, checkpointed: bool) -> int:
+def saved_activations(fwd: dict | list[dict], layers: int, checkpointed: bool) -> int:
     """The update's saved activations from a block forward graph's XLA numbers: with gradient checkpointing each
     block keeps only its input (the graph's first argument) and one block's forward outputs are live again while it
     is recomputed, ``layers × input + outputs``; without, every block's outputs, ``layers × outputs``; plus the inputs
-    all blocks share (:func:`_shared_inputs`)."""
-    kept = layers * fwd.get("first_argument_bytes", 0) + fwd["output_bytes"] if checkpointed \
-        else layers * fwd["output_bytes"]
-    return kept + _shared_inputs(fwd)
+    all blocks share (:func:`_shared_inputs`). ``fwd`` may be the forward graphs of each kind of block at one shape
+    (``block_layers`` blocks each): then the largest kind's outputs are the recomputed ones, and without
+    checkpointing each kind counts for its own blocks."""
+    kinds = fwd if isinstance(fwd, list) else [fwd]
+    top = max(kinds, key=lambda g: g["output_bytes"])
+    if checkpointed:
+        kept = layers * top.get("first_argument_bytes", 0) + top["output_bytes"]
+    elif len(kinds) == 1:
+        kept = layers * top["output_bytes"]
+    else:
+        kept = sum((g.get("block_layers") or 1) * g["output_bytes"] for g in kinds)
+    return kept + _shared_inputs(top)
+
+
+def _by_shape(graphs: list[dict], kind: str, suffix: str = "") -> dict[str, list[dict]]:
+    """``kind`` graphs ending in ``suffix``, grouped by shape (``8x1024``, the block kind left out)."""
+    out: dict[str, list[dict]] = {}
+    for g in graphs:
+        if g["kind"] == kind and g["graph"].endswith(suffix):
+            out.setdefault(_shape_of(g["graph"]).split("|")[0], []).append(g)
+    return out
 
 
 def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> dict[str, int]:
@@ -222,8 +252,8 @@ def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> d
                 - g.get("alias_bytes", 0))
 
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
-    fwd = [g for g in graphs if g["kind"] == "block" and g["graph"].endswith(".fwd")]
-    saved = max((saved_activations(g, layers, checkpointed) for g in fwd), default=0)
+    fwd = _by_shape(graphs, "block", ".fwd").values()  # a shape's graphs, one per kind of block
+    saved = max((saved_activations(kinds, layers, checkpointed) for kinds in fwd), default=0)
     trainer = max((working(g) for g in graphs if g["kind"] not in SAMPLER_KINDS), default=0)
     sampler = max((working(g) for g in graphs if g["kind"] in SAMPLER_KINDS), default=0)
     return {"saved_activations": saved, "largest_trainer_graph": trainer, "largest_sampler_graph": sampler,
@@ -257,8 +287,9 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
     out); the plan's terms in no graph (:data:`IN_NO_GRAPH`) follow with XLA ``None``."""
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
 
-    def first(kind, suffix=""):
-        return next((g for g in graphs if g["kind"] == kind and g["graph"].endswith(suffix)), None)
+    def first(kind, suffix=""):  # the first shape's graph; of several kinds of block, the one with most outputs
+        shapes = list(_by_shape(graphs, kind, suffix).values())
+        return max(shapes[0], key=lambda g: g["output_bytes"] + g["temp_bytes"]) if shapes else None
 
     layers = getattr(plan.model, "layers", 1)
     planned = dict(plan.graphs)
@@ -292,20 +323,20 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
     if sampler:
         top = max(sampler, key=lambda g: g["temp_bytes"])
         xla.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
-    by_name = {g["graph"]: g for g in graphs}
     # the no-grad forward: one block's and the LM head's outputs and temporaries (one at a time), largest micro batch
-    pairs = [(by_name.get(f"trainer.block_forward[{_shape_of(g['graph'])}]"), g) for g in graphs
-             if g["kind"] == "lm_head_forward"]
+    block_forward = {shape: max(kinds, key=lambda g: g["output_bytes"] + g["temp_bytes"])
+                     for shape, kinds in _by_shape(graphs, "block_forward").items()}
+    pairs = [(block_forward.get(_shape_of(g["graph"])), g) for g in graphs if g["kind"] == "lm_head_forward"]
     pairs = [(b, h) for b, h in pairs if b]
     if pairs:
         b, h = max(pairs, key=lambda bh: sum(g["output_bytes"] + g["temp_bytes"] for g in bh))
         xla.append(("log-prob forward", sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
                     f"{b['graph']} and {h['graph']} outputs + temporaries"))
     value = first("value_head", ".fwd")
-    cfwd = value and by_name.get(f"trainer.block[{_shape_of(value['graph'])}].fwd")
+    cfwd = value and _by_shape(graphs, "block", ".fwd").get(_shape_of(value["graph"]))
     if cfwd:
         xla.append(("critic activations", saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
-                    f"as activations, from {cfwd['graph']}, + {value['graph']} outputs"))
+                    f"as activations, from {', '.join(g['graph'] for g in cfwd)}, + {value['graph']} outputs"))
     out = [(name, planned[name], number, how) for name, number, how in xla if name in planned]
     compared = {name for name, *_ in out}
     for term in plan.terms:
