@@ -162,3 +162,41 @@ def test_block_kinds_of_the_families():
     assert kinds("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1) == [
         ("full", 0, 1), ("sliding", 1, 2)]
     assert kinds("llama") == [("", 0, 3)]
+
+
+def test_the_tpu_job_builds_its_moe_with_batched_mm(tmp_path):
+    """The chip job, not only the lowering: VeRL's engine loads the model's config, sets the ``override_config`` keys
+    on it (``update_model_config``) and builds the model with ``from_pretrained(config=...)``; with the TPU profile's
+    keys (actor, reference and critic) the experts run ``batched_mm``, and the sampler on a ``tpu`` device asks for
+    the same. The control: the CPU profile sets no experts key, and transformers builds its default ``grouped_mm``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from verl.utils.model import update_model_config
+
+    from rl_tpu.expert_slices import has_fused_experts, tpu_experts_kwargs
+    from rl_tpu.patches.transformers_internals import experts_implementation
+    from verl_backend.driver.profiles import profile
+
+    config = {k: v for k, v in DENSE_FIRST_MOE.items() if k != "attention_dropout"}
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).save_pretrained(tmp_path)
+
+    def built(backend: str, model: str = "actor_rollout_ref.model"):
+        prefix = f"+{model}.override_config."
+        overrides = {k[len(prefix):]: v for k, v in profile(backend).overrides.items() if k.startswith(prefix)}
+        hf = AutoConfig.from_pretrained(tmp_path, attn_implementation=overrides.get("attn_implementation"))
+        update_model_config(hf, overrides)  # what VeRL's HFModelConfig does with override_config
+        return AutoModelForCausalLM.from_pretrained(tmp_path, config=hf, dtype=torch.float32)
+
+    for model in ("actor_rollout_ref.model", "critic.model"):
+        tpu = built("tpu", model)
+        assert has_fused_experts(tpu) and experts_implementation(tpu.config) == "batched_mm", model
+    assert experts_implementation(built("cpu").config) == "grouped_mm"  # the control
+    assert tpu_experts_kwargs("tpu") == {"experts_implementation": "batched_mm"} and tpu_experts_kwargs("cpu") == {}
+    sampler = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **tpu_experts_kwargs("tpu"))
+    assert experts_implementation(sampler.config) == "batched_mm"
+    # batched_mm computes what grouped_mm does (fp32, the dense-first MoE, every token routed to 2 of 4 experts)
+    ids = torch.randint(0, config["vocab_size"], (2, 12))
+    with torch.no_grad():
+        want = built("cpu")(ids).logits
+        got = tpu(ids).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
