@@ -337,7 +337,7 @@ def trl_worker(args) -> None:
 
     def arithmetic_reward(completions, data_source, ground_truth, extra_info, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(compute_score(d, t, g, e)) for d, t, g, e in zip(data_source, texts, ground_truth, extra_info)]
+        return [float(compute_score(d, t, g, e)["score"]) for d, t, g, e in zip(data_source, texts, ground_truth, extra_info)]
 
     # TRL times its parts with ProfilingContext but only reports them to wandb/mlflow/trackio: record them here.
     step_parts: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))

@@ -93,6 +93,11 @@ CANDIDATES: dict[str, list[str]] = {
     "t07_n8_lr3e5_mb2": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
                                "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
     "new_default": [],
+    # the format reward (#45): a right answer outside <answer> tags earns half (the default since); its control is
+    # the same job with the reward before it (a bare right number earns all)
+    "addition_format": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
+    "addition_noformat": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+                          "reward.custom_reward_function.reward_kwargs.bare_answer_credit=1.0"],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
     "addition": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
     "addition_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]), "actor_rollout_ref.actor.optim.lr=2e-5"],

@@ -9,7 +9,9 @@ at most ``max_tokens`` tokens, and one scorer scores both answers:
 - ``number`` (default): 1 when the last number in the answer equals the expected one (GSM8K ``#### 42`` accepted);
 - ``package.module:function`` or ``path/to/file.py:function``: ``function(answer, expected)``, or VeRL's ``compute_score(data_source,
   solution_str, ground_truth, extra_info)`` when its parameters are named so (e.g. the project's reasoning-gym and
-  GSM8K scorer ``verl_backend.data.rewards:compute_score``, imported by name only when asked for).
+  GSM8K scorer ``verl_backend.data.rewards:compute_score``, imported by name only when asked for). A function that
+  returns VeRL's dict form is scored by its ``acc`` (the accuracy VeRL validates on) where it has one, else by its
+  ``score`` (a reward, which may give partial credit for the format).
 """
 
 from __future__ import annotations
@@ -75,10 +77,17 @@ def load_scorer(name: str):
         raise ExportError(BAD_SOURCE, f"--scorer '{name}' is not a function; give {' or '.join(SCORERS)} or "
                                       "package.module:function")
     if "solution_str" in inspect.signature(fn).parameters:
-        return lambda answer, expected, item: float(fn(
+        return lambda answer, expected, item: _as_accuracy(fn(
             data_source=item.get("data_source", ""), solution_str=answer, ground_truth=str(expected),
             extra_info=item.get("extra_info")))
-    return lambda answer, expected, item: float(fn(answer, expected))
+    return lambda answer, expected, item: _as_accuracy(fn(answer, expected))
+
+
+def _as_accuracy(result) -> float:
+    """A scorer's result as a number: itself, or of VeRL's dict form its ``acc``, else its ``score``."""
+    if isinstance(result, dict):
+        return float(result["acc"] if "acc" in result else result["score"])
+    return float(result)
 
 
 def read_items(path: str) -> list[dict]:

@@ -1,12 +1,21 @@
 """Reward functions with VeRL's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature.
 
-- ``reasoning_gym/<task>``: the answer is extracted from ``<answer>...</answer>`` (reasoning-gym's own
-  ``extract_answer``) and scored by the task's own ``score_answer`` on the exact entry, rebuilt from the seed
-  and index in ``extra_info`` — the score is reasoning-gym's, in [0, 1].
-- ``openai/gsm8k``: numeric equality of the extracted answer with the ``####`` ground truth (1.0 or 0.0).
+- ``reasoning_gym/<task>``: the answer is scored by the task's own ``score_answer`` on the exact entry, rebuilt from
+  the seed and index in ``extra_info`` (reasoning-gym's score, in [0, 1]).
+- ``openai/gsm8k``: numeric equality of the answer with the ``####`` ground truth (1.0 or 0.0).
 
-A completion with no ``<answer>`` tags falls back to its last number, so an untrained model that answers
-plainly is still scored on correctness.
+The prompt asks for the answer inside ``<answer></answer>`` tags, and the reward asks for it too: the answer inside
+the last tags earns the task's full score; without tags the last number of the response is scored and earns
+``bare_answer_credit`` of it (0.5 by default, ``reward.custom_reward_function.reward_kwargs.bare_answer_credit``;
+1.0 is the reward before the format was rewarded). Under GRPO's group normalisation a group of bare answers learns
+the arithmetic as before, and a tagged right answer beside bare ones gets the larger advantage.
+
+Accuracy is not the reward: :func:`compute_score` returns VeRL's dict form, ``{"score": reward, "acc": lenient,
+"acc_strict": strict, "tagged": ...}``. VeRL takes ``acc`` as the validation's core metric and writes every key
+into its per-item rollout and validation dumps, where the console and the report read them:
+
+- *strict* (``acc_strict``): the answer inside the last ``<answer>`` tags has the task's full score;
+- *lenient* (``acc``): the tagged answer, else the last number, has the task's full score.
 """
 
 from __future__ import annotations
@@ -20,17 +29,24 @@ from typing import Any
 from verl_backend.errors import BadInputError, record_bad_input
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+BARE_ANSWER_CREDIT = 0.5  # the share of the task's score an answer outside the <answer> tags earns
 
 
 def extract_final_answer(solution_str: str) -> str | None:
     """The text inside the last ``<answer>`` tags, else the last number in ``solution_str``, else ``None``."""
+    return split_answer(solution_str)[0]
+
+
+def split_answer(solution_str: str) -> tuple[str | None, bool]:
+    """``(answer, tagged)``: the text inside the last ``<answer></answer>`` tags (reasoning-gym's ``extract_answer``)
+    and ``True``; else the last number of ``solution_str`` and ``False``; else ``(None, False)``."""
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(solution_str)
     if tagged is not None:
-        return tagged
+        return tagged, True
     numbers = _NUMBER.findall(solution_str)
-    return numbers[-1].rstrip(".").replace(",", "") if numbers else None
+    return (numbers[-1].rstrip(".").replace(",", ""), False) if numbers else (None, False)
 
 
 @functools.lru_cache(maxsize=32)
@@ -48,9 +64,14 @@ def _to_float(text: str) -> float | None:
 
 
 def compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **kwargs
-) -> float:
-    """Score one response in [0, 1].
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    bare_answer_credit: float = BARE_ANSWER_CREDIT,
+    **kwargs,
+) -> dict[str, float]:
+    """Score one response: the reward, and the accuracies apart from it.
 
     Args:
         data_source: ``"reasoning_gym/<task>"`` or ``"openai/gsm8k"``.
@@ -58,11 +79,43 @@ def compute_score(
         ground_truth: the expected answer string.
         extra_info: for reasoning-gym rows, ``task``, ``seed``, ``size``, ``index`` and ``task_config`` as
             written by :func:`verl_backend.data.reasoning_gym_to_parquet`.
+        bare_answer_credit: the share of the task's score an answer outside ``<answer>`` tags earns, in [0, 1]
+            (VeRL passes ``reward.custom_reward_function.reward_kwargs``).
+
+    Returns:
+        ``{"score": reward in [0, 1], "acc": 1.0 if the tagged answer, else the last number, is fully right (lenient),
+        "acc_strict": 1.0 if the tagged answer is fully right (strict), "tagged": 1.0 if the response has an answer
+        in tags}``.
 
     Raises:
-        BadInputError: an unknown ``data_source`` or a reasoning-gym row without its ``extra_info`` keys.
+        BadInputError: an unknown ``data_source``, a reasoning-gym row without its ``extra_info`` keys, or a
+            ``bare_answer_credit`` outside [0, 1].
     """
-    answer = extract_final_answer(solution_str)
+    try:
+        credit = float(bare_answer_credit)
+    except (TypeError, ValueError):
+        credit = float("nan")
+    if not 0.0 <= credit <= 1.0:
+        raise BadInputError(
+            f"reward.custom_reward_function.reward_kwargs.bare_answer_credit={bare_answer_credit!r} is not a number "
+            "in [0, 1]; give the share of the reward an answer outside <answer> tags earns (1.0: no format reward)"
+        )
+    answer, tagged = split_answer(solution_str)
+    correctness = _task_score(data_source, answer, ground_truth, extra_info)
+    return {
+        "score": correctness if tagged else credit * correctness,
+        "acc": float(correctness >= 1.0),
+        "acc_strict": float(tagged and correctness >= 1.0),
+        "tagged": float(tagged),
+    }
+
+
+def _task_score(data_source: str, answer: str | None, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+    """The task's own score of ``answer`` in [0, 1] (0 for no answer).
+
+    Raises:
+        BadInputError: see :func:`compute_score`.
+    """
     if data_source.startswith("reasoning_gym/"):
         info = extra_info or {}
         missing = [k for k in ("task", "seed", "size", "index") if k not in info]
@@ -102,8 +155,9 @@ def guarded_score(
     user_fn_path: str | None = None,
     user_fn_name: str = "compute_score",
     **kwargs,
-) -> float:
-    """Call the reward function (ours, or the user's from ``user_fn_path``) and police its result.
+) -> float | dict:
+    """Call the reward function (ours, or the user's from ``user_fn_path``) and police its result: a number, or VeRL's
+    dict form with a finite ``score`` (returned as it came, so its other keys reach VeRL's metrics and dumps).
 
     ``verl train`` routes ``reward.custom_reward_function`` through this wrapper so that a reward function that
     raises, or returns NaN/inf, stops the run with one line naming the function, the sample and the fix, instead

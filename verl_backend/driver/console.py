@@ -24,6 +24,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from verl_backend.driver.report import RUNNING_MEAN_STEPS, lenient_correct, strict_correct
+
 MAX_LINES = 60  # what the default job may print when nothing fails
 ERROR_LOOKING = re.compile(r"(?i)error|fail|traceback|exception")
 _WARNING = re.compile(r"\[rl-tpu\] warning: (.*)$")
@@ -219,14 +221,16 @@ def _flush_std() -> None:
 
 class StepLines:
     """One console line per training step from VeRL's ``metrics.jsonl`` (its file logger, written where the trainer
-    runs), read by a thread: reward, accuracy, response length and seconds per step, instead of tqdm's redraws.
-    Accuracy is the share of the step's samples with full reward, from VeRL's rollout dump
-    (``trainer.rollout_data_dir``, ``<step>.jsonl``) when there is one."""
+    runs), read by a thread: reward and its running mean, accuracy, response length and seconds per step, instead of
+    tqdm's redraws. Accuracy is the share of the step's samples that are right, strict (the answer in tags) and
+    lenient, from VeRL's rollout dump (``trainer.rollout_data_dir``, ``<step>.jsonl``) when there is one
+    (:func:`verl_backend.driver.report.strict_correct`, :func:`~verl_backend.driver.report.lenient_correct`)."""
 
     def __init__(self, metrics: Path, total_steps: int, say, rollouts: Path | None = None, poll_s: float = 1.0):
         self._path, self._total, self._say, self._poll = Path(metrics), int(total_steps or 0), say, poll_s
         self._rollouts = Path(rollouts) if rollouts else None
         self._offset = self._path.stat().st_size if self._path.is_file() else 0  # a resumed run's earlier steps
+        self._rewards: dict[int, float] = {}  # step -> its mean reward, for the running mean
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rl-tpu-steps")
 
@@ -259,37 +263,48 @@ class StepLines:
                 row = json.loads(raw)
             except ValueError:
                 continue
-            step = int(row.get("step", 0))
-            line = step_line(step, row.get("data") or {}, self._total, self._accuracy(step))
+            step, data = int(row.get("step", 0)), row.get("data") or {}
+            if isinstance(data.get("critic/score/mean"), (int, float)):
+                self._rewards[step] = float(data["critic/score/mean"])
+            recent = [self._rewards[s] for s in sorted(self._rewards) if s <= step][-RUNNING_MEAN_STEPS:]
+            line = step_line(step, data, self._total, self._accuracy(step),
+                             sum(recent) / len(recent) if len(recent) > 1 else None)
             if line:
                 self._say(line)
 
-    def _accuracy(self, step: int) -> float | None:
-        """Share of the step's samples with full reward (score >= 1) in the rollout dump, which VeRL writes in a
-        thread of its own just before the step's metrics: waited for up to 3 s."""
+    def _accuracy(self, step: int) -> tuple[float, float] | None:
+        """``(strict, lenient)``: shares of the step's samples that are right in the rollout dump, which VeRL writes
+        in a thread of its own just before the step's metrics: waited for up to 3 s."""
         if self._rollouts is None:
             return None
         path = self._rollouts / f"{step}.jsonl"
         for _ in range(30):
             if path.is_file():
                 try:
-                    scores = [float(json.loads(l)["score"]) for l in path.read_text().splitlines() if l.strip()]
-                except (OSError, ValueError, KeyError, TypeError):
-                    scores = []  # still being written
-                if scores:
-                    return sum(s >= 1.0 for s in scores) / len(scores)
+                    items = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+                    marks = [(strict_correct(i), lenient_correct(i)) for i in items]
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                    marks = []  # still being written
+                if marks:
+                    return (sum(s for s, _ in marks) / len(marks), sum(l for _, l in marks) / len(marks))
             time.sleep(0.1)
         return None
 
 
-def step_line(step: int, data: dict, total: int, accuracy: float | None = None) -> str | None:
-    """``[rl-tpu] step 3/12 | reward 0.312 | accuracy 25.0% | response 41 tokens | 38.2 s/step`` for a training
-    step's metrics; ``None`` for a row without training metrics (a validation-only row)."""
+def step_line(step: int, data: dict, total: int, accuracy: tuple[float, float] | None = None,
+              reward_mean: float | None = None) -> str | None:
+    """``[rl-tpu] step 3/12 | reward 0.312 (4-step mean 0.405) | accuracy strict 12.5% lenient 40.6% | response 41
+    tokens | 38.2 s/step`` for a training step's metrics: ``accuracy`` is ``(strict, lenient)`` shares of the step's
+    samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps. ``None``
+    for a row without training metrics (a validation-only row)."""
     if "critic/score/mean" not in data:
         return None
-    parts = [f"step {step}/{total}" if total else f"step {step}", f"reward {float(data['critic/score/mean']):.3f}"]
+    reward = f"reward {float(data['critic/score/mean']):.3f}"
+    if reward_mean is not None:
+        reward += f" ({RUNNING_MEAN_STEPS}-step mean {reward_mean:.3f})"
+    parts = [f"step {step}/{total}" if total else f"step {step}", reward]
     if accuracy is not None:
-        parts.append(f"accuracy {100 * accuracy:.1f}%")
+        parts.append(f"accuracy strict {100 * accuracy[0]:.1f}% lenient {100 * accuracy[1]:.1f}%")
     if isinstance(data.get("response_length/mean"), (int, float)):
         parts.append(f"response {float(data['response_length/mean']):.0f} tokens")
     if isinstance(data.get("timing_s/step"), (int, float)):

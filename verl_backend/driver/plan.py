@@ -43,7 +43,9 @@ def flatten_yaml_overrides(path: str | os.PathLike) -> tuple[list[str], dict[str
 
     The top-level ``rl_tpu`` mapping (our own settings: built-in data) is returned separately, untouched.
     Keys starting with ``+`` are kept as additions. Dicts are flattened to leaves except under keys ending in
-    ``override_config``/``mixed_precision``/``env_vars``/``override_optimizer_config`` (passed whole).
+    ``override_config``/``mixed_precision``/``env_vars``/``override_optimizer_config`` (passed whole). The keys of a
+    ``reward_kwargs`` mapping, which VeRL reads but does not declare, are added (``+key=value``); once added, a later
+    plain ``key=value`` on the command line replaces the value.
 
     Returns:
         ``(overrides, rl_tpu_settings)``.
@@ -69,7 +71,9 @@ def flatten_yaml_overrides(path: str | os.PathLike) -> tuple[list[str], dict[str
 
     def walk(prefix: str, node: Any) -> None:
         whole = prefix.endswith(("override_config", "mixed_precision", "env_vars", "override_optimizer_config"))
-        if isinstance(node, dict) and node and not whole:
+        if prefix.endswith("custom_reward_function.reward_kwargs") and isinstance(node, dict):
+            out.extend(f"+{prefix}.{k}={_format_value(v)}" for k, v in node.items())
+        elif isinstance(node, dict) and node and not whole:
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
         else:
@@ -122,12 +126,15 @@ def merge_overrides(backend_defaults: dict[str, str], file_overrides: list[str],
     """Later sources win per key: backend defaults, then the ``--config`` file, then the command line.
 
     Each key appears once in the result (Hydra refuses ``+key`` twice); the surviving override keeps the
-    ``+``/``~`` prefix of the source that set it last.
+    ``+``/``~`` prefix of the source that set it last, except that a key an earlier source added (``+key``, a key
+    VeRL does not declare) stays added when a later one gives it plainly: its value replaces the earlier one.
     """
     merged: dict[str, str] = {}
     for override in [f"{k}={v}" for k, v in backend_defaults.items()] + file_overrides + cli_overrides:
         key = next(iter(_override_keys([override])))
-        merged.pop(key, None)  # re-insert so the order follows the source that wins
+        earlier = merged.pop(key, None)  # re-insert so the order follows the source that wins
+        if earlier is not None and earlier.startswith("+") and not override.startswith(("+", "~")):
+            override = "+" + override
         merged[key] = override
     return list(merged.values())
 

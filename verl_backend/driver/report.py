@@ -33,25 +33,49 @@ def _val_accuracy(data: dict) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _val_strict(data: dict) -> float | None:
+    vals = [float(v) for k, v in data.items() if k.startswith(("val-core/", "val-aux/"))
+            and "/acc_strict/mean@" in k and isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+# Steps in the train reward's running mean: 4 steps of the default job are its 16 prompts, 128 samples.
+RUNNING_MEAN_STEPS = 4
+
+
+def running_mean(values: list[float], window: int = RUNNING_MEAN_STEPS) -> list[float]:
+    """The mean of each value with the ``window - 1`` before it (fewer at the start): the reward curve a person
+    reads, where one step's mean over a few prompts is mostly which prompts were drawn."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
+            for i in range(len(values))]
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Validation accuracy before (first validation) and after (last), the reward curve, and step count."""
+    """Validation accuracy before (first validation) and after (last), lenient (VeRL's core ``acc``, else the reward's
+    mean) and strict where the reward function reports ``acc_strict``; the reward curve with its running mean
+    (:data:`RUNNING_MEAN_STEPS` steps); the step count."""
     vals = [(r["step"], _val_accuracy(r["data"])) for r in rows if _val_accuracy(r["data"]) is not None]
+    strict = [(r["step"], _val_strict(r["data"])) for r in rows if _val_strict(r["data"]) is not None]
     curve = [
         (r["step"], float(r["data"]["critic/score/mean"]))
         for r in rows
         if isinstance(r["data"].get("critic/score/mean"), (int, float))
     ]
+    smooth = running_mean([v for _, v in curve])
     return {
         "val_accuracy_before": vals[0][1] if vals else None,
         "val_accuracy_after": vals[-1][1] if len(vals) > 1 else None,
         "val_points": vals,
+        "val_strict_points": strict,
         "train_reward_curve": curve,
+        "train_reward_running_mean": [(s, m) for (s, _), m in zip(curve, smooth)],
         "training_steps": max((s for s, _ in curve), default=0),
     }
 
 
 def plot_reward_curve(summary: dict, path: Path) -> Path | None:
-    """Write the training reward (mean score per step) and validation accuracy to a PNG."""
+    """Write the training reward (each step's mean score, and its running mean) and the validation accuracy, lenient
+    and strict, to a PNG."""
     if not summary["train_reward_curve"]:
         return None
     import matplotlib
@@ -61,10 +85,16 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     steps, rewards = zip(*summary["train_reward_curve"])
-    ax.plot(steps, rewards, marker="o", label="train reward (critic/score/mean)")
+    ax.plot(steps, rewards, marker="o", linestyle="none", alpha=0.4, label="train reward, each step")
+    if summary.get("train_reward_running_mean"):
+        ms, mv = zip(*summary["train_reward_running_mean"])
+        ax.plot(ms, mv, linewidth=2, label=f"train reward, mean of {RUNNING_MEAN_STEPS} steps")
     if summary["val_points"]:
         vs, va = zip(*summary["val_points"])
-        ax.plot(vs, va, marker="s", linestyle="--", label="validation accuracy")
+        ax.plot(vs, va, marker="s", linestyle="--", label="validation accuracy, lenient")
+    if summary.get("val_strict_points"):
+        vs, va = zip(*summary["val_strict_points"])
+        ax.plot(vs, va, marker="^", linestyle=":", label="validation accuracy, strict (tagged)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.05, 1.05)
@@ -99,11 +129,22 @@ def _validation_items(path: Path) -> list[dict]:
     return items
 
 
-def _strict(item: dict) -> float:
-    """The item's score if its answer is inside ``<answer>`` tags, else 0 (the reward also takes a bare last
-    number: that is the lenient score)."""
+def lenient_correct(item: dict) -> float:
+    """1.0 when a dumped item (VeRL's validation or rollout dump line) is right, the answer in tags or not: its
+    ``acc`` where the reward function gave one (the project's does, apart from the reward), else a full score."""
+    if isinstance(item.get("acc"), (int, float)):
+        return float(item["acc"] >= 1.0)
+    return float(float(item.get("score") or 0.0) >= 1.0)
+
+
+def strict_correct(item: dict) -> float:
+    """1.0 when a dumped item is right with its answer inside ``<answer>`` tags: its ``acc_strict`` where the reward
+    function gave one, else a full score with tags in the output (a reward that also takes a bare last number)."""
+    if isinstance(item.get("acc_strict"), (int, float)):
+        return float(item["acc_strict"] >= 1.0)
     output = str(item.get("output", ""))
-    return float(item.get("score") or 0.0) if re.search(r"<answer>.*?</answer>", output, re.S) else 0.0
+    tagged = re.search(r"<answer>.*?</answer>", output, re.S) is not None
+    return float(tagged and float(item.get("score") or 0.0) >= 1.0)
 
 
 def _t975(df: int) -> float:
@@ -134,7 +175,8 @@ def paired_difference(before: list[float], after: list[float]) -> dict:
 def validation_change(folder: Path | None) -> dict | None:
     """Accuracy before (the first validation dump) and after (the last) over the same items, paired by prompt:
     ``{"lenient": paired_difference(...), "strict": ..., "before_step", "after_step"}``; ``None`` without two dumps
-    that share items. Accuracy is the share of full-score items (score >= 1)."""
+    that share items. Accuracy is the share of right items (:func:`lenient_correct`, :func:`strict_correct`), not
+    the reward's mean."""
     if folder is None or not Path(folder).is_dir():
         return None
     dumps = sorted((int(p.stem), p) for p in Path(folder).glob("*.jsonl") if p.stem.isdigit())
@@ -153,8 +195,7 @@ def validation_change(folder: Path | None) -> dict | None:
     if not pairs:
         return None
     result = {"before_step": first, "after_step": last}
-    for name, value in (("lenient", lambda i: float(float(i.get("score") or 0.0) >= 1.0)),
-                        ("strict", lambda i: float(_strict(i) >= 1.0))):
+    for name, value in (("lenient", lenient_correct), ("strict", strict_correct)):
         result[name] = paired_difference([value(b) for b, _ in pairs], [value(a) for _, a in pairs])
     return result
 

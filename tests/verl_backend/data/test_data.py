@@ -36,9 +36,9 @@ def test_reasoning_gym_rows_have_verl_columns_and_score_with_reasoning_gym(tmp_p
         assert row.prompt[0]["role"] == "user" and ds[i]["question"] in row.prompt[0]["content"]
         truth = row.reward_model["ground_truth"]
         assert truth == str(ds[i]["answer"])
-        assert compute_score(row.data_source, f"<answer>{truth}</answer>", truth, row.extra_info) == 1.0
+        assert compute_score(row.data_source, f"<answer>{truth}</answer>", truth, row.extra_info)["score"] == 1.0
         wrong = str(int(truth) + 1)
-        assert compute_score(row.data_source, f"<answer>{wrong}</answer>", truth, row.extra_info) == ds.score_answer(wrong, ds[i])
+        assert compute_score(row.data_source, f"<answer>{wrong}</answer>", truth, row.extra_info)["score"] == ds.score_answer(wrong, ds[i])
 
 
 def test_unknown_reasoning_gym_task_is_one_clear_error(tmp_path):
@@ -55,8 +55,9 @@ def test_gsm8k_real_sample_converts_with_numeric_ground_truth(tmp_path):
     assert df.iloc[0]["reward_model"]["ground_truth"] == first["answer"].split("####")[-1].strip()
     assert df.iloc[0]["data_source"] == "openai/gsm8k"
     truth = df.iloc[0]["reward_model"]["ground_truth"]
-    assert compute_score("openai/gsm8k", f"So the total is {truth}.", truth) == 1.0
-    assert compute_score("openai/gsm8k", "So the total is 1234567.", truth) == 0.0
+    assert compute_score("openai/gsm8k", f"So the total is <answer>{truth}</answer>.", truth)["score"] == 1.0
+    assert compute_score("openai/gsm8k", f"So the total is {truth}.", truth)["acc"] == 1.0
+    assert compute_score("openai/gsm8k", "So the total is 1234567.", truth)["acc"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -111,6 +112,41 @@ def test_extract_final_answer_prefers_tags_then_last_number():
     assert extract_final_answer("no digits") is None
 
 
+def _addition_row(tmp_path):
+    path = reasoning_gym_to_parquet("basic_arithmetic", tmp_path / "a.parquet", size=4, seed=5,
+                                    task_config={"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"]})
+    row = next(pd.read_parquet(path).itertuples())
+    return row.data_source, row.reward_model["ground_truth"], row.extra_info
+
+
+@pytest.mark.parametrize("response, score, acc, strict", [
+    ("{t}", 0.5, 1.0, 0.0),                                       # a bare right number: half the reward, lenient only
+    ("so <answer>{t}</answer>", 1.0, 1.0, 1.0),                    # tagged and right: full reward, strict too
+    ("<answer>{w}</answer>", 0.0, 0.0, 0.0),                       # tagged, wrong number
+    ("<answer>{w}</answer> no, <answer>{t}</answer>", 1.0, 1.0, 1.0),  # two tagged answers: the last counts
+    ("<answer>{t}</answer> no, <answer>{w}</answer>", 0.0, 0.0, 0.0),
+    ("{t} is it, <answer>{w}</answer>", 0.0, 0.0, 0.0),            # the tags win over a bare right number
+    ("I do not know", 0.0, 0.0, 0.0),
+])
+def test_the_reward_asks_for_the_tags_and_accuracy_stays_apart(tmp_path, response, score, acc, strict):
+    source, truth, info = _addition_row(tmp_path)
+    wrong = str(int(truth) + 10)
+    got = compute_score(source, response.format(t=truth, w=wrong), truth, info)
+    assert (got["score"], got["acc"], got["acc_strict"]) == (score, acc, strict), got
+
+
+def test_bare_answer_credit_is_the_runs_setting_and_checked(tmp_path):
+    """``reward.custom_reward_function.reward_kwargs.bare_answer_credit`` reaches compute_score through VeRL's
+    reward kwargs and guarded_score; 1.0 is the reward before the format counted. A value outside [0, 1] is one line
+    naming the key."""
+    source, truth, info = _addition_row(tmp_path)
+    assert compute_score(source, truth, truth, info, bare_answer_credit=1.0)["score"] == 1.0
+    assert guarded_score(source, truth, truth, info, bare_answer_credit=0.25)["score"] == 0.25
+    for bad in (1.5, -0.1, "half"):
+        with pytest.raises(BadInputError, match=r"reward_kwargs.bare_answer_credit=.* in \[0, 1\]"):
+            compute_score(source, truth, truth, info, bare_answer_credit=bad)
+
+
 def test_unknown_data_source_is_refused():
     with pytest.raises(BadInputError, match="no reward function for data_source 'mystery'"):
         compute_score("mystery", "1", "1")
@@ -125,7 +161,7 @@ def test_guarded_score_turns_raising_and_nan_rewards_into_one_line(tmp_path):
     with pytest.raises(BadInputError, match="returned nan"):
         guarded_score("openai/gsm8k", "1", "1", {"index": 4}, user_fn_path=str(mod), user_fn_name="nan")
     assert guarded_score("openai/gsm8k", "1", "1", {}, user_fn_path=str(mod), user_fn_name="ok") == 0.5
-    assert math.isclose(guarded_score("openai/gsm8k", "<answer>2</answer>", "2", {}), 1.0)
+    assert math.isclose(guarded_score("openai/gsm8k", "<answer>2</answer>", "2", {})["score"], 1.0)
     with pytest.raises(BadInputError, match=r"my_reward.py \(name=missing\) cannot be loaded: AttributeError"):
         guarded_score("openai/gsm8k", "1", "1", {}, user_fn_path=str(mod), user_fn_name="missing")
 

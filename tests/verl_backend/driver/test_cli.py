@@ -705,3 +705,22 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_reward_kwargs_from_a_yaml_are_added_and_a_plain_key_then_replaces_them(tmp_path):
+    """VeRL reads ``reward.custom_reward_function.reward_kwargs`` without declaring it: the default job's
+    ``bare_answer_credit`` is added (``+``), and a user's plain ``key=value`` replaces it instead of failing Hydra's
+    "Could not override" (control: a key no source added stays plain)."""
+    from verl_backend.driver.plan import compose_config, flatten_yaml_overrides, merge_overrides
+
+    job = tmp_path / "job.yaml"
+    job.write_text("reward:\n  custom_reward_function:\n    reward_kwargs:\n      bare_answer_credit: 0.5\n")
+    file_overrides, _ = flatten_yaml_overrides(job)
+    assert file_overrides == ["+reward.custom_reward_function.reward_kwargs.bare_answer_credit=0.5"]
+    key = "reward.custom_reward_function.reward_kwargs.bare_answer_credit"
+    merged = merge_overrides({}, file_overrides, [f"{key}=1.0", "data.train_batch_size=2"])
+    assert merged == [f"+{key}=1.0", "data.train_batch_size=2"]
+    config = compose_config(merged)
+    assert config.reward.custom_reward_function.reward_kwargs.bare_answer_credit == 1.0
+    assert compose_config(merge_overrides({}, file_overrides, [])).reward.custom_reward_function.reward_kwargs == {
+        "bare_answer_credit": 0.5}

@@ -15,7 +15,8 @@ import pytest
 from verl_backend.driver.console import ConsoleFilter, console_lines, console_problems, step_line
 from verl_backend.driver.report import accuracy_lines, paired_difference, validation_change
 
-QUIET = "[rl-tpu] step 1/2 | reward 0.250 | accuracy 25.0% | response 12 tokens | 3.1 s/step"
+QUIET = ("[rl-tpu] step 2/2 | reward 0.250 (4-step mean 0.375) | accuracy strict 12.5% lenient 25.0% | response 12 "
+         "tokens | 3.1 s/step")
 
 
 def test_checker_passes_a_quiet_console():
@@ -56,8 +57,33 @@ def test_filter_shows_each_rl_tpu_warning_once_without_rays_prefix():
 
 def test_step_line():
     data = {"critic/score/mean": 0.25, "response_length/mean": 12.4, "timing_s/step": 3.14}
-    assert step_line(1, data, 2, accuracy=0.25) == QUIET
+    assert step_line(2, data, 2, accuracy=(0.125, 0.25), reward_mean=0.375) == QUIET
+    assert step_line(1, data, 2) == "[rl-tpu] step 1/2 | reward 0.250 | response 12 tokens | 3.1 s/step"
     assert step_line(0, {"val-core/x/acc/mean@1": 0.1}, 2) is None  # a validation-only row
+
+
+def test_step_lines_read_strict_and_lenient_apart_from_the_reward_and_a_running_mean(tmp_path):
+    """The console's step line from VeRL's metrics and rollout dump: accuracy from the dump's ``acc`` /
+    ``acc_strict`` (not the reward, which gives a bare right number half credit), and the reward's running mean.
+    Control: a dump without those keys (a user's float reward) counts full-score samples, tags for strict."""
+    from verl_backend.driver.console import StepLines
+
+    rollouts, metrics = tmp_path / "rollouts", tmp_path / "metrics.jsonl"
+    rollouts.mkdir()
+    rows = [{"output": "<answer>3</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
+            {"output": "3", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
+            {"output": "4", "score": 0.0, "acc": 0.0, "acc_strict": 0.0},
+            {"output": "<answer>4</answer>", "score": 0.0, "acc": 0.0, "acc_strict": 0.0}]
+    (rollouts / "1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = [{"output": "<answer>3</answer>", "score": 1.0}, {"output": "3", "score": 1.0}, {"output": "4", "score": 0}]
+    (rollouts / "2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain))
+    said = []
+    lines = StepLines(metrics, 2, said.append, rollouts=rollouts, poll_s=0.05)  # reads what is written after it
+    metrics.write_text("".join(json.dumps({"step": s, "data": {"critic/score/mean": r}}) + "\n"
+                               for s, r in ((1, 0.375), (2, 0.625))))
+    lines._read()
+    assert said[0] == "[rl-tpu] step 1/2 | reward 0.375 | accuracy strict 25.0% lenient 50.0%", said
+    assert said[1] == "[rl-tpu] step 2/2 | reward 0.625 (4-step mean 0.500) | accuracy strict 33.3% lenient 66.7%", said
 
 
 def test_capture_sends_fds_to_the_log_and_only_said_lines_and_warnings_to_the_terminal(tmp_path):
@@ -109,6 +135,38 @@ def test_paired_interval_over_the_same_items(tmp_path):
     assert lines[0].startswith("[rl-tpu] validation accuracy: before 25.0% -> after 62.5% (+37.5 points, 95% CI")
     assert "paired over the same 8 items" in lines[0] and "strict" in lines[1]
     assert console_problems("\n".join(lines)) == []
+
+
+def test_validation_accuracy_is_the_dumps_acc_not_the_reward(tmp_path):
+    """With the format reward a right bare number scores 0.5: it is right leniently (``acc``), not strictly
+    (``acc_strict``). Control: the same items judged by their reward would count it wrong."""
+    before = [{"input": "q0", "output": "7", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
+              {"input": "q1", "output": "8", "score": 0.0, "acc": 0.0, "acc_strict": 0.0}]
+    after = [{"input": "q0", "output": "<answer>7</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
+             {"input": "q1", "output": "<answer>9</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0}]
+    for step, rows in ((0, before), (12, after)):
+        (tmp_path / f"{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    change = validation_change(tmp_path)
+    assert (change["lenient"]["before"], change["lenient"]["after"]) == (0.5, 1.0)
+    assert (change["strict"]["before"], change["strict"]["after"]) == (0.0, 1.0)
+    for row in before:
+        row.pop("acc"), row.pop("acc_strict")
+    (tmp_path / "0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+    assert validation_change(tmp_path)["lenient"]["before"] == 0.0  # by the reward: 0.5 is not full credit
+
+
+def test_summary_keeps_strict_apart_and_smooths_the_reward_curve():
+    from verl_backend.driver.report import running_mean, summarize
+
+    rows = [{"step": 0, "data": {"val-core/rg/acc/mean@1": 0.4, "val-aux/rg/acc_strict/mean@1": 0.0,
+                                 "val-aux/rg/reward/mean@1": 0.2}}]
+    rows += [{"step": s, "data": {"critic/score/mean": r}} for s, r in zip(range(1, 6), (0.2, 0.6, 0.2, 0.6, 1.0))]
+    rows += [{"step": 5, "data": {"val-core/rg/acc/mean@1": 0.7, "val-aux/rg/acc_strict/mean@1": 0.5}}]
+    summary = summarize(rows)
+    assert (summary["val_accuracy_before"], summary["val_accuracy_after"]) == (0.4, 0.7)  # acc, not the reward
+    assert summary["val_strict_points"] == [(0, 0.0), (5, 0.5)]
+    assert [round(m, 3) for _, m in summary["train_reward_running_mean"]] == [0.2, 0.4, 0.333, 0.4, 0.6]
+    assert running_mean([1.0, 0.0], window=1) == [1.0, 0.0]
 
 
 def test_paired_difference_matches_a_t_interval():
