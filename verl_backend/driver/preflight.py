@@ -340,6 +340,9 @@ def check_attention_layers(key: str, path: Path, config) -> None:
 def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None:
     """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
 
+    A folder named after an embedded model (``~/.cache/rl-tpu/gemma-3-270m``, :data:`verl_backend.models.EMBEDDED`)
+    that holds no finished conversion is converted from the model's GGUF first.
+
     Checks: ``config.json`` and ``*.safetensors`` are there; transformers loads its config and a tokenizer (from
     ``tokenizer_path`` when given); its layers are all attention (:func:`check_attention_layers`); the config has
     ``num_key_value_heads``, which VeRL's FSDP engine reads for every model
@@ -348,12 +351,17 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
     Raises:
         BadInputError: the first check that fails.
     """
-    from verl_backend.models import is_hf_model_dir
+    from verl_backend.models import EMBEDDED, embedded_name_of, ensure_model, is_converted, is_hf_model_dir
 
+    name = embedded_name_of(path)
+    if name is not None and not is_converted(path):  # an embedded model named by its folder: converted there once
+        print(f"[rl-tpu] {key}={path}: converting the embedded model {name} from its GGUF into it (once)", flush=True)
+        ensure_model(name, target=path)
     if not is_hf_model_dir(path):
         raise BadInputError(
             f"{key}={path} is not a model folder (needs config.json and *.safetensors); "
-            "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface"
+            "pass an HF-format checkpoint folder such as <run>/checkpoints/global_step_N/actor/huggingface, or "
+            f"a folder named after an embedded model ({', '.join(EMBEDDED)})"
         )
     from transformers import AutoConfig
 
