@@ -408,7 +408,14 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             f"fp32 log-softmax, the head's input and weight returned for the backward; TPU tiles")
         temps = arrays_bytes(shape.block_temporaries(rows, length, b_param))
         add("update temporaries", temps, "update", "one block graph's: 2 fp32 score-sized arrays + MLP and q/k/v "
-            "gradients (an upper bound: XLA fuses them away at small widths)")
+            "gradients (an upper bound: XLA fuses them away at small widths)"
+            + (" + the experts' weights gathered per token and their gradients (batched_mm)" if shape.experts else ""))
+        if shape.experts:
+            notes.append(f"MoE on TPU: experts run as transformers' batched_mm (grouped_mm's torch.cumsum lowers to "
+                         f"chlo.scan, which libtpu 0.0.52 refuses); each of {rows * length} tokens x "
+                         f"{shape.experts_active} experts gathers its expert's weights: "
+                         f"{rows * length * shape.experts_active * 3 * shape.intermediate * shape.hidden * b_param / GIB:.2f}"
+                         f" GiB a block graph (docs/tpu.md, MoE on TPU)")
         graphs.update({
             "block forward arguments": arrays_bytes(g["arguments"]), "activations": acts,
             "block backward outputs": arrays_bytes(g["gradients"]), "update temporaries": temps,

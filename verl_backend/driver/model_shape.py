@@ -185,10 +185,21 @@ class ModelShape:
         the scores and the masked scores the softmax reads; backward: the probabilities' gradient and the scores'),
         the MLP's three ``(tokens, I)`` gradients in the compute dtype and the fp32 gradients of the query, key and
         value. XLA materialises the two score-sized arrays for Qwen3-8B at 2048 tokens and fuses them away for
-        SmolLM2 at 1024 (docs/tpu.md): the plan always counts them."""
+        SmolLM2 at 1024 (docs/tpu.md): the plan always counts them.
+
+        A mixture of experts runs transformers' ``batched_mm`` on TPU (:mod:`rl_tpu.expert_slices`): each of the
+        ``tokens x k`` (token, expert) pairs gathers its expert's ``gate_up`` ``(2I, h)`` and ``down`` ``(h, I)``
+        weights, and the backward holds their gradients, the same size again: ``2 x tokens x k x 3 I h`` elements
+        (Qwen3-30B-A3B's block at 512 tokens: 77.3 GB against XLA's 61.3, docs/tpu.md)."""
         b, H, d, i, t = itemsize, self.heads, self.head_dim, self.intermediate, batch * seq
+        experts = []
+        if self.experts:
+            pairs = t * max(1, self.experts_active)
+            experts = [("experts' gate_up weights gathered per token (batched_mm)", (pairs, 2 * i, self.hidden), b),
+                       ("experts' down weights gathered per token (batched_mm)", (pairs, self.hidden, i), b)] * 2
         return ([("attention scores-sized (fp32)", (batch, H, seq, seq), 4)] * 2
-                + [("MLP gradient", (t, i), b)] * 3 + [("query/key/value gradient (fp32)", (batch * H, seq, d), 4)] * 3)
+                + [("MLP gradient", (t, i), b)] * 3 + [("query/key/value gradient (fp32)", (batch * H, seq, d), 4)] * 3
+                + experts)
 
     def sampler_temporaries(self, batch: int, tokens: int, cache: int, itemsize: int) -> list[tuple[str, tuple, int]]:
         """An estimate of the temporaries of the sampler's compiled prefill (``tokens`` > 1) or decode step on TPU:

@@ -200,3 +200,41 @@ def test_the_tpu_job_builds_its_moe_with_batched_mm(tmp_path):
         want = built("cpu")(ids).logits
         got = tpu(ids).logits
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+#: Qwen3-30B-A3B's config.json shapes: 48 blocks of 128 experts, 8 a token, expert width 768
+QWEN3_30B_A3B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "max_position_embeddings": 40960,
+                 "tie_word_embeddings": False}
+#: libtpu 0.0.52's refusal of Qwen3-30B-A3B's block update graph at 1 x 512 tokens with batched_mm experts, for v6e
+#: (docs/tpu.md, "MoE on TPU"): "CompileTimeHbmOom: ... HLO temporaries (61.32G) exceeds available HBM (31.24G)"
+XLA_A3B_UPDATE_TEMPORARIES = 61.32e9
+
+
+def test_the_memory_plan_counts_the_gathered_expert_weights(tmp_path):
+    """The TPU plan's update temporaries hold what batched_mm gathers (each token's 8 experts' weights, and their
+    gradients): at or over the 61.3 GB libtpu measured for Qwen3-30B-A3B's block at 1 x 512 tokens, within 30%; the
+    plan's notes say it in one line. The control: without the gathered weights the plan is under XLA by far."""
+    from transformers import Qwen3MoeConfig
+
+    from verl_backend.driver.memory_plan import plan_memory
+    from verl_backend.driver.model_shape import arrays_bytes, model_shape
+    from verl_backend.driver.plan import compose_config
+    from verl_backend.driver.profiles import PROFILES
+
+    Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(tmp_path)  # config.json only
+    keys = {"trainer.n_gpus_per_node": 8, "algorithm.adv_estimator": "grpo", "data.train_batch_size": 8,
+            "data.max_prompt_length": 256, "data.max_response_length": 256,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+            "actor_rollout_ref.model.path": str(tmp_path)}
+    tpu = PROFILES["tpu"]
+    config = compose_config([f"{k}={v}" for k, v in {**tpu.overrides, **{k: str(v) for k, v in keys.items()}}.items()])
+    plan = plan_memory(config, "v6e-8", tpu)
+    temps = plan.term("update temporaries")
+    assert XLA_A3B_UPDATE_TEMPORARIES <= temps <= 1.3 * XLA_A3B_UPDATE_TEMPORARIES, temps / 1e9
+    [note] = [n for n in plan.notes if n.startswith("MoE on TPU")]
+    assert "batched_mm" in note and "chlo.scan" in note and "\n" not in note
+    shape = model_shape(Qwen3MoeConfig(**QWEN3_30B_A3B))
+    without = [a for a in shape.block_temporaries(1, 512, 2) if "gathered" not in a[0]]
+    assert arrays_bytes(without) < XLA_A3B_UPDATE_TEMPORARIES / 10  # the control
