@@ -1,13 +1,21 @@
 """Folders by process (issue #34): imports go down the layers, never up, and no module imports itself in a circle.
 
-Layers, top to bottom (``LAYERS``); a module may import its own layer and the layers below it:
+Layers, top to bottom (``LAYERS``), one per folder of ``verl_backend`` (issue #46 item 1); a module may import its
+own layer and the layers below it:
 
-1. ``driver``: ``verl_backend/driver/`` (and ``aot/``), only in the ``verl train`` process;
-2. ``every VeRL process``: ``verl_backend/workers/``, ``rollout/``, ``weight_sync/``, ``patches/``, ``host_memory/``;
-3. ``shared``: the modules at ``verl_backend/``'s root (settings, errors, the default model) and ``verl_backend/data/``,
-   read by the driver and the workers alike;
-4. ``ray_cluster``: the ``rl-tpu`` command and the slice placement the layers above call; it imports only ``rl_tpu``;
-5. ``rl_tpu``: device and slice facts, the sampler; it imports none of the others.
+1. ``driver``: ``verl_backend/driver/`` (and ``aot/``, in the same layer for now), only in the ``verl train`` process;
+2. ``workers``: ``verl_backend/workers/``: the plugin, the platforms, the engine, checkpoints, slice pools, SIGTERM;
+3. ``rollout``: ``verl_backend/rollout/``: the native rollout (server, replica, adapter);
+4. ``weight_sync``: ``verl_backend/weight_sync/``: the transports; it depends on the rollout only through the
+   rollout's interface on the floor below (``verl_backend/worker_sampler.py``) and values its callers pass;
+5. ``host_memory``: ``verl_backend/host_memory/``: heap, fork server, the unwrapped CPU rank;
+6. ``patches``: ``verl_backend/patches/``: the touch points of VeRL, TransferQueue and FSDP2; the rl-tpu features two
+   patches run are handed down by the plugin (``verl_backend.patches.apply(features=...)``);
+7. ``data``: ``verl_backend/data/``: converters to VeRL's parquet and reward functions;
+8. ``shared``: the modules at ``verl_backend/``'s root (settings, errors, the default model, the worker sampler's
+   interface), read by the driver and the workers alike;
+9. ``ray_cluster``: the ``rl-tpu`` command and the slice placement the layers above call; it imports only ``rl_tpu``;
+10. ``rl_tpu``: device and slice facts, the sampler; it imports none of the others.
 
 ``edge_export`` (the ``litert`` command) stands apart (``APART``): it may import ``rl_tpu`` and nothing else of the
 others, and none of them imports it (``verl train --export`` runs it as a subprocess).
@@ -32,17 +40,18 @@ PACKAGES = ("verl_backend", "rl_tpu", "ray_cluster", "edge_export")
 
 # top to bottom; a folder (package) of the repository → its layer. A folder missing here is an error: give it a
 # layer and a row in the README's layout table.
-LAYERS = ("driver", "every VeRL process", "shared", "ray_cluster", "rl_tpu")
+LAYERS = ("driver", "workers", "rollout", "weight_sync", "host_memory", "patches", "data", "shared", "ray_cluster",
+          "rl_tpu")
 FOLDERS = {
     "verl_backend.driver": "driver",
-    "verl_backend.driver.aot": "driver",
-    "verl_backend.workers": "every VeRL process",
-    "verl_backend.rollout": "every VeRL process",
-    "verl_backend.weight_sync": "every VeRL process",
-    "verl_backend.patches": "every VeRL process",
-    "verl_backend.host_memory": "every VeRL process",
+    "verl_backend.driver.aot": "driver",  # the aot circle with the driver is issue #46's other part
+    "verl_backend.workers": "workers",
+    "verl_backend.rollout": "rollout",
+    "verl_backend.weight_sync": "weight_sync",
+    "verl_backend.host_memory": "host_memory",
+    "verl_backend.patches": "patches",
+    "verl_backend.data": "data",
     "verl_backend": "shared",
-    "verl_backend.data": "shared",
     "ray_cluster": "ray_cluster",
     "rl_tpu": "rl_tpu",
     "rl_tpu.sampler": "rl_tpu",
@@ -177,7 +186,7 @@ def test_the_graph_is_the_real_one():
     graph = import_graph(ROOT, PACKAGES)
     assert len(graph) > 100
     assert "verl_backend.driver.runner" in graph["verl_backend.driver.train"]  # module level
-    assert "verl_backend.workers.preemption" in graph["verl_backend.patches.verl"]  # inside a function
+    assert "verl_backend.workers.preemption" in graph["verl_backend.workers.plugin"]  # inside a function
     assert "verl_backend.weight_sync.base" in graph["verl_backend.weight_sync.route"]
     assert "ray_cluster.fake_slice" in graph["ray_cluster.cli"]  # relative, inside a function: `from . import ...`
     assert "ray_cluster.errors" in graph["ray_cluster.jobs"]  # relative: `from .errors import ...`
@@ -259,6 +268,34 @@ def test_imports_into_and_out_of_the_layer_apart_and_a_folder_without_a_layer_ar
         "folder fake.new has no layer (add it to FOLDERS and to the README's layout table)",
         "fake.apart imports fake.high.top: out of 'apart', which stands apart, to 'high'",
         "fake.low.other imports fake.apart: into 'apart', which stands apart"]
+
+
+@pytest.mark.parametrize("module, target, folders", [
+    ("verl_backend.weight_sync.gloo_engine", "verl_backend.rollout.inworker", ("weight_sync", "rollout")),
+    ("verl_backend.patches.verl", "verl_backend.workers.preemption", ("patches", "workers")),
+    ("verl_backend.host_memory.plain_module", "verl_backend.workers.lora_checkpoint", ("host_memory", "workers")),
+    ("verl_backend.weight_sync.route", "verl_backend.rollout.native_kwargs", ("weight_sync", "rollout")),
+])
+def test_each_folder_is_a_floor_of_its_own(tmp_path, module, target, folders):
+    """The three arrows that ran back up between folders once in one layer (issue #46), put back one at a time into
+    a copy of the tree: each is reported as an import up from one folder's floor to another's."""
+    import shutil
+
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / (module.replace(".", "/") + ".py")
+    package, _, name = target.rpartition(".")
+    path.write_text(path.read_text() + f"\n\ndef _up():\n    from {package} import {name}\n")
+    found = problems(tmp_path, PACKAGES, FOLDERS, LAYERS, APART)
+    upward = [line for line in found if not line.startswith("import circle: ")]
+    assert upward == [f"{module} imports {target}: up from '{folders[0]}' to '{folders[1]}'"], found
+
+
+def test_layers_are_ordered_one_per_folder_of_verl_backend():
+    """Each folder of ``verl_backend`` has a layer of its own (driver/aot excepted), and every layer is used."""
+    inside = [f for f in FOLDERS if f.startswith("verl_backend") and f != "verl_backend.driver.aot"]
+    assert len({FOLDERS[f] for f in inside}) == len(inside)
+    assert set(FOLDERS.values()) - {"edge_export"} == set(LAYERS)
 
 
 @pytest.mark.parametrize("module", ["verl_backend.patches.verl", "rl_tpu.device", "ray_cluster.placement"])

@@ -22,7 +22,7 @@ ENTRY_POINTS = {
     "verl_backend/rollout/server.py": "NativeRolloutServer.__init__",  # the rollout server's construction
     "verl_backend/weight_sync/gloo_engine.py": "GlooCheckpointEngine.__init__",  # the pool sync engine
     "verl_backend/workers/platforms.py": "PlatformTPU.set_device",  # the TPU platform's device set-up
-    "verl_backend/patches/verl.py": "_create_resource_pool.create_resource_pool",  # the TaskRunner's pools
+    "verl_backend/workers/slice_pool.py": "place_pools_on_slices",  # the TaskRunner's pools
     "verl_backend/models.py": "convert_default_model_here",  # VeRL's copy_to_local hook and the engines' build
 }
 

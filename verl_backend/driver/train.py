@@ -174,10 +174,12 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(config))
         show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_fit.py)
+        from verl_backend.rollout.native_kwargs import native_engine_kwargs
         from verl_backend.weight_sync import plan_routes
 
+        placement = native_engine_kwargs(config.actor_rollout_ref.rollout).sampler_placement
         print(plan_routes(config, cpu=backend.platform == "cpu", shared_weights=bool(settings.shared_weights),
-                          rollout_slice=settings.rollout_slice or None))  # each replica's weight-sync route, why
+                          rollout_slice=settings.rollout_slice or None, placement=placement))  # each replica's route
         return 0
 
     check_memory_fits(config, settings.slice, backend)  # a TPU job past its chips' HBM stops here, one line

@@ -1,4 +1,4 @@
-"""Engine mixins for one CPU rank: the model unwrapped (no FSDP2), and checkpoints whose config names its dtype."""
+"""Engine mixin for one CPU rank: the model trained unwrapped, without FSDP2 (:class:`SingleRankPlainModule`)."""
 
 from __future__ import annotations
 
@@ -13,68 +13,7 @@ from verl_backend.patches.verl_internals import engine_state, set_unwrapped_prec
 from verl_backend.settings import EngineSettings
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
-def match_saved_config_dtype(hf_dir: str | os.PathLike) -> str | None:
-    """Make an HF checkpoint's ``config.json`` name the dtype its ``*.safetensors`` weights are stored in.
-
-    VeRL 0.9.1's ``FSDPCheckpointManager.save_checkpoint`` (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``)
-    builds the model it saves with ``torch_dtype=torch.bfloat16`` and then writes the trainer's state dict into it:
-    on our float32 CPU engine the file holds F32 tensors under a config saying ``"dtype": "bfloat16"``, so
-    ``AutoModelForCausalLM.from_pretrained(ckpt)`` silently loads the trained model in bfloat16. The config is
-    rewritten atomically (a temporary file renamed over it).
-
-    Args:
-        hf_dir: the checkpoint's ``huggingface`` folder.
-
-    Returns:
-        The dtype name now in the config (e.g. ``"float32"``), or ``None`` when there is no config, no safetensors
-        file, or no floating-point tensor to read it from.
-    """
-    from safetensors import safe_open
-
-    hf_dir = Path(hf_dir)
-    config_path, files = hf_dir / "config.json", sorted(hf_dir.glob("*.safetensors"))
-    if not config_path.is_file() or not files:
-        return None
-    name = None
-    with safe_open(str(files[0]), framework="pt") as f:
-        for key in f.keys():
-            name = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
-            if name is not None:
-                break
-    if name is None:
-        return None
-    config = json.loads(config_path.read_text())
-    stale = [k for k in ("dtype", "torch_dtype") if k in config and config[k] != name]
-    if stale:
-        for k in stale:
-            config[k] = name
-        tmp = config_path.with_name(f".{config_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, config_path)
-    return name
-
-
-class _HFConfigDtypeOnSave:
-    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`);
-    with LoRA, ``huggingface/`` becomes the merged model and ``lora_adapter/`` the adapter
-    (:func:`verl_backend.workers.lora_checkpoint.save_lora_checkpoint`)."""
-
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
-                                max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
-        if engine_state(self).lora and local_path is not None:
-            from verl_backend.workers.lora_checkpoint import save_lora_checkpoint
-
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            save_lora_checkpoint(self.module, local_path, rank=rank)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            match_saved_config_dtype(Path(local_path) / "huggingface")
-
-
-class _SingleRankPlainModule:
+class SingleRankPlainModule:
     """Engine mixin: on one CPU rank, train the Hugging Face module as it is instead of wrapping it in FSDP2.
 
     With a world size of 1 FSDP2 shards nothing, yet it still costs host memory and time: the root module's

@@ -24,7 +24,7 @@ patched at once).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from rl_tpu.patches import ray_internals as _ray
 from verl_backend.patches import transfer_queue as _transfer_queue
@@ -60,12 +60,18 @@ def check_versions(installed: Mapping[str, str | None] | None = None) -> None:
     _checked = _checked or installed is None
 
 
-def apply() -> None:
+def apply(features: Mapping[str, Callable] | None = None) -> None:
     """Check the versions (:func:`check_versions`), then apply every patch once its module is imported (idempotent).
 
     Uses post-import hooks (``wrapt.register_post_import_hook``): a module already imported is patched at once.
+
+    Args:
+        features: the rl-tpu features two patched VeRL methods run, by name
+            (:data:`verl_backend.patches.verl.FEATURES`: ``resource_pools``, ``step_begin``), handed over by the
+            plugin that owns them; given again, they replace the earlier ones.
     """
     global _applied
+    _verl.FEATURES.update(features or {})
     if _applied:
         return
     check_versions()

@@ -17,6 +17,27 @@ VERSIONS = "==0.9.1"  # the VeRL release these patches were written against and 
 NATIVE_ROLLOUT = "verl_backend.rollout.adapter.NativeServerAdapter"
 REPLAY_POLL_S = 0.2
 
+#: rl-tpu features that two patched VeRL methods run, by name: ``resource_pools(manager)`` after
+#: ``ResourcePoolManager.create_resource_pool``, ``step_begin(trainer)`` in ``PPOTrainer.on_step_begin``. The plugin
+#: (:mod:`verl_backend.workers.plugin`, the floor above that owns them) hands them over through
+#: :func:`verl_backend.patches.apply`, so this floor imports nothing of the workers.
+FEATURES: dict[str, Callable] = {}
+
+
+def feature(name: str) -> Callable:
+    """The feature ``name`` of :data:`FEATURES`.
+
+    Raises:
+        RuntimeError: the plugin did not hand it over (a patched VeRL method ran without
+            :func:`verl_backend.patches.apply` being given the features).
+    """
+    try:
+        return FEATURES[name]
+    except KeyError:
+        raise RuntimeError(f"rl-tpu's patch of VeRL runs the feature {name!r}, which the plugin did not hand over "
+                           "(verl_backend.patches.apply(features=...), called by verl_backend.workers.plugin)"
+                           ) from None
+
 
 def _dedupe_backend(backend: str | None) -> str | None:
     """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: one backend per device type, first one wins."""
@@ -81,37 +102,11 @@ def _resource_check(original):
 
 def _create_resource_pool(original):
     def create_resource_pool(self) -> None:
-        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1).
-
-        With ``rl_tpu.slice`` set, a pool shaped ``[chips_per_host] * hosts`` of that slice is a
-        :class:`SliceResourcePool`; with ``rl_tpu.rollout_slice`` too, each standalone rollout replica's pool
-        (``rollout_pool_<rank>``) is its block of the rollout slice (``slice_pool.RolloutSlice``); every other pool
-        (and every pool without a slice) is VeRL's own.
-
-        This is where the TaskRunner's pool creation reads the job's settings record, once
-        (:func:`verl_backend.settings.current`), and hands the slices and ``rl_tpu.slice_timeout_s`` down.
-        """
-        from verl_backend.settings import current
-        from verl_backend.workers.slice_pool import (
-            SliceResourcePool,
-            rollout_slice_pool,
-            slice_of,
-        )
-
+        """Patched ``verl.single_controller.ray.base.ResourcePoolManager.create_resource_pool`` (VeRL 0.9.1): VeRL's
+        pools, then the plugin's feature ``resource_pools`` (:data:`FEATURES`: the pools of ``rl_tpu.slice`` and
+        ``rl_tpu.rollout_slice`` reserved whole, :func:`verl_backend.workers.slice_pool.place_pools_on_slices`)."""
         original(self)
-        settings = current()  # the one read of the job's record in pool creation
-        spec, rollout_spec = slice_of(settings.slice), slice_of(settings.rollout_slice)
-        if spec is None:
-            return
-        timeout_s = settings.slice_timeout_s
-        for pool_name, nodes in self.resource_pool_spec.items():
-            on_rollout_slice = rollout_slice_pool(pool_name, nodes, self.max_colocate_count, timeout_s,
-                                                  rollout_spec)
-            if on_rollout_slice is not None:
-                self.resource_pool_dict[pool_name] = on_rollout_slice
-            elif list(nodes) == [spec.chips_per_host] * spec.hosts:
-                self.resource_pool_dict[pool_name] = SliceResourcePool(
-                    spec, name_prefix=pool_name, max_colocate_count=self.max_colocate_count, timeout_s=timeout_s)
+        feature("resource_pools")(self)
 
     return create_resource_pool
 
@@ -258,10 +253,9 @@ def _load_from_cpu(original):
 def _step_begin_hook(original):
     def on_step_begin(self):
         """Patched ``PPOTrainer.on_step_begin`` (VeRL 0.9.1, an empty hook its subclasses do not override): it
-        also ends a SIGTERM'd run at the step boundary (:func:`verl_backend.workers.preemption.at_step_begin`)."""
-        from verl_backend.workers.preemption import at_step_begin
-
-        at_step_begin(self)
+        also runs the plugin's feature ``step_begin`` (:data:`FEATURES`: a SIGTERM'd run ends at the step boundary,
+        :func:`verl_backend.workers.preemption.at_step_begin`)."""
+        feature("step_begin")(self)
         return original(self)
 
     return on_step_begin

@@ -33,8 +33,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl_backend import weight_sync
 from verl_backend.rollout import server_actor_name
 from verl_backend.rollout.native_kwargs import native_engine_kwargs
-from verl_backend.weight_sync.base import full_cpu
-from verl_backend.weight_sync.object_store import MAX_BUCKETS_IN_FLIGHT
+from verl_backend.weight_sync.base import ReplicaEnd, full_cpu, transport_class
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,8 @@ class NativeServerAdapter(BaseRollout):
 
     async def _choose_route(self) -> weight_sync.SyncRoute:
         """The route of this replica's syncs (:func:`verl_backend.weight_sync.choose_route`), decided at the first
-        sync from what this process and the server can map, and logged once with its reason."""
+        sync from what this process and the server can map, and logged once with its reason by the replica's
+        leader."""
         if self.route is None:
             shared = bool(self.rl_tpu.shared_weights) and self.placement == "server"
             trainer = server = "rl_tpu.shared_weights=false"
@@ -188,7 +188,8 @@ class NativeServerAdapter(BaseRollout):
                 placement=self.placement, shared_weights=bool(self.rl_tpu.shared_weights), trainer_memory=trainer,
                 server_memory=server, src_rank=self.src_rank, dst_replica=self.replica_rank,
                 bucket_bytes=self.bucket_bytes))
-            print(weight_sync.took_line(self._planned(), self.route), flush=True)
+            if self.is_leader:
+                print(weight_sync.took_line(self._planned(), self.route), flush=True)
         return self.route
 
     def _planned(self) -> str:
@@ -208,30 +209,21 @@ class NativeServerAdapter(BaseRollout):
             server_memory=server)).transport
 
     async def _transport(self) -> weight_sync.Transport:
-        """The transport of this replica's route (made at the first sync)."""
+        """The transport of this replica's route (made at the first sync, through the
+        :class:`~verl_backend.weight_sync.Transport` interface: :meth:`~verl_backend.weight_sync.Transport.for_replica`
+        of the class the registry names)."""
         if self.transport is None:
-            if self.placement == "worker":
-                from verl_backend.weight_sync.in_worker import InWorker
-
-                if self.is_leader:
-                    await self._choose_route()
-                self.transport = InWorker(self.sampler, self._server_handle() if self.is_leader else None)
-                return self.transport
             route = await self._choose_route()
-            server = self._server_handle()
-            if route.transport == "trainer_memory":
-                from verl_backend.weight_sync.trainer_memory import TrainerMemory
-
-                self.transport = TrainerMemory(server, self._attached)
-            elif route.transport == "shared_memory":
-                from verl_backend.weight_sync.shared_memory import SharedMemory
-
-                self.transport = SharedMemory(server, self._writer)
-            else:
-                from verl_backend.weight_sync.object_store import ObjectStore
-
-                self.transport = ObjectStore(server, route.bucket_bytes, MAX_BUCKETS_IN_FLIGHT)
+            self.transport = transport_class(route.transport).for_replica(self._end(route))
         return self.transport
+
+    def _end(self, route: weight_sync.SyncRoute) -> ReplicaEnd:
+        """What this adapter holds for its syncs (:class:`~verl_backend.weight_sync.base.ReplicaEnd`)."""
+        return ReplicaEnd(server=self._server_handle() if self.is_leader else None, sampler=self.sampler,
+                          attached=None if self._attached is False else self._attached,
+                          writer=None if self._writer is False else self._writer,
+                          bucket_bytes=route.bucket_bytes, colocated=self.colocated,
+                          shared_weights=bool(self.rl_tpu.shared_weights))
 
     async def resume(self, tags: list[str]):
         return None
@@ -309,17 +301,8 @@ class NativeServerAdapter(BaseRollout):
         self.last_metrics = {**report.as_metrics(), **verify}
         if trainer_side:
             self.last_metrics["weight_sync/verify_trainer_seconds"] = probe_seconds
-        if transport.name == "in_worker":
-            where = "the trainer worker's" if self.colocated else "the rollout worker's own"
-            self._report_first_sync(transport="in process", detail=f"loaded on {where} device")
-        elif transport.name == "trainer_memory":
-            self._report_first_sync(transport="shared memory", detail="in place: the rollout computes on the "
-                                    f"trainer's parameters, {report.copied_bytes / 1e6:.0f} MB copied")
-        elif transport.name == "shared_memory":
-            self._report_first_sync(transport="shared memory")
-        else:
-            self._report_first_sync(transport="object store",
-                                    detail="" if self.rl_tpu.shared_weights else "rl_tpu.shared_weights=false")
+        words, detail = transport.first_sync_words(report, self._end(self.route))
+        self._report_first_sync(transport=words, detail=detail)
 
     async def _verify_sync(self, proof) -> dict:
         """The rollout proves it computes with the weights just sent (:mod:`verl_backend.weight_sync.verify`): this

@@ -7,7 +7,9 @@ rollout reports the version its samples came from). :func:`~verl_backend.weight_
 place that picks how, among all six, from facts about the job's config and placement, and says why:
 ``verl train --print-config`` prints the plan for each replica
 (:func:`~verl_backend.weight_sync.route.plan_routes`), and the run logs ``[rl-tpu] weight sync route: planned X,
-took Y, because ...``. The transports, cheapest first; the number is ``weight_sync/route`` in ``metrics.jsonl``:
+took Y, because ...``. The transports, cheapest first, each a class behind the :class:`Transport` interface found by
+name in one registry (:data:`~verl_backend.weight_sync.base.REGISTRY`, which gives each its stable number,
+``weight_sync/route`` in ``metrics.jsonl``):
 
 ==  ======================  ===========================================================================================
  0  ``in_worker``           the sampler runs inside the worker that owns the device (``sampler_placement=worker``,
@@ -38,7 +40,8 @@ the rollout computes with the weights sent; 0.0 until then).
 Modules (no import circle; arrows one way: ``base`` ← ``route``, ``lora`` ← ``apply`` ← transports ← ``gloo_engine``,
 ``verify`` ← ``gloo_engine``):
 
-- :mod:`.base` the names and route numbers, :class:`SyncReport`, the :class:`Transport` interface, the hand-over;
+- :mod:`.base` the transport registry (names, route numbers, classes), :class:`SyncReport`, the :class:`Transport`
+  interface, the hand-over;
 - :mod:`.route` :class:`SyncFacts`, :class:`SyncRoute`, :func:`choose_route`, the ``--print-config`` plan;
 - :mod:`.apply` the rollout side's two seams: :func:`~.apply.load` (a received stream enters a sampler; its
   :func:`~.apply.received` hook is where an adapter-only LoRA payload becomes merged tensors) and
@@ -56,14 +59,17 @@ This ``__init__`` imports only the light modules (no VeRL, no Ray): the engine a
 """
 
 from verl_backend.weight_sync.base import (
+    REGISTRY,
     TRANSPORTS,
+    ReplicaEnd,
     SyncReport,
     Transport,
     hand_over,
     handed_over,
     route_number,
+    transport_class,
 )
 from verl_backend.weight_sync.route import SyncFacts, SyncRoute, choose_route, plan_routes, took_line
 
-__all__ = ["TRANSPORTS", "SyncFacts", "SyncReport", "SyncRoute", "Transport", "choose_route", "hand_over",
-           "handed_over", "plan_routes", "route_number", "took_line"]
+__all__ = ["REGISTRY", "TRANSPORTS", "ReplicaEnd", "SyncFacts", "SyncReport", "SyncRoute", "Transport",
+           "choose_route", "hand_over", "handed_over", "plan_routes", "route_number", "took_line", "transport_class"]

@@ -65,7 +65,6 @@ import torch
 import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from verl_backend.rollout.inworker import InWorkerGenerate
 from verl_backend.settings import SettingsMissingError, WeightSyncSettings, current, weight_sync_settings
 from verl_backend.weight_sync.base import SyncReport
 from verl_backend.weight_sync.pool_broadcast import (
@@ -85,6 +84,7 @@ from verl_backend.weight_sync.pool_shared_memory import (
 )
 from verl_backend.weight_sync.pool_stream import PoolSyncError, ReceivedWeights, merge_chunks
 from verl_backend.weight_sync.route import SyncFacts, choose_route
+from verl_backend.worker_sampler import InWorkerGenerate
 
 __all__ = ["GlooCheckpointEngine", "PoolSyncError", "ReceivedWeights"]
 
@@ -108,7 +108,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
     """VeRL checkpoint engine ``gloo``: one trainer rank broadcasts bucketed weights to every rollout worker
     (through a shared-memory file when all of them are on its host: module docstring). With
     ``sampler_placement=worker`` (the TPU profile) its rollout workers also sample, on their own chips
-    (:class:`verl_backend.rollout.inworker.InWorkerGenerate`).
+    (:class:`verl_backend.worker_sampler.InWorkerGenerate`, the rollout's interface).
 
     Args:
         bucket_size: bytes per bucket (VeRL's ``checkpoint_engine.update_weights_bucket_megabytes`` << 20).

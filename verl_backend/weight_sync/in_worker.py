@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from verl_backend.weight_sync.apply import live, load
-from verl_backend.weight_sync.base import SyncReport, Transport, allow_views
+from verl_backend.weight_sync.base import ReplicaEnd, SyncReport, Transport, allow_views
 
 
 class InWorker(Transport):
@@ -21,6 +21,15 @@ class InWorker(Transport):
 
     def __init__(self, sampler: Any, server: Any = None) -> None:
         self.sampler, self.server = sampler, server
+
+    @classmethod
+    def for_replica(cls, end: ReplicaEnd) -> InWorker:
+        """This process's sampler; the server told the version on the replica's leader only."""
+        return cls(end.sampler, end.server)
+
+    def first_sync_words(self, report: SyncReport, end: ReplicaEnd) -> tuple[str, str]:
+        where = "the trainer worker's" if end.colocated else "the rollout worker's own"
+        return "in process", f"loaded on {where} device"
 
     async def send(self, weights: Iterable[tuple[str, Any]], version: int | None) -> SyncReport:
         start = time.perf_counter()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rl_tpu.collectives import bucket_layout, iter_buckets, pack_bucket, unpack_bucket
-from verl_backend.weight_sync.base import SyncReport, Transport, full_cpu
+from verl_backend.weight_sync.base import ReplicaEnd, SyncReport, Transport, full_cpu
 
 MAX_BUCKETS_IN_FLIGHT = 2  # buckets sent and not yet loaded: the object store holds at most these
 
@@ -80,8 +80,16 @@ class ObjectStore(Transport):
     def __init__(self, server=None, bucket_bytes: int = 512 << 20, max_in_flight: int = MAX_BUCKETS_IN_FLIGHT):
         self.server, self.bucket_bytes, self.max_in_flight = server, int(bucket_bytes), max_in_flight
 
+    @classmethod
+    def for_replica(cls, end: ReplicaEnd) -> ObjectStore:
+        """Buckets of ``end.bucket_bytes``, at most :data:`MAX_BUCKETS_IN_FLIGHT` sent and not yet loaded."""
+        return cls(end.server, end.bucket_bytes, MAX_BUCKETS_IN_FLIGHT)
+
     def describe(self) -> str:
         return "object store"
+
+    def first_sync_words(self, report: SyncReport, end: ReplicaEnd) -> tuple[str, str]:
+        return "object store", "" if end.shared_weights else "rl_tpu.shared_weights=false"
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None) -> SyncReport:
         import ray

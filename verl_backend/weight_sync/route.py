@@ -1,6 +1,6 @@
 """The one route choice: which transport carries the trainer's weights to each rollout replica, and why.
 
-:func:`choose_route` decides among all six transports (:data:`~verl_backend.weight_sync.base.TRANSPORTS`) from
+:func:`choose_route` decides among all six transports (:data:`~verl_backend.weight_sync.base.REGISTRY`) from
 :class:`SyncFacts`. Two callers gather the facts:
 
 - ``verl train --print-config`` (:func:`plan_routes`), before Ray: from the job's config and the backend profile
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verl_backend.rollout.native_kwargs import native_engine_kwargs
-from verl_backend.weight_sync.base import TRANSPORTS
+from verl_backend.weight_sync.base import TRANSPORTS, registered
 
 PLACEMENTS = ("server", "worker")
 
@@ -53,11 +52,6 @@ class SyncFacts:
     pool_memory: str | None = None
 
 
-_HOW = {"in_worker": "in the trainer worker", "trainer_memory": "shared memory, in place",
-        "shared_memory": "shared memory, copied once", "object_store": "Ray object store",
-        "pool_broadcast": "gloo broadcast between pools", "pool_shared_memory": "shared-memory buckets between pools"}
-
-
 @dataclass(frozen=True)
 class SyncRoute:
     """How one trainer rank's weights reach one rollout replica, and why this way."""
@@ -70,7 +64,7 @@ class SyncRoute:
 
     def describe(self) -> str:
         """``trainer rank 0 -> rollout replica 0: shared memory, in place (why)``."""
-        how = _HOW[self.transport]
+        how = registered(self.transport).how
         if self.bucket_bytes:
             how += f", {self.bucket_bytes >> 20} MiB buckets"
         return f"trainer rank {self.src_rank} -> rollout replica {self.dst_replica}: {how} ({self.reason})"
@@ -86,9 +80,8 @@ def choose_route(facts: SyncFacts) -> SyncRoute:
         raise ValueError(f"sampler placement {facts.placement!r}: expected 'worker' or 'server'")
 
     def route(transport: str, reason: str) -> SyncRoute:
-        bucketed = transport in ("object_store", "pool_broadcast", "pool_shared_memory")
         return SyncRoute(transport, reason, facts.src_rank, facts.dst_replica,
-                         facts.bucket_bytes if bucketed else 0)
+                         facts.bucket_bytes if registered(transport).bucketed else 0)
 
     if facts.pool:
         if not facts.shared_weights:
@@ -147,7 +140,8 @@ def known_blockers(cpu: bool, trainer_ranks: int, lora_rank: int) -> tuple[str |
     return trainer, server
 
 
-def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None) -> tuple[list, str]:
+def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *,
+                 placement: str) -> tuple[list, str]:
     """The facts of each rollout replica knowable from the composed config (``(facts per replica, note)``).
 
     Args:
@@ -155,9 +149,12 @@ def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | N
         cpu: the trainer's parameters live in host memory (the CPU backend); on an accelerator they do not.
         shared_weights: the ``rl_tpu.shared_weights`` setting.
         rollout_slice: ``rl_tpu.rollout_slice`` (the rollout pool on a slice of its own: other hosts).
+        placement: where the sampler runs, ``"server"`` or ``"worker"`` (the rollout's
+            ``engine_kwargs.native.sampler_placement``, read by the caller with
+            :func:`verl_backend.rollout.native_kwargs.native_engine_kwargs`: the weight sync does not read the
+            rollout's keys).
     """
     rollout = _get(config, "actor_rollout_ref.rollout")
-    placement = native_engine_kwargs(rollout).sampler_placement
     mode = str(_get(config, "trainer.v1.trainer_mode", "sync"))
     backend = str(_get(rollout, "checkpoint_engine.backend", "naive"))
     pool = mode == "separate_async" and backend == "gloo"  # VeRL's standalone replicas, fed by our gloo engine
@@ -180,13 +177,14 @@ def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | N
                    "route and logs 'planned X, took Y, because ...'")
 
 
-def plan_routes(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None) -> str:
+def plan_routes(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *,
+                placement: str) -> str:
     """``--print-config``: the route each rollout replica is planned to take and why, as ``# `` comment lines (the
-    output still loads as YAML)."""
-    facts, note = config_facts(config, cpu, shared_weights, rollout_slice)
+    output still loads as YAML). Arguments as :func:`config_facts`."""
+    facts, note = config_facts(config, cpu, shared_weights, rollout_slice, placement=placement)
     lines = ["weight sync (planned; the run's log says 'planned X, took Y'):"]
     lines += [f"  {choose_route(f).describe()}" for f in facts]
     lines.append(f"  {note}")
     lines.append("  route numbers (weight_sync/route in metrics.jsonl): "
-                 + ", ".join(f"{i} {t}" for i, t in enumerate(TRANSPORTS)))
+                 + ", ".join(f"{registered(t).route} {t}" for t in TRANSPORTS))
     return "\n".join(f"# {line}" for line in lines)

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from verl_backend.weight_sync.apply import received
-from verl_backend.weight_sync.base import SyncReport, Transport, allow_views, full_cpu
+from verl_backend.weight_sync.base import ReplicaEnd, SyncReport, Transport, allow_views, full_cpu
 
 
 class SharedMemory(Transport):
@@ -19,6 +19,10 @@ class SharedMemory(Transport):
 
     def __init__(self, server: Any = None, writer: Any = None) -> None:
         self.server, self.writer = server, writer
+
+    @classmethod
+    def for_replica(cls, end: ReplicaEnd) -> SharedMemory:
+        return cls(end.server, end.writer)
 
     def describe(self) -> str:
         return "shared memory"

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from verl_backend.weight_sync.base import SyncReport, Transport, full_cpu
+from verl_backend.weight_sync.base import ReplicaEnd, SyncReport, Transport, full_cpu
 
 
 class TrainerMemory(Transport):
@@ -22,8 +22,16 @@ class TrainerMemory(Transport):
     def __init__(self, server: Any = None, attached: Any = None) -> None:
         self.server, self.attached = server, attached
 
+    @classmethod
+    def for_replica(cls, end: ReplicaEnd) -> TrainerMemory:
+        return cls(end.server, end.attached)
+
     def describe(self) -> str:
         return "shared memory"
+
+    def first_sync_words(self, report: SyncReport, end: ReplicaEnd) -> tuple[str, str]:
+        return "shared memory", ("in place: the rollout computes on the trainer's parameters, "
+                                 f"{report.copied_bytes / 1e6:.0f} MB copied")
 
     async def send(self, weights: Iterable[tuple[str, Any]], version: int | None) -> SyncReport:
         start = time.perf_counter()

@@ -4,7 +4,7 @@ VeRL 0.9.1 registers ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` for 
 The engine itself is device-agnostic once the platform supplies the device module and the collective backend
 (gloo on CPU, ``tpu_dist`` on TPU): FSDP2 ``fully_shard`` over ``init_device_mesh(<device>, ...)``. We register
 subclasses for our devices rather than copying the engine. On one CPU rank the model runs unwrapped instead
-(:class:`verl_backend.host_memory.plain_module._SingleRankPlainModule`): FSDP2 would shard nothing there and only add
+(:class:`verl_backend.host_memory.plain_module.SingleRankPlainModule`): FSDP2 would shard nothing there and only add
 copies. The LM head runs at response positions only (:mod:`verl_backend.workers.response_logits`).
 """
 
@@ -24,9 +24,10 @@ from verl.workers.engine.fsdp.transformer_impl import (
 
 from rl_tpu.patches.torch_internals import unwrap_fsdp  # FSDP1's private wrapper attribute
 from verl_backend import weight_sync
-from verl_backend.host_memory.plain_module import _HFConfigDtypeOnSave, _SingleRankPlainModule
+from verl_backend.host_memory.plain_module import SingleRankPlainModule
 from verl_backend.patches.verl_internals import engine_state
 from verl_backend.settings import EngineSettings, current, engine_settings
+from verl_backend.workers.lora_checkpoint import HFConfigDtypeOnSave
 from verl_backend.workers.response_logits import (
     first_response_logit_position,
     packed_response_log_probs,
@@ -70,7 +71,7 @@ class _DefaultModelHere:
 
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithLMHead):
+class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithLMHead):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank.
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
@@ -275,8 +276,8 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, _SingleRank
 def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     """Move an FSDP2 module's parameter storage into one shared-memory file, in place (one rank: whole tensors).
 
-    An unwrapped module (one CPU rank, :class:`_SingleRankPlainModule`) gets the same: each parameter's ``.data``
-    becomes its view of the file.
+    An unwrapped module (one CPU rank, :class:`~verl_backend.host_memory.plain_module.SingleRankPlainModule`) gets
+    the same: each parameter's ``.data`` becomes its view of the file.
 
     Every ``FSDPParam``'s sharded storage (what the optimizer updates and the all-gather reads; FSDP2's private
     names, read only through :mod:`verl_backend.patches.fsdp2_internals`) becomes a view of the file, so a reader that maps it (the rollout
@@ -299,7 +300,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     by_param = fsdp2.fsdp_params(module)
     named = convert_weight_keys(module.state_dict(keep_vars=True),
                                 unwrap_fsdp(module))
-    if not by_param:  # an unwrapped module (_SingleRankPlainModule): each tensor's .data moves into the file
+    if not by_param:  # an unwrapped module (SingleRankPlainModule): each tensor's .data moves into the file
         return SharedWeights.from_named_tensors(named, name=name)
     groups: dict[int, tuple[list[str], object]] = {}
     for key, param in named.items():
@@ -321,7 +322,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithValueHead(_JobSettingsHere, _DefaultModelHere, _SingleRankPlainModule, _HFConfigDtypeOnSave, FSDPEngineWithValueHead):
+class RlTpuFSDPEngineWithValueHead(_JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithValueHead):
     """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank."""
 
 

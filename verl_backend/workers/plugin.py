@@ -9,7 +9,8 @@ It registers, in every process that imports VeRL (driver, TaskRunner, trainer wo
 - the checkpoint engines ``native`` (the in-worker sampler's weight sync, :mod:`verl_backend.rollout.inworker`)
   and ``gloo`` (weight sync between a trainer pool and a rollout pool, :mod:`verl_backend.weight_sync.gloo_engine`);
 - the narrow patches of VeRL 0.9.1 and TransferQueue in :mod:`verl_backend.patches`, after refusing in one line a
-  version of either outside the tested range;
+  version of either outside the tested range, handing them the features two of them run (the slice pools of
+  :mod:`verl_backend.workers.slice_pool`, the step-boundary stop of :mod:`verl_backend.workers.preemption`);
 - a filter that lets a VeRL warning repeated per sample through once per process (:class:`RepeatedWarningFilter`).
 
 VeRL swallows plugin import errors at debug level, so failures here are logged as warnings instead.
@@ -39,6 +40,20 @@ def _register_checkpoint_engine(_module) -> None:
     # registers the checkpoint engines "native" (in-worker sampler) and "gloo" (weight sync between pools)
     from verl_backend.rollout import inworker  # noqa: F401
     from verl_backend.weight_sync import gloo_engine  # noqa: F401
+
+
+def _place_pools_on_slices(manager) -> None:
+    # the feature run after VeRL creates its resource pools (imported when a TaskRunner first creates them)
+    from verl_backend.workers.slice_pool import place_pools_on_slices
+
+    place_pools_on_slices(manager)
+
+
+def _at_step_begin(trainer) -> None:
+    # the feature run at each step's start (preemption is light: signal handling only)
+    from verl_backend.workers.preemption import at_step_begin
+
+    at_step_begin(trainer)
 
 
 class RepeatedWarningFilter(logging.Filter):
@@ -91,7 +106,7 @@ def register() -> None:
     wrapt.register_post_import_hook(_register_engine, "verl.workers.engine.fsdp.transformer_impl")
     wrapt.register_post_import_hook(_register_replica, "verl.workers.rollout.replica")
     wrapt.register_post_import_hook(_register_checkpoint_engine, "verl.checkpoint_engine.base")
-    patches.apply()
+    patches.apply(features={"resource_pools": _place_pools_on_slices, "step_begin": _at_step_begin})
     _quiet_repeated_warnings()
 
 

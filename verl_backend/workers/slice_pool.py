@@ -4,9 +4,9 @@ VeRL 0.9.1 reserves each resource pool with one ``STRICT_PACK`` placement group 
 (``RayResourcePool.get_placement_groups``): nothing ties those nodes to one TPU slice, so a pool of
 ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` chips can straddle two slices (no ICI between them) or
 wait forever for a shape the cluster lacks. When ``verl train --slice`` (or ``$TPU_ACCELERATOR_TYPE``)
-names a slice, :func:`create_resource_pool` replaces the pool whose shape is that slice's
-(``[chips_per_host] * hosts``) by a :class:`SliceResourcePool`: the whole slice reserved at once with
-Ray's own slice placement (:func:`ray_cluster.placement.reserve_slice_workers`), one bundle per chip,
+names a slice, :func:`place_pools_on_slices` (run after VeRL's ``create_resource_pool``) replaces the pool whose
+shape is that slice's (``[chips_per_host] * hosts``) by a :class:`SliceResourcePool`: the whole slice reserved at
+once with Ray's own slice placement (:func:`ray_cluster.placement.reserve_slice_workers`), one bundle per chip,
 bundle ``r`` on host ``r // chips_per_host``.
 
 VeRL's worker group gives rank ``r`` the bundle with index ``r`` of the pool's placement group when the
@@ -146,3 +146,32 @@ class SliceResourcePool(RayResourcePool):
                   f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu, "
                   f"{self.spec.chips} workers, host of each: {self.placement.bundle_hosts()}", flush=True)
         return self.pgs
+
+
+def place_pools_on_slices(manager) -> None:
+    """After VeRL's ``ResourcePoolManager.create_resource_pool`` (the plugin's feature ``resource_pools``, run by
+    its patch, :data:`verl_backend.patches.verl.FEATURES`): with ``rl_tpu.slice`` set, a pool of ``manager`` shaped
+    ``[chips_per_host] * hosts`` of that slice becomes a :class:`SliceResourcePool`; with ``rl_tpu.rollout_slice``
+    too, each standalone rollout replica's pool (``rollout_pool_<rank>``) is its block of the rollout slice
+    (:class:`RolloutSlice`); every other pool (and every pool without a slice) stays VeRL's own.
+
+    This is where the TaskRunner's pool creation reads the job's settings record, once
+    (:func:`verl_backend.settings.current`), and hands the slices and ``rl_tpu.slice_timeout_s`` down.
+
+    Raises:
+        verl_backend.settings.SettingsMissingError: this process was not started by a ``verl train`` job.
+    """
+    from verl_backend.settings import current
+
+    settings = current()  # the one read of the job's record in pool creation
+    spec, rollout_spec = slice_of(settings.slice), slice_of(settings.rollout_slice)
+    if spec is None:
+        return
+    timeout_s = settings.slice_timeout_s
+    for pool_name, nodes in manager.resource_pool_spec.items():
+        on_rollout_slice = rollout_slice_pool(pool_name, nodes, manager.max_colocate_count, timeout_s, rollout_spec)
+        if on_rollout_slice is not None:
+            manager.resource_pool_dict[pool_name] = on_rollout_slice
+        elif list(nodes) == [spec.chips_per_host] * spec.hosts:
+            manager.resource_pool_dict[pool_name] = SliceResourcePool(
+                spec, name_prefix=pool_name, max_colocate_count=manager.max_colocate_count, timeout_s=timeout_s)

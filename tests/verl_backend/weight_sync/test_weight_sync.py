@@ -48,20 +48,86 @@ def test_hand_over_is_explicit_and_can_be_withdrawn():
     assert ws.handed_over("critic") is None
 
 
+# the route numbers metrics.jsonl has carried since the six transports existed: stable, whatever the registry's order
+ROUTE_NUMBERS = {"in_worker": 0, "trainer_memory": 1, "shared_memory": 2, "object_store": 3, "pool_broadcast": 4,
+                 "pool_shared_memory": 5}
+
+
 @pytest.mark.parametrize("transport", ws.TRANSPORTS)
 def test_every_transport_reports_the_same_metric_names(transport):
     report = ws.SyncReport(version=3, transport=transport, bytes=2e6, copied_bytes=2e6, seconds=0.5, buckets=2)
-    assert report.as_metrics() == {"weight_sync/route": float(ws.TRANSPORTS.index(transport)),
+    assert report.as_metrics() == {"weight_sync/route": float(ROUTE_NUMBERS[transport]),
                                    "weight_sync/bytes": 2e6, "weight_sync/seconds": 0.5, "weight_sync/verified": 0.0}
     assert report.as_dict()["version"] == 3 and report.as_dict()["transport"] == transport
-    assert ws.route_number(transport) == ws.TRANSPORTS.index(transport)
+    assert ws.route_number(transport) == ROUTE_NUMBERS[transport]
+
+
+def test_the_registry_names_each_transport_once_with_a_stable_number_and_its_class():
+    # the gloo engine first, as the plugin imports it: a fresh import of a pool transport's module runs VeRL's
+    # checkpoint-engine module, whose plugin hook imports the gloo engine, which imports that module half-made
+    import verl_backend.weight_sync.gloo_engine  # noqa: F401
+
+    assert {name: ws.REGISTRY[name].route for name in ws.REGISTRY} == ROUTE_NUMBERS
+    assert len({r.route for r in ws.REGISTRY.values()}) == len(ws.REGISTRY)
+    assert ws.TRANSPORTS == tuple(sorted(ROUTE_NUMBERS, key=ROUTE_NUMBERS.get))
+    for name in ws.REGISTRY:
+        cls = ws.transport_class(name)
+        assert issubclass(cls, ws.Transport) and cls.name == name
+    with pytest.raises(ValueError, match="weight sync transport 'carrier_pigeon'"):
+        ws.route_number("carrier_pigeon")
+
+
+@pytest.mark.parametrize("transport, held, first_sync", [
+    ("in_worker", {"sampler": "S", "server": "H"}, ("in process", "loaded on the trainer worker's device")),
+    ("in_worker", {"sampler": "S", "colocated": False}, ("in process", "loaded on the rollout worker's own device")),
+    ("trainer_memory", {"server": "H", "attached": "A"},
+     ("shared memory", "in place: the rollout computes on the trainer's parameters, 3 MB copied")),
+    ("shared_memory", {"server": "H", "writer": "W"}, ("shared memory", "")),
+    ("object_store", {"server": "H", "bucket_bytes": 64 << 20}, ("object store", "")),
+    ("object_store", {"server": "H", "shared_weights": False}, ("object store", "rl_tpu.shared_weights=false")),
+])
+def test_a_replica_builds_its_transport_through_the_interface(transport, held, first_sync):
+    """The rollout's adapter builds each transport from what it holds and reports its first sync in the transport's
+    own words (the lines it printed before the registry)."""
+    end = ws.ReplicaEnd(**held)
+    sender = ws.transport_class(transport).for_replica(end)
+    assert sender.name == transport
+    for attribute in ("server", "sampler", "attached", "writer", "bucket_bytes"):
+        if hasattr(sender, attribute) and attribute in held:
+            assert getattr(sender, attribute) == held[attribute]
+    report = ws.SyncReport(version=1, transport=transport, bytes=3e6, copied_bytes=3e6, seconds=0.1)
+    assert sender.first_sync_words(report, end) == first_sync
+
+
+@pytest.mark.parametrize("transport", ["pool_broadcast", "pool_shared_memory"])
+def test_the_pool_transports_are_not_built_by_a_replica(transport):
+    import verl_backend.weight_sync.gloo_engine  # noqa: F401  (see the registry's test)
+
+    with pytest.raises(NotImplementedError, match="gloo|adapter"):
+        ws.transport_class(transport).for_replica(ws.ReplicaEnd())
+
+
+def test_the_rollout_names_no_transport():
+    """No ``if``/``elif`` over transport names in ``rollout/``: no string of a transport's name is compared there."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(ws.__file__).parents[1] / "rollout"
+    named = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if isinstance(side, ast.Constant) and side.value in ws.REGISTRY:
+                        named.append(f"{path.name}:{node.lineno} {side.value}")
+    assert named == []
 
 
 def test_route_numbers_are_documented_in_the_package_docstring():
     import verl_backend.weight_sync as package
 
-    for number, name in enumerate(ws.TRANSPORTS):
-        assert f" {number}  ``{name}``" in package.__doc__
+    for name in ws.TRANSPORTS:
+        assert f" {ws.route_number(name)}  ``{name}``" in package.__doc__
 
 
 def test_the_run_logs_planned_and_taken():
@@ -99,11 +165,15 @@ def _config(**over):
      False, True, "v6e-8", ["pool_broadcast", "pool_broadcast"]),
 ])
 def test_plan_from_the_config_covers_every_transport(over, cpu, shared, rollout_slice, transports):
+    from verl_backend.rollout.native_kwargs import native_engine_kwargs
     from verl_backend.weight_sync.route import config_facts
 
-    facts, _ = config_facts(_config(**over), cpu=cpu, shared_weights=shared, rollout_slice=rollout_slice)
+    placement = native_engine_kwargs(_config(**over).actor_rollout_ref.rollout).sampler_placement  # as the driver
+    facts, _ = config_facts(_config(**over), cpu=cpu, shared_weights=shared, rollout_slice=rollout_slice,
+                            placement=placement)
     assert [ws.choose_route(f).transport for f in facts] == transports
-    text = ws.plan_routes(_config(**over), cpu=cpu, shared_weights=shared, rollout_slice=rollout_slice)
+    text = ws.plan_routes(_config(**over), cpu=cpu, shared_weights=shared, rollout_slice=rollout_slice,
+                          placement=placement)
     assert all(line.startswith("# ") for line in text.splitlines())
     assert f"rollout replica {len(transports) - 1}: " in text
 

@@ -225,7 +225,7 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
 
     shared, plain, trimmed = build(), build(), build()
     # one CPU rank: the engine trains the module unwrapped
-    # (verl_backend.host_memory.plain_module._SingleRankPlainModule)
+    # (verl_backend.host_memory.plain_module.SingleRankPlainModule)
     unwrapped = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trim = BackwardHeapTrim(trimmed)  # FSDP2 renames the block class (FSDPLlamaDecoderLayer): matched by its base
     params, unwrapped_params = list(shared.parameters()), list(unwrapped.parameters())
@@ -304,7 +304,7 @@ def test_saved_checkpoint_config_names_the_dtype_of_its_weights(tmp_path, tiny_m
 
     from transformers import AutoModelForCausalLM
 
-    from verl_backend.host_memory.plain_module import match_saved_config_dtype
+    from verl_backend.workers.lora_checkpoint import match_saved_config_dtype
 
     ckpt = tmp_path / "huggingface"
     shutil.copytree(tiny_model_dir, ckpt)
