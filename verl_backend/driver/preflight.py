@@ -341,7 +341,8 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
     """Refuse a model folder VeRL 0.9.1 would fail on inside a Ray worker, with one line naming ``key``.
 
     A folder named after an embedded model (``~/.cache/rl-tpu/gemma-3-270m``, :data:`verl_backend.models.EMBEDDED`)
-    that holds no finished conversion is converted from the model's GGUF first.
+    that does not exist yet, or is empty, is converted from the model's GGUF first; one with files in it is read as
+    it is.
 
     Checks: ``config.json`` and ``*.safetensors`` are there; transformers loads its config and a tokenizer (from
     ``tokenizer_path`` when given); its layers are all attention (:func:`check_attention_layers`); the config has
@@ -351,10 +352,12 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
     Raises:
         BadInputError: the first check that fails.
     """
-    from verl_backend.models import EMBEDDED, embedded_name_of, ensure_model, is_converted, is_hf_model_dir
+    from verl_backend.models import EMBEDDED, embedded_name_of, ensure_model, is_hf_model_dir
 
     name = embedded_name_of(path)
-    if name is not None and not is_converted(path):  # an embedded model named by its folder: converted there once
+    # an embedded model named by a folder that does not exist yet (or is empty): converted there once; a folder
+    # with anything in it (the user's own checkpoint of that name) is never replaced
+    if name is not None and not (path.is_dir() and any(path.iterdir())) and not path.is_file():
         print(f"[rl-tpu] {key}={path}: converting the embedded model {name} from its GGUF into it (once)", flush=True)
         ensure_model(name, target=path)
     if not is_hf_model_dir(path):
