@@ -171,10 +171,6 @@ class SliceTopology:
         return self.chips * self.devices_per_chip
 
     @property
-    def is_multi_host(self) -> bool:
-        return self.hosts > 1
-
-    @property
     def pod_type(self) -> str:
         """The type as Ray spells it (``ray.io/tpu-pod-type`` label): the accelerator type
         with Ray's generation prefix (``tpu7x-16`` -> ``v7x-16``; others unchanged)."""

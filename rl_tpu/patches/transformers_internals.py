@@ -10,6 +10,9 @@
   sampler swaps it for its own registered function while it runs and reads it to choose its fast paths; the trainer's
   shared-prefix rows and the TPU lowering read or set it. transformers sets it through ``attn_implementation=`` at
   load time and ``set_attn_implementation`` on a model; a config's own value has no public getter or setter.
+- A model's ``_no_split_modules`` (:data:`NO_SPLIT_MODULES`): the class names of its blocks (the decoder layers Hugging
+  Face's device map and FSDP keep whole). The CPU trainer's heap trim hooks each such block
+  (:class:`verl_backend.host_memory.heap.BackwardHeapTrim`, through :func:`no_split_modules`).
 """
 
 from __future__ import annotations
@@ -84,3 +87,24 @@ def experts_implementation(config) -> str | None:
     ``None`` (not set yet: transformers picks ``grouped_mm`` when the model is built)."""
     EXPERTS_IMPL.check()
     return getattr(config, "_experts_implementation", None)
+
+
+NO_SPLIT_MODULES = Patch(
+    target="transformers.PreTrainedModel._no_split_modules", module="transformers", library="transformers",
+    versions=VERSIONS,
+    why="the CPU trainer's heap trim hooks each block a model names there (its decoder layers); no public accessor",
+    upstream=searched("huggingface/transformers", "_no_split_modules public accessor decoder layer classes of a model"),
+    apply=None, applied=lambda module: hasattr(module.PreTrainedModel, "_no_split_modules"))
+
+RECORDS = RECORDS + (NO_SPLIT_MODULES,)
+
+
+def no_split_modules(model) -> set[str]:
+    """The class names of ``model``'s blocks (its ``_no_split_modules``, e.g. ``{"LlamaDecoderLayer"}``); empty when it
+    names none (a model that is not a transformers model, or one without blocks).
+
+    Raises:
+        rl_tpu.patches.record.UnsupportedVersionError: transformers outside :data:`VERSIONS`.
+    """
+    NO_SPLIT_MODULES.check()
+    return set(getattr(model, "_no_split_modules", None) or ())

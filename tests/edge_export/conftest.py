@@ -19,14 +19,12 @@ def _one_thread(monkeypatch):
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=True,
-    )
+    config = tiny_config("llama", vocab_size=256, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)  # tied embeddings, as SmolLM2
     model = LlamaForCausalLM(config).eval()
     return save_like_verl_checkpoint(model, word_tokenizer(256), str(tmp_path_factory.mktemp("llama")))
 
@@ -99,13 +97,11 @@ def tiny_llama_with(tokenizer, out_dir: str, seed: int) -> str:
     ``initializer_range=0.3`` (not 0.02) makes its greedy answers depend on the prompt and its top logits stand
     apart, so a wrong prompt changes the answer and int8 rounding rarely flips a token.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-    )
+    config = tiny_config("llama", vocab_size=len(tokenizer), initializer_range=0.3,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # tied
     torch.manual_seed(seed)
     return save_like_verl_checkpoint(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 

@@ -64,10 +64,11 @@ def test_dispatch_modes_are_off_inside_the_context():
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = tiny_config("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         max_position_embeddings=64, tie_word_embeddings=False)
     return LlamaForCausalLM(config).float().eval()
 
 
@@ -134,14 +135,25 @@ def test_dynamo_accessors():
 
 
 def test_attn_implementation_accessors():
-    from transformers import LlamaConfig
+    from families import tiny_config
 
-    config = LlamaConfig()
+    config = tiny_config("llama")
     transformers_internals.set_attn_implementation(config, "eager")
     assert transformers_internals.attn_implementation(config) == "eager"
     transformers_internals.set_attn_implementation(config, "sdpa")
     assert transformers_internals.attn_implementation(config) == "sdpa"
     assert transformers_internals.attn_implementation(object()) is None
+
+
+def test_no_split_modules_names_a_models_blocks(monkeypatch, fresh_checks):
+    model = _tiny_llama()
+    assert transformers_internals.no_split_modules(model) == {"LlamaDecoderLayer"}
+    assert transformers_internals.no_split_modules(torch.nn.Linear(2, 2)) == set()
+    monkeypatch.setattr(record_module, "installed_version",
+                        lambda lib: "5.11.0" if lib == "transformers" else None)
+    record_module._CHECKED.clear()  # the calls above checked the real one
+    with pytest.raises(UnsupportedVersionError, match="transformers 5.11.0 is outside the tested range"):
+        transformers_internals.no_split_modules(model)
 
 
 def test_op_counter_is_a_dispatch_mode_through_its_record():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from families import tiny_config
+from transformers import LlamaForCausalLM
 
 from rl_tpu.sampler import Sampler, SamplerError, SamplingParams, choose_tokens
 
@@ -15,12 +16,9 @@ VOCAB, PAD, EOS = 97, 0, 1
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
+    cfg = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa", max_position_embeddings=1024,
+                      initializer_range=0.2,  # peaked logits: no near-ties
+                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from address_reuse import tensors_at_one_address
 from families import FAMILIES, build_tiny_model
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from families import tiny_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rl_tpu.sampler import Sampler, SamplerError, SamplingParams
 from rl_tpu.sampler.opcount import GRAPH, OpCounter, decode_step_ops
@@ -25,13 +26,10 @@ VOCAB, PAD, EOS = 97, 0, 1
 
 def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, head_dim: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=head_dim or 16,  # 64: a head width rl-tpu's decode attention kernel takes
-        max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
+    cfg = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa",
+                      head_dim=head_dim or 16,  # 64: a head width rl-tpu's decode attention kernel takes
+                      max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
+                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
     return cls(cfg).eval()
 
 

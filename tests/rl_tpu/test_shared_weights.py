@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not shared_memory_supported(), reason="needs Lin
 
 
 def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = tiny_config("llama", vocab_size=96, hidden_size=32, intermediate_size=64)  # tied embeddings
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers
+from families import tiny_config
 
 from rl_tpu.train_opcount import (
     BACKWARD_GRAPH,
@@ -20,10 +21,8 @@ VOCAB = 512
 
 
 def llama(layers: int) -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      pad_token_id=0)
-    config._attn_implementation = "sdpa"
+    config = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa", num_hidden_layers=layers,
+                         pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).train()
 

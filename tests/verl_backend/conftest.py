@@ -25,15 +25,13 @@ def default_model_dir() -> Path:
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A 2-layer, 64-wide random Llama with SmolLM2's real tokenizer and chat template (3.2M parameters)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny_llama")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
-    )
+    cfg = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)  # tied embeddings, as SmolLM2
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)

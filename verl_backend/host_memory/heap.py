@@ -106,13 +106,19 @@ class BackwardHeapTrim:
     done. It returns ``None``, so gradients are unchanged. Forwards under ``torch.no_grad`` (log-probs, the
     reference policy) register nothing.
 
+    Raises:
+        rl_tpu.patches.record.UnsupportedVersionError: transformers outside the range its private name
+            ``_no_split_modules`` was checked with (:data:`rl_tpu.patches.transformers_internals.NO_SPLIT_MODULES`).
+
     Attributes:
         blocks: number of blocks hooked (0: the model names no ``_no_split_modules`` block; nothing is done).
         trims: trims done so far (one per block per backward).
     """
 
     def __init__(self, model: torch.nn.Module):
-        names = set(getattr(model, "_no_split_modules", None) or ())
+        from rl_tpu.patches.transformers_internals import no_split_modules  # transformers' private name, recorded
+
+        names = no_split_modules(model)
         self.trims = 0
         self._handles = []
         for m in model.modules():

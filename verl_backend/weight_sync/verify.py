@@ -28,15 +28,13 @@ proves that what it computes with is the trainer's model, with two checks:
    * both sides float32: every value within ``1e-4 + 2e-5 * |log-prob|``. ``1e-4`` is the project's float32 parity
      bound (the sampler's log-prob parity tests, ``tests/rl_tpu/test_sampler.py``, and
      :data:`rl_tpu.sampler.fastpaths.LEAN_PROBE_TOLERANCE`), set on sampled, likely tokens; the probe's random ids
-     sit at log-probs -7 to -25, where float32 rounding grows with the magnitude: on SmolLM2-135M (trainer
-     ``F.linear`` against the sampler's packed weights) up to 1.1e-4 absolute, 8e-6 relative over 4 probes of 8
-     scored positions (5.1e-5, 4.4e-6 at the default 4), hence the relative term with 2.5x room. One
-     default-learning-rate step (every element +-1e-5) moves the default probe by 7e-3 there: 19x its bound;
-   * a 16-bit side (bfloat16/float16): the *mean* |difference| within ``0.25``. A bfloat16 rollout against a float32
-     or bfloat16 trainer differs by up to 1.4 in single values of the probe (measured on SmolLM2-135M, 4 probes:
-     max 0.29-1.38, mean 0.060-0.095; the sampler tests' bfloat16 bound 0.1 is for bfloat16 against bfloat16 on a
-     tiny model), so in 16 bits the probe is a gross check (a wrong or an untouched model) and the fingerprints carry
-     the step-by-step check.
+     sit at log-probs -7 to -25, where float32 rounding grows with the magnitude, hence the relative term;
+   * a 16-bit side (bfloat16/float16): the *mean* |difference| within ``0.25``. Single values of a 16-bit probe
+     differ by far more than a step moves them, so in 16 bits the probe is a gross check (a wrong or an untouched
+     model) and the fingerprints carry the step-by-step check.
+
+   What the bounds were set from (the differences measured on SmolLM2-135M, the room they leave, what one step moves)
+   is in ``docs/weight-sync.md``, "Where the probe's bounds come from".
 
 2. **Fingerprints** (catch any change of a tensor, however small, that the rollout's dtype can hold: a dropped
    tensor at the default learning rate, which no probe at a float32 parity bound sees, and name it). Per tensor a
@@ -53,9 +51,9 @@ and the tensor. Its result's :meth:`VerifyResult.as_metrics` is ``weight_sync/ve
 
 Entry points: :func:`trainer_proof` (trainer side, every rank, before sending: the stream to send and a
 :class:`SyncProof` of a few KB that travels with the sync) and :func:`check_sync` (rollout side, right after the new
-weights are live). The probe's cost on SmolLM2-135M (one thread, this 2-core host): trainer ~0.19 s (forward) +
-~0.02 s (fingerprints of 273 tensors), rollout ~0.22 s (probe) + ~0.03 s (fingerprints); the packed copies a probe
-finds missing are packed then, as the next batch would have (~0.16 s, not extra).
+weights are live). The packed copies a probe finds missing are packed then, as the next batch would have (not an
+extra cost). The check's seconds per transport, and the command that measures them: ``docs/weight-sync.md``, "Per
+transport: bytes, seconds and the check's cost".
 
 Which check catches which failure (``tests/verl_backend/weight_sync/test_sync_verify.py``, the negative controls):
 

@@ -55,11 +55,12 @@ def test_tuned_host_malloc_maps_every_large_block_on_its_own() -> None:
 
 
 def _tiny_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg = tiny_config("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      max_position_embeddings=64, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
 
 

@@ -227,12 +227,14 @@ def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model
 
 
 def test_attach_refuses_a_different_model_and_keeps_its_own_weights(server):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from families import tiny_config
+    from transformers import LlamaForCausalLM
 
     from rl_tpu.shared_weights import SharedWeights
 
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    other = LlamaForCausalLM(tiny_config("llama", vocab_size=96, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         tie_word_embeddings=False))
     published = SharedWeights(other, name="test_other")
     reason = server.attach_trainer_weights(published.handle(node_id=_this_node()))
     assert reason is not None and ("has shape" in reason or "no tensor named" in reason), reason
