@@ -557,3 +557,16 @@ def test_replica_server_record_fails_when_verl_renames_the_fields():
     replica = RolloutReplica()
     vi.set_replica_server(replica, "actor", "native://1.2.3.4/replica-0")
     assert (replica.server_handle, replica.server_address) == ("actor", "native://1.2.3.4/replica-0")
+
+
+def test_the_features_two_patches_run_come_from_the_plugin(monkeypatch):
+    """patches/ imports nothing of the workers above it (issue #46): the slice pools and the step-boundary stop that
+    two VeRL patches run are handed over by the plugin; a patched method run without them says so in one line."""
+    from verl_backend.patches import verl as verl_patches
+    from verl_backend.workers import plugin
+
+    assert verl_patches.FEATURES == {"resource_pools": plugin._place_pools_on_slices,
+                                     "step_begin": plugin._at_step_begin}
+    monkeypatch.setattr(verl_patches, "FEATURES", {})
+    with pytest.raises(RuntimeError, match="feature 'step_begin', which the plugin did not hand over"):
+        verl_patches._step_begin_hook(lambda trainer: None)(object())
