@@ -33,11 +33,6 @@ def serve_worker_sampler(sampler: Any, generate: Generate) -> None:
     _SAMPLER, _GENERATE = sampler, generate
 
 
-def worker_sampler() -> Any:
-    """The sampler :func:`serve_worker_sampler` registered in this process, or ``None``."""
-    return _SAMPLER
-
-
 class InWorkerGenerate:
     """``native_generate`` for a checkpoint engine whose worker process holds the sampler: the trainer worker's
     (``native``, hybrid) or a standalone rollout worker's (``gloo``, VeRL's ``CheckpointEngineWorker`` on a rollout

@@ -61,7 +61,7 @@ def sampler_placement(rollout_config) -> str:
     return placement
 
 
-# checkpoint engines that serve a worker's own sampler (verl_backend.rollout.inworker.InWorkerGenerate): native in
+# checkpoint engines that serve a worker's own sampler (verl_backend.worker_sampler.InWorkerGenerate): native in
 # the trainer worker (hybrid), gloo in the trainer worker and in a rollout slice's CheckpointEngineWorkers
 IN_WORKER_ENGINES = ("native", "gloo")
 
