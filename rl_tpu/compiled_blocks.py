@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rl_tpu.patches import torch_internals  # Dynamo, pytree, FSDP1: torch's private names, version-checked
+from rl_tpu.patches import transformers_internals  # a model's block classes
 
 #: distinct block input signatures (shapes, dtypes, grad mode) compiled before falling back to eager: bucketed
 #: lengths (:func:`bucket_length`) x micro-batch sizes x {update, no-grad forward}
@@ -49,8 +50,7 @@ MIN_BUCKET = 64
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks: modules whose class (or a base class, as FSDP2 renames it) is named in the
     model's ``_no_split_modules`` (the unit Hugging Face and FSDP wrap). ``[]`` when the model names none."""
-    inner = torch_internals.unwrap_fsdp(model)
-    names = set(getattr(inner, "_no_split_modules", None) or ())
+    names = transformers_internals.no_split_modules(torch_internals.unwrap_fsdp(model))
     return [m for m in model.modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
 
 

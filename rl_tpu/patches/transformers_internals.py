@@ -12,7 +12,11 @@
   load time and ``set_attn_implementation`` on a model; a config's own value has no public getter or setter.
 - A model's ``_no_split_modules`` (:data:`NO_SPLIT_MODULES`): the class names of its blocks (the decoder layers Hugging
   Face's device map and FSDP keep whole). The CPU trainer's heap trim hooks each such block
-  (:class:`verl_backend.host_memory.heap.BackwardHeapTrim`, through :func:`no_split_modules`).
+  (:class:`verl_backend.host_memory.heap.BackwardHeapTrim`, through :func:`no_split_modules`), and the compiled
+  trainer compiles each (:func:`rl_tpu.compiled_blocks.decoder_blocks`).
+- A model class's ``_supports_sdpa`` (:data:`SUPPORTS_SDPA`): whether its attention has an sdpa implementation. The
+  driver's model check refuses a family without one before Ray starts
+  (:func:`verl_backend.driver.preflight.check_sdpa_attention`, through :func:`supports_sdpa`).
 """
 
 from __future__ import annotations
@@ -108,3 +112,25 @@ def no_split_modules(model) -> set[str]:
     """
     NO_SPLIT_MODULES.check()
     return set(getattr(model, "_no_split_modules", None) or ())
+
+
+SUPPORTS_SDPA = Patch(
+    target="transformers.PreTrainedModel._supports_sdpa", module="transformers", library="transformers",
+    versions=VERSIONS,
+    why="the driver refuses, before Ray starts, a family whose attention has no sdpa implementation (the trainer and "
+        "the sampler compute attention through sdpa); transformers says so only in this class attribute",
+    upstream=searched("huggingface/transformers", "_supports_sdpa public accessor model class supports sdpa attention"),
+    apply=None, applied=lambda module: hasattr(module.PreTrainedModel, "_supports_sdpa"))
+
+RECORDS = RECORDS + (SUPPORTS_SDPA,)
+
+
+def supports_sdpa(model_class: type) -> bool:
+    """Whether ``model_class`` (a transformers model class) has an sdpa attention implementation; ``True`` when it
+    does not say (a class from outside transformers).
+
+    Raises:
+        rl_tpu.patches.record.UnsupportedVersionError: transformers outside :data:`VERSIONS`.
+    """
+    SUPPORTS_SDPA.check()
+    return bool(getattr(model_class, "_supports_sdpa", True))

@@ -80,11 +80,6 @@ class SamplingParams:
         """True when tokens are chosen by argmax (``temperature == 0``)."""
         return self.temperature == 0
 
-    @property
-    def processors_on(self) -> bool:
-        """True when a logits processor beyond temperature/top-k/top-p is requested (repetition penalty, min tokens)."""
-        return self.repetition_penalty != 1.0 or self.min_tokens > 0
-
 
 @dataclass
 class SampleOutput:

@@ -212,3 +212,13 @@ def test_untested_ray_is_refused_in_one_line(monkeypatch, fresh_checks):
     with pytest.raises(UnsupportedVersionError) as info:
         ray_internals.kv_ready()
     assert str(info.value).startswith("ray 2.61.0 is outside the tested range") and "\n" not in str(info.value)
+
+
+def test_supports_sdpa_reads_the_class_through_its_record():
+    """The driver's sdpa refusal reads ``_supports_sdpa`` through the record; control: a class that says False."""
+    from transformers import LlamaForCausalLM
+
+    assert transformers_internals.supports_sdpa(LlamaForCausalLM) is True
+    assert transformers_internals.supports_sdpa(type("NoSdpa", (), {"_supports_sdpa": False})) is False
+    assert transformers_internals.supports_sdpa(object) is True  # says nothing: not refused
+    assert transformers_internals.SUPPORTS_SDPA in transformers_internals.RECORDS

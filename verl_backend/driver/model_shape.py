@@ -14,9 +14,6 @@ import functools
 import math
 from dataclasses import dataclass
 
-#: bytes of one element of the dtypes the TPU graphs hold
-ITEMSIZE = {"bf16": 2, "f32": 4, "s64": 8}
-
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

@@ -246,7 +246,9 @@ def check_sdpa_attention(key: str, path: Path, config) -> None:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (KeyError, ValueError):
         return  # not a causal LM transformers knows (remote code, a critic's head): VeRL loads it its own way
-    if getattr(cls, "_supports_sdpa", True):
+    from rl_tpu.patches.transformers_internals import supports_sdpa
+
+    if supports_sdpa(cls):
         return
     raise BadInputError(
         f"{key}={path}: {cls.__name__} ({config.model_type}) has no scaled_dot_product_attention implementation in "
