@@ -19,10 +19,20 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def write_reward(folder: Path) -> list[str]:
-    """Write the length reward to ``folder/length_reward.py``; returns the overrides that make it the job's reward."""
+# the same reward in VeRL's dict form, with accuracies apart from it as the project's reward gives them: "acc" (an
+# even length) and "acc_strict" (a length that is a multiple of 4), so that they differ from the reward
+REWARD_WITH_ACCURACY = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return {"score": (len(solution_str) % 7) / 7.0, "acc": float(len(solution_str) % 2 == 0),
+            "acc_strict": float(len(solution_str) % 4 == 0)}
+'''
+
+
+def write_reward(folder: Path, accuracy: bool = False) -> list[str]:
+    """Write the length reward (with ``accuracy``: :data:`REWARD_WITH_ACCURACY`) to ``folder/length_reward.py``;
+    returns the overrides that make it the job's reward."""
     path = Path(folder) / "length_reward.py"
-    path.write_text(REWARD)
+    path.write_text(REWARD_WITH_ACCURACY if accuracy else REWARD)
     return [f"reward.custom_reward_function.path={path}", "reward.custom_reward_function.name=compute_score"]
 
 

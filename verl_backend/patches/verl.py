@@ -318,6 +318,67 @@ def _consume_with_naive_sync(original):
     return _consume_sync_metrics
 
 
+# the reward function's per-sample accuracy keys that the training rollout dump carries (verl_backend/data/rewards.py)
+ACCURACY_KEYS = ("acc", "acc_strict")
+
+
+def _rollout_dump_with_accuracy(original):
+    def _log_rollout_data(self, batch, timing_raw, rollout_data_dir):
+        """Patched ``PPOTrainer._log_rollout_data`` (VeRL 0.9.1): its training rollout dump keeps only the reward's
+        sum, though the reward function's other keys are in TransferQueue beside it (each sample's
+        ``extra_fields["reward_extra_info"]``, which the validation dump writes). Each line gains the reward
+        function's ``acc`` and ``acc_strict`` where it gave them, so the console's step line counts accuracy, not
+        reward (a format reward gives a right bare number half). A reward function without them leaves the dump as
+        VeRL writes it."""
+        try:
+            by_uid = _reward_accuracy(batch)
+        except Exception as exc:  # the dump as VeRL writes it; the step line then counts full-reward samples
+            if not getattr(self, "_rl_tpu_accuracy_warned", False):
+                self._rl_tpu_accuracy_warned = True
+                print(f"[rl-tpu] warning: the rollout dump has no accuracy ({type(exc).__name__}: {exc}); the step "
+                      "line's accuracy counts full-reward samples", flush=True)
+            by_uid = {}
+        if not by_uid:
+            return original(self, batch, timing_raw, rollout_data_dir)
+        dump = self._dump_generations
+
+        def with_accuracy(*args, reward_extra_infos_dict, **kwargs):
+            uids = reward_extra_infos_dict.get("uid") or []
+            for key in ACCURACY_KEYS:
+                reward_extra_infos_dict[key] = [by_uid.get(uid, {}).get(key) for uid in uids]
+            return dump(*args, reward_extra_infos_dict=reward_extra_infos_dict, **kwargs)
+
+        self._dump_generations = with_accuracy  # this call only: the instance attribute shadows the method
+        try:
+            return original(self, batch, timing_raw, rollout_data_dir)
+        finally:
+            del self._dump_generations
+
+    return _log_rollout_data
+
+
+def _reward_accuracy(batch) -> dict[str, dict[str, float]]:
+    """Sample key -> the reward function's :data:`ACCURACY_KEYS` it gave, from TransferQueue's ``extra_fields`` of
+    ``batch`` (VeRL 0.9.1's agent loop puts the reward function's dict there as ``reward_extra_info``); ``{}`` where
+    no sample has them."""
+    import transfer_queue as tq
+
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+    out = {}
+    for uid, extra in zip(batch.keys, _as_list(data["extra_fields"])):
+        info = extra.get("reward_extra_info") if isinstance(extra, dict) else None
+        found = {k: float(info[k]) for k in ACCURACY_KEYS if isinstance(info, dict) and isinstance(info.get(k),
+                                                                                                   (int, float))}
+        if found:
+            out[uid] = found
+    return out
+
+
+def _as_list(values) -> list:
+    """A TransferQueue field as a Python list (a NonTensorStack, a tensor or a numpy array)."""
+    return list(values.tolist() if hasattr(values, "tolist") else values)
+
+
 def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str,
               when: Callable[[], bool] | None = None) -> Patch:
     """The record of a patch that wraps ``module.path`` (``"Cls.attr"`` or ``"name"``) with ``make(original)``;
@@ -439,6 +500,11 @@ PATCHES: tuple[Patch, ...] = (
     _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._consume_sync_metrics", _consume_with_naive_sync,
               "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics",
               _NO_SYNC_METRICS_ISSUE),
+    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._log_rollout_data", _rollout_dump_with_accuracy,
+              "the training rollout dump drops the reward function's other keys (acc, acc_strict), which the "
+              "validation dump keeps: the console's step accuracy would be the reward's",
+              searched("verl-project/verl", "verl v1 trainer _log_rollout_data rollout_data_dir reward_extra_info "
+                       "missing acc")),
     Patch(target=f"{_ROLLOUT}[('native', 'async')]", module="verl.workers.rollout.base", library="verl",
           versions=VERSIONS, why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this "
           "private dict", upstream=searched("verl-project/verl", "verl register custom rollout _ROLLOUT_REGISTRY "

@@ -29,7 +29,7 @@ def run(tmp_path_factory, tiny_model_dir):
         "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out), default_console=True,
+        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out, accuracy=True), default_console=True,
     )
     return out, proc
 
@@ -112,6 +112,25 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # TransferQueue's copy threads are capped at the cores in every process, the driver's TaskRunner included
     # (it warned on every put and get: hundreds of lines per run)
     assert "should not exceed total physical CPU cores" not in log
+
+
+def test_step_lines_and_dumps_count_accuracy_apart_from_the_reward(run):
+    """The reward function's ``acc`` / ``acc_strict`` reach VeRL's training rollout dump (patched
+    ``_log_rollout_data``; VeRL 0.9.1 drops them there) and its validation dump, and the console's step line counts
+    them, not the reward (here a length reward whose accuracies are other functions of the length)."""
+    out, proc = run
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (out / "rollouts" / f"{step}.jsonl").read_text().splitlines() if line]
+        assert rows and all(r["acc"] in (0.0, 1.0) and r["acc_strict"] in (0.0, 1.0) for r in rows), rows[0]
+        strict, lenient = (100 * sum(r[k] for r in rows) / len(rows) for k in ("acc_strict", "acc"))
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"[rl-tpu] step {step}/2 "))
+        assert f"accuracy strict {strict:.1f}% lenient {lenient:.1f}%" in line, (line, strict, lenient)
+    validation = [json.loads(line) for line in (out / "validation" / "2.jsonl").read_text().splitlines() if line]
+    assert all("acc" in r and "acc_strict" in r for r in validation)
+    summary = json.loads((out / "summary.json").read_text())
+    lenient = sum(r["acc"] for r in validation) / len(validation)
+    assert summary["val_change"]["lenient"]["after"] == pytest.approx(lenient)
 
 
 def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
