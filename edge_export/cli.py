@@ -174,7 +174,6 @@ def _run_bench(args) -> int:
     from edge_export import bench as bench_lib
     from edge_export.errors import BAD_FILE
     from edge_export.export import DEFAULT_PROMPT, bench_rows
-    from edge_export.runtime import LiteRTCausalLM
     from edge_export.sources import is_checkpoint_dir, load_factory, run_on_sample
     from edge_export.verify import format_table
 

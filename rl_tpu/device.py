@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = [
     "BACKENDS",

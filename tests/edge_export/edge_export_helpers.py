@@ -3,7 +3,6 @@
 import json
 import os
 
-import torch
 
 PROMPT = "w5 w17 w33 w9 w100 w7 w64 w12"  # 8 tokens of the word-level test tokenizer
 # A chat template for the word-level tokenizer: w4 opens a turn, w5 closes it, w6 asks for the answer.

@@ -49,7 +49,7 @@ def test_overrides_are_accepted_in_any_position_and_keep_their_order(argv, overr
 @pytest.mark.parametrize("word, hint", [("--max-restartz", " (did you mean --max-restarts?)"),
                                         ("--no-such-flag=1", "")])
 def test_unknown_option_is_one_line_with_the_closest_option(word, hint):
-    from verl_backend.driver.cli import main, parse_args
+    from verl_backend.driver.cli import parse_args
     from verl_backend.errors import BadInputError
 
     with pytest.raises(BadInputError) as caught:
