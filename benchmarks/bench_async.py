@@ -65,9 +65,16 @@ MODES = {  # name -> (torch threads per process, VeRL overrides)
     "sync-1t": (1, ["trainer.v1.trainer_mode=sync"]),
     "sync-2t": (2, ["trainer.v1.trainer_mode=sync"]),
     "colocate_async": (1, ["trainer.v1.trainer_mode=colocate_async"]),
-    "separate_async": (1, ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
-                           "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-                           "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"]),
+    "separate_async": (
+        1,
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.separate_async.parameter_sync_step=1",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+        ],
+    ),
 }
 # separate_async with 2 torch threads per process: the trainer's update uses both cores while the rollout, which
 # needs a fraction of one, runs beside it (oversubscribed while both compute)
@@ -140,8 +147,15 @@ class BusySampler(threading.Thread):
 
 def overlap(samples: list[tuple[float, float, float, float]], start: float, end: float, busy: float) -> dict:
     """Busy seconds of rollout, trainer and update within [start, end], and their overlap fractions."""
-    tot = {"rollout": 0.0, "trainer": 0.0, "update": 0.0, "rollout&update": 0.0, "rollout&trainer": 0.0,
-           "rollout_cpu": 0.0, "trainer_cpu": 0.0}
+    tot = {
+        "rollout": 0.0,
+        "trainer": 0.0,
+        "update": 0.0,
+        "rollout&update": 0.0,
+        "rollout&trainer": 0.0,
+        "rollout_cpu": 0.0,
+        "trainer_cpu": 0.0,
+    }
     for (t0, *_), (t1, r, tr, up) in pairwise(samples):
         if t0 < start or t1 > end:
             continue
@@ -155,10 +169,16 @@ def overlap(samples: list[tuple[float, float, float, float]], start: float, end:
         tot["rollout_cpu"] += dt * r
         tot["trainer_cpu"] += dt * tr
     short_u, short_t = min(tot["rollout"], tot["update"]), min(tot["rollout"], tot["trainer"])
-    return {"rollout_busy_s": tot["rollout"], "trainer_busy_s": tot["trainer"], "update_busy_s": tot["update"],
-            "overlap": tot["rollout&update"] / short_u if short_u else None,
-            "overlap_trainer": tot["rollout&trainer"] / short_t if short_t else None, "window_s": end - start,
-            "rollout_cpu_s": tot["rollout_cpu"], "trainer_cpu_s": tot["trainer_cpu"]}
+    return {
+        "rollout_busy_s": tot["rollout"],
+        "trainer_busy_s": tot["trainer"],
+        "update_busy_s": tot["update"],
+        "overlap": tot["rollout&update"] / short_u if short_u else None,
+        "overlap_trainer": tot["rollout&trainer"] / short_t if short_t else None,
+        "window_s": end - start,
+        "rollout_cpu_s": tot["rollout_cpu"],
+        "trainer_cpu_s": tot["trainer_cpu"],
+    }
 
 
 def run_mode(work: Path, name: str, steps: int, timeout_s: float, busy: float, extra: list[str]) -> dict:
@@ -179,9 +199,15 @@ def run_mode(work: Path, name: str, steps: int, timeout_s: float, busy: float, e
     seqs = int(cfg["data"]["train_batch_size"]) * int(cfg["actor_rollout_ref"]["rollout"]["n"])
     start, end = sampler.step_times[0], sampler.step_times[-1]
     tokens = [c * seqs / s for c, s in zip(result["completion_tokens_mean"], result["step_s"])]
-    return {"mode": name, "threads": threads, "step_s": _mean_after_warmup(result["step_s"]),
-            "tokens_per_s": _mean_after_warmup(tokens), "per_step_s": result["step_s"],
-            **overlap(samples, start, end, busy), "wall_s": result["wall_s"]}
+    return {
+        "mode": name,
+        "threads": threads,
+        "step_s": _mean_after_warmup(result["step_s"]),
+        "tokens_per_s": _mean_after_warmup(tokens),
+        "per_step_s": result["step_s"],
+        **overlap(samples, start, end, busy),
+        "wall_s": result["wall_s"],
+    }
 
 
 def _median(values: list) -> float | None:
@@ -190,15 +216,25 @@ def _median(values: list) -> float | None:
 
 
 def table(results: dict[str, list[dict]], refused: dict[str, str]) -> str:
-    cols = [("s/step", "step_s"), ("trained tok/s", "tokens_per_s"), ("rollout busy s", "rollout_busy_s"),
-            ("update busy s", "update_busy_s"), ("trainer busy s", "trainer_busy_s"), ("overlap", "overlap"),
-            ("overlap (trainer)", "overlap_trainer"), ("rollout CPU s", "rollout_cpu_s"),
-            ("trainer CPU s", "trainer_cpu_s")]
+    cols = [
+        ("s/step", "step_s"),
+        ("trained tok/s", "tokens_per_s"),
+        ("rollout busy s", "rollout_busy_s"),
+        ("update busy s", "update_busy_s"),
+        ("trainer busy s", "trainer_busy_s"),
+        ("overlap", "overlap"),
+        ("overlap (trainer)", "overlap_trainer"),
+        ("rollout CPU s", "rollout_cpu_s"),
+        ("trainer CPU s", "trainer_cpu_s"),
+    ]
     lines = ["| mode | rounds | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for name, runs in results.items():
         med = {k: _median([r[k] for r in runs]) for _, k in cols}
-        lines.append(f"| {name} | {len(runs)} | " + " | ".join("n/a" if med[k] is None else f"{med[k]:.2f}"
-                                                             for _, k in cols) + " |")
+        lines.append(
+            f"| {name} | {len(runs)} | "
+            + " | ".join("n/a" if med[k] is None else f"{med[k]:.2f}" for _, k in cols)
+            + " |"
+        )
     for name, why in refused.items():
         lines.append(f"| {name} | 0 | {why} |")
     return "\n".join(lines)
@@ -208,21 +244,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table gives the median")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (step 1 is warm-up; >= 2)")
-    ap.add_argument("--modes", default="sync-1t,sync-2t,colocate_async,separate_async",
-                    help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes",
+        default="sync-1t,sync-2t,colocate_async,separate_async",
+        help=f"comma-separated, of {', '.join(MODES)}",
+    )
     ap.add_argument("--cpus", help="CPU ids to pin every run to (e.g. 0,1); default: this process's affinity")
     ap.add_argument("--busy", type=float, default=0.25, help="cores used, at or above which a process is busy")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra VeRL override for every mode (e.g. a small model for a quick check); printed")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra VeRL override for every mode (e.g. a small model for a quick check); printed",
+    )
     ap.add_argument("--out", help="also write the results as JSON to this file")
     ap.add_argument("--keep", help="keep the run folders here instead of a temp folder")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or args.steps < 2 or args.rounds < 1:
-        print(f"bench_async: error: --modes {','.join(bad) or 'ok'} (give {', '.join(MODES)}), --steps >= 2, "
-              "--rounds >= 1", file=sys.stderr)
+        print(
+            f"bench_async: error: --modes {','.join(bad) or 'ok'} (give {', '.join(MODES)}), --steps >= 2, "
+            "--rounds >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -242,8 +289,11 @@ def main() -> int:
                 except BenchError as exc:
                     lines = str(exc).splitlines()
                     line = next((ln for ln in lines if ln.startswith("verl: error:")), None)
-                    refused[name] = (f"refused: {line.removeprefix('verl: error:').strip()}" if line else
-                                     f"failed: {lines[0]} / {lines[-1].strip()[:200]}")
+                    refused[name] = (
+                        f"refused: {line.removeprefix('verl: error:').strip()}"
+                        if line
+                        else f"failed: {lines[0]} / {lines[-1].strip()[:200]}"
+                    )
                     results.pop(name)
                     print(f"[bench] {name} {refused[name]}", flush=True)
     except BenchError as exc:
@@ -253,18 +303,25 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "refused": refused, "cpus": cpus,
-                                              "rounds": args.rounds, "steps": args.steps}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"results": results, "refused": refused, "cpus": cpus, "rounds": args.rounds, "steps": args.steps},
+                indent=1,
+            )
+        )
     load = os.getloadavg()
-    print(f"\nverl train --backend cpu default job (SmolLM2-135M fp32, 4 prompts x 4 samples, unless --set), "
-          f"{args.steps} steps (mean of 2..N), median of {args.rounds} interleaved round(s); cpus {cpus}; "
-          f"load average {load[0]:.1f}"
-          + (f"; overrides {' '.join(args.set)}" if args.set else "") + "\n")
+    print(
+        f"\nverl train --backend cpu default job (SmolLM2-135M fp32, 4 prompts x 4 samples, unless --set), "
+        f"{args.steps} steps (mean of 2..N), median of {args.rounds} interleaved round(s); cpus {cpus}; "
+        f"load average {load[0]:.1f}" + (f"; overrides {' '.join(args.set)}" if args.set else "") + "\n"
+    )
     print(table(results, refused))
     for name, runs in results.items():
         for r in runs:
-            print(f"  {name}: step s {[round(s, 1) for s in r['per_step_s']]}, window {r['window_s']:.0f} s, "
-                  f"wall {r['wall_s']:.0f} s")
+            print(
+                f"  {name}: step s {[round(s, 1) for s in r['per_step_s']]}, window {r['window_s']:.0f} s, "
+                f"wall {r['wall_s']:.0f} s"
+            )
     return 0
 
 

@@ -40,8 +40,12 @@ def accuracy(run: Path) -> dict:
     train = [float(r["data"]["timing_s/step"]) for r in rows if "timing_s/step" in r["data"]]
     if not vals:
         raise BenchError(f"{run / 'verl' / 'metrics.jsonl'} has no validation accuracy (val-core/...)")
-    return {"before": vals[0][1] if len(vals) > 1 else None, "after": vals[-1][1], "train_s": sum(train),
-            "steps": len(train)}
+    return {
+        "before": vals[0][1] if len(vals) > 1 else None,
+        "after": vals[-1][1],
+        "train_s": sum(train),
+        "steps": len(train),
+    }
 
 
 def main() -> int:
@@ -65,8 +69,11 @@ def main() -> int:
     s_step.update({k: float(v) for k, v in (item.split("=", 1) for item in args.s_step)})
     missing = [m for m in modes if m not in MODES or m not in s_step]
     if missing or args.minutes <= 0 or args.val_size < 1:
-        print(f"bench_async_accuracy: error: modes {missing} unknown or without s/step (--calibration or --s-step "
-              f"MODE=S); --minutes > 0, --val-size >= 1", file=sys.stderr)
+        print(
+            f"bench_async_accuracy: error: modes {missing} unknown or without s/step (--calibration or --s-step "
+            f"MODE=S); --minutes > 0, --val-size >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -83,9 +90,19 @@ def main() -> int:
                 print(f"[bench] seed {seed}: {mode}, {steps} steps ({s_step[mode]:.1f} s/step)", flush=True)
                 folder = work / f"s{seed}_{mode}"
                 folder.mkdir(parents=True, exist_ok=True)
-                run_ours(folder, steps, threads, args.timeout, overrides + [
-                    f"data.seed={seed}", f"rl_tpu.val_size={args.val_size}", f"trainer.test_freq={steps}",
-                    f"trainer.val_before_train={str(first).lower()}"])
+                run_ours(
+                    folder,
+                    steps,
+                    threads,
+                    args.timeout,
+                    overrides
+                    + [
+                        f"data.seed={seed}",
+                        f"rl_tpu.val_size={args.val_size}",
+                        f"trainer.test_freq={steps}",
+                        f"trainer.val_before_train={str(first).lower()}",
+                    ],
+                )
                 r = accuracy(folder)
                 if first:
                     before = r["before"]
@@ -97,18 +114,32 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "before": before, "minutes": args.minutes,
-                                              "val_size": args.val_size, "s_step": s_step}, indent=1))
-    print(f"\nheld-out accuracy on {args.val_size} basic_arithmetic items after ~{args.minutes:g} min of training, "
-          f"seeds {seeds}; before training: {before:.3f} (greedy)\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "before": before,
+                    "minutes": args.minutes,
+                    "val_size": args.val_size,
+                    "s_step": s_step,
+                },
+                indent=1,
+            )
+        )
+    print(
+        f"\nheld-out accuracy on {args.val_size} basic_arithmetic items after ~{args.minutes:g} min of training, "
+        f"seeds {seeds}; before training: {before:.3f} (greedy)\n"
+    )
     print("| mode | steps | train s | accuracy after | gain | gain per train minute | per seed (after) |")
     print("|---|---|---|---|---|---|---|")
     for mode, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("steps", "train_s", "after")}
         rate = statistics.median((r["after"] - before) / (r["train_s"] / 60) for r in runs)
         per_seed = ", ".join(f"{r['after']:.3f}" for r in runs)
-        print(f"| {mode} | {med['steps']:.0f} | {med['train_s']:.0f} | {med['after']:.3f} | "
-              f"{med['after'] - before:+.3f} | {rate:+.4f} | {per_seed} |")
+        print(
+            f"| {mode} | {med['steps']:.0f} | {med['train_s']:.0f} | {med['after']:.3f} | "
+            f"{med['after'] - before:+.3f} | {rate:+.4f} | {per_seed} |"
+        )
     return 0
 
 

@@ -38,7 +38,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    layer = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP)]
+    layer = [
+        (HIDDEN, HIDDEN),
+        (KV, HIDDEN),
+        (KV, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (MLP, HIDDEN),
+        (MLP, HIDDEN),
+        (HIDDEN, MLP),
+    ]
     shapes = layer * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
     inputs = {i: torch.randn(args.rows, i) for i in (HIDDEN, MLP)}
@@ -63,6 +71,7 @@ def main() -> None:
         def panel():
             for w, p in zip(weights, panels):
                 panel_kernel.linear(inputs[w.shape[1]], p, None, w.shape[0])
+
         paths["rl-tpu panel kernel"] = panel
     times = {name: [] for name in paths}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits every path alike
@@ -71,8 +80,10 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - start)
     mb = sum(w.numel() for w in weights) * 4 / 1e6
-    print(f"linear layers of one SmolLM2-135M decode step: {len(weights)} matmuls, {mb:.0f} MB of weights, "
-          f"batch {args.rows}, 1 thread")
+    print(
+        f"linear layers of one SmolLM2-135M decode step: {len(weights)} matmuls, {mb:.0f} MB of weights, "
+        f"batch {args.rows}, 1 thread"
+    )
     base = statistics.median(times["oneDNN packed"])
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -87,8 +98,10 @@ def main() -> None:
             torch.compile(graph, backend=backend, fullgraph=True)(inputs[HIDDEN], packed[0])
             print(f"  a packed weight as a graph input, backend {backend}: runs")
         except torch_internals.compile_errors() as exc:
-            print(f"  a packed weight as a graph input, backend {backend}: {type(exc).__name__} "
-                  f"{(str(exc).splitlines() or [''])[0][:120]}")
+            print(
+                f"  a packed weight as a graph input, backend {backend}: {type(exc).__name__} "
+                f"{(str(exc).splitlines() or [''])[0][:120]}"
+            )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,15 @@ def load_model(tiny: bool):
 
     if tiny:
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+        )
         set_attn_implementation(cfg, "sdpa")
         return LlamaForCausalLM(cfg).eval(), "tiny Llama (2 layers, 64 wide)"
     from verl_backend.models import ensure_default_model
@@ -93,8 +100,7 @@ def matmul_gflops(rows: int = 256, inner: int = 576, cols: int = 1536) -> dict[s
 
     if packed_linear_supported():
         packed = torch_internals.reorder_linear_weight(b.T.contiguous(), rows)
-        rates["onednn"] = flop / min(_timed(torch_internals.linear_pointwise, a, packed, None)
-                                     for _ in range(6)) / 1e9
+        rates["onednn"] = flop / min(_timed(torch_internals.linear_pointwise, a, packed, None) for _ in range(6)) / 1e9
     if panel_kernel.backend() == "panel":
         panels = panel_kernel.pack(b.T.contiguous())
         rates["panel"] = flop / min(_timed(panel_kernel.linear, a, panels, None, cols) for _ in range(6)) / 1e9
@@ -111,6 +117,7 @@ def linears_alone_s(model, rows: int) -> float:
     def step():
         for x, w, m in zip(inputs, packed, linears):
             panel_kernel.linear(x, w, None, m.out_features)
+
     step()
     return min(_timed(step) for _ in range(5))
 
@@ -129,6 +136,7 @@ def linears_in_cache_s(model, rows: int, cols: int = 1536) -> float:
             def ten(x=x, packed=packed, width=width):
                 for _ in range(10):
                     panel_kernel.linear(x, packed, None, width)
+
             ten()
             timed[(m.in_features, width)] = min(_timed(ten) for _ in range(5)) / 10
         total += timed[(m.in_features, width)] * m.out_features / width
@@ -151,7 +159,7 @@ def padded_micro_batch(vocab: int, rows: int, length: int, seed: int = 0):
     mask = torch.ones_like(ids)
     for row in range(rows):
         mask[row, : row * 3] = 0
-        mask[row, length - 5 * row:] = 0
+        mask[row, length - 5 * row :] = 0
     return ids * mask, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -162,6 +170,7 @@ def loss_step(batch):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
     return step
 
 
@@ -195,9 +204,16 @@ def trainer_figures(model, args) -> dict:
     second = _timed(one_step, trained)
     eager_ops = micro_batch_ops(copy.deepcopy(model).train(), update)
     compiled_ops = micro_batch_ops(copy.deepcopy(model).train(), update, compiled=True)
-    return {"graphs": graphs, "signatures": blocks.graphs, "compile_s": first - second, "step_s": second,
-            "fell_back": blocks.eager_reason, "eager_ops": sum(eager_ops.values()),
-            "compiled_ops": split(compiled_ops), "blocks": blocks.blocks}
+    return {
+        "graphs": graphs,
+        "signatures": blocks.graphs,
+        "compile_s": first - second,
+        "step_s": second,
+        "fell_back": blocks.eager_reason,
+        "eager_ops": sum(eager_ops.values()),
+        "compiled_ops": split(compiled_ops),
+        "blocks": blocks.blocks,
+    }
 
 
 def main() -> None:
@@ -214,11 +230,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--train-rows", type=int, default=4, help="update micro batch rows (default job: 4)")
     ap.add_argument("--logprob-rows", type=int, default=8, help="log-prob micro batch rows (default job: 8)")
-    ap.add_argument("--train-len", type=int, default=256,
-                    help="padded micro batch bucket length (default job: 128 + 64 tokens -> 256)")
-    ap.add_argument("--use-compile-cache", action="store_true",
-                    help="let inductor reuse graphs compiled by earlier runs (compile seconds and graph counts then "
-                         "read 0 or less than a fresh compile)")
+    ap.add_argument(
+        "--train-len",
+        type=int,
+        default=256,
+        help="padded micro batch bucket length (default job: 128 + 64 tokens -> 256)",
+    )
+    ap.add_argument(
+        "--use-compile-cache",
+        action="store_true",
+        help="let inductor reuse graphs compiled by earlier runs (compile seconds and graph counts then "
+        "read 0 or less than a fresh compile)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.use_compile_cache:  # a cache hit skips the compile being measured (and the graph counter's hook)
@@ -247,20 +270,26 @@ def main() -> None:
     flops = decode_flops(model, rows, cache_len)
     mem_s, math_s = weight_bytes / gbs / 1e9, flops / gflops / 1e9
     limit_tps = rows / max(mem_s, math_s)
-    print(f"{label}; batch {rows} ({args.prompts} prompts x {args.n}); {args.threads} thread(s); steps {lo}->{hi}\n"
-          f"memory limit: {weight_bytes / 1e6:.0f} MB of weights / {gbs:.1f} GB/s read = {mem_s * 1e3:.1f} ms/step = "
-          f"{rows / mem_s:.0f} tokens/s\narithmetic limit: {flops / 1e9:.2f} GFLOP/step (cache {cache_len}) / "
-          f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s "
-          f"(matmul GFLOP/s: {', '.join(f'{k} {v:.1f}' for k, v in rates.items())})")
+    print(
+        f"{label}; batch {rows} ({args.prompts} prompts x {args.n}); {args.threads} thread(s); steps {lo}->{hi}\n"
+        f"memory limit: {weight_bytes / 1e6:.0f} MB of weights / {gbs:.1f} GB/s read = {mem_s * 1e3:.1f} ms/step = "
+        f"{rows / mem_s:.0f} tokens/s\narithmetic limit: {flops / 1e9:.2f} GFLOP/step (cache {cache_len}) / "
+        f"{gflops:.1f} GFLOP/s matmul = {math_s * 1e3:.1f} ms/step = {rows / math_s:.0f} tokens/s "
+        f"(matmul GFLOP/s: {', '.join(f'{k} {v:.1f}' for k, v in rates.items())})"
+    )
     packed = "onednn" in rates or "panel" in rates
     floor_s = linears_alone_s(model, rows) if packed else float("nan")
-    print(f"the linear layers alone at {rows} rows, packed: {floor_s * 1e3:.1f} ms/step = {rows / floor_s:.0f} "
-          f"tokens/s = {100 * max(mem_s, math_s) / floor_s:.0f}% of the lower limit")
+    print(
+        f"the linear layers alone at {rows} rows, packed: {floor_s * 1e3:.1f} ms/step = {rows / floor_s:.0f} "
+        f"tokens/s = {100 * max(mem_s, math_s) / floor_s:.0f}% of the lower limit"
+    )
     if packed:
         hot_s = linears_in_cache_s(model, rows)
-        print(f"  the same with their weights in cache (products alone at {rows} rows): {hot_s * 1e3:.1f} ms; + the "
-              f"weights' read alone ({mem_s * 1e3:.1f} ms) = {(hot_s + mem_s) * 1e3:.1f} ms: the linears take "
-              f"{100 * floor_s / (hot_s + mem_s):.0f}% of that sum (100%: reads and products do not overlap)")
+        print(
+            f"  the same with their weights in cache (products alone at {rows} rows): {hot_s * 1e3:.1f} ms; + the "
+            f"weights' read alone ({mem_s * 1e3:.1f} ms) = {(hot_s + mem_s) * 1e3:.1f} ms: the linears take "
+            f"{100 * floor_s / (hot_s + mem_s):.0f}% of that sum (100%: reads and products do not overlap)"
+        )
     table = []
     for name, sampler in paths.items():
         warm = time.perf_counter()
@@ -269,35 +298,55 @@ def main() -> None:
         ops = decode_step_ops(sampler, prompts, (lo, hi), n=args.n, temperature=0)
         per_step = []
         for _ in range(args.repeats):
-            t_lo, t_hi = (_timed(sampler.generate, prompts, SamplingParams(n=args.n, temperature=0, max_new_tokens=m))
-                          for m in (lo, hi))
+            t_lo, t_hi = (
+                _timed(sampler.generate, prompts, SamplingParams(n=args.n, temperature=0, max_new_tokens=m))
+                for m in (lo, hi)
+            )
             per_step.append((t_hi - t_lo) / (hi - lo))
         step_s = statistics.median(per_step)
         compiled = sampler.compiled
-        table.append((name, sum(ops.values()), step_s, compiled.graphs if compiled else None,
-                      sum(compiled.compile_s.values()) if compiled else None, compiled.active if compiled else None))
+        table.append(
+            (
+                name,
+                sum(ops.values()),
+                step_s,
+                compiled.graphs if compiled else None,
+                sum(compiled.compile_s.values()) if compiled else None,
+                compiled.active if compiled else None,
+            )
+        )
     train = trainer_figures(model, args)
 
-    print(f"\n{'decode path':<13} {'ops/step':>8} {'ms/step':>8} {'tokens/s':>8} {'% limit':>7} "
-          f"{'graphs/rollout':>14} {'compile s':>9}")
+    print(
+        f"\n{'decode path':<13} {'ops/step':>8} {'ms/step':>8} {'tokens/s':>8} {'% limit':>7} "
+        f"{'graphs/rollout':>14} {'compile s':>9}"
+    )
     for name, total, step_s, graphs, comp_s, active in table:
         graph_text = f"{graphs['prefill']} prefill + {graphs['decode']} decode" if graphs else "-"
         flag = "" if active in (None, True) else "  (compile fell back to eager)"
-        print(f"{name:<13} {total:>8g} {step_s * 1e3:>8.1f} {rows / step_s:>8.0f} "
-              f"{100 * rows / step_s / limit_tps:>6.0f}% {graph_text:>14} "
-              f"{comp_s if comp_s is not None else float('nan'):>9.1f}{flag}")
+        print(
+            f"{name:<13} {total:>8g} {step_s * 1e3:>8.1f} {rows / step_s:>8.0f} "
+            f"{100 * rows / step_s / limit_tps:>6.0f}% {graph_text:>14} "
+            f"{comp_s if comp_s is not None else float('nan'):>9.1f}{flag}"
+        )
     ops, launches = train["compiled_ops"]
     g = train["graphs"]
-    print(f"\ntraining step ({train['blocks']} blocks compiled, inductor; log-prob forward {args.logprob_rows} x "
-          f"{args.train_len} + update {args.train_rows} x {args.train_len}): "
-          f"{g['forward'] + g['inference'] + g['backward']} graphs ({g['forward']} forward, {g['inference']} inference, "
-          f"{g['backward']} backward) for {train['signatures']} block input shapes, compile {train['compile_s']:.1f} s, "
-          f"then {train['step_s']:.1f} s/step{'; FELL BACK: ' + train['fell_back'] if train['fell_back'] else ''}")
-    print(f"ops per training micro batch ({args.train_rows} x {args.train_len}, forward + loss + backward): "
-          f"eager {train['eager_ops']}, compiled {ops + launches} ({ops} outside the blocks + {launches} launches)")
-    print("\n(ops/step: aten ops one decode step dispatches, a compiled step counts as one launch; % limit: of the "
-          "lower of the memory and arithmetic limits; graphs/rollout: graphs compiled over the warm-up rollout; "
-          "compiled steps run the bucketed path, cpu-compiled's linear layers on packed weights)")
+    print(
+        f"\ntraining step ({train['blocks']} blocks compiled, inductor; log-prob forward {args.logprob_rows} x "
+        f"{args.train_len} + update {args.train_rows} x {args.train_len}): "
+        f"{g['forward'] + g['inference'] + g['backward']} graphs ({g['forward']} forward, {g['inference']} inference, "
+        f"{g['backward']} backward) for {train['signatures']} block input shapes, compile {train['compile_s']:.1f} s, "
+        f"then {train['step_s']:.1f} s/step{'; FELL BACK: ' + train['fell_back'] if train['fell_back'] else ''}"
+    )
+    print(
+        f"ops per training micro batch ({args.train_rows} x {args.train_len}, forward + loss + backward): "
+        f"eager {train['eager_ops']}, compiled {ops + launches} ({ops} outside the blocks + {launches} launches)"
+    )
+    print(
+        "\n(ops/step: aten ops one decode step dispatches, a compiled step counts as one launch; % limit: of the "
+        "lower of the memory and arithmetic limits; graphs/rollout: graphs compiled over the warm-up rollout; "
+        "compiled steps run the bucketed path, cpu-compiled's linear layers on packed weights)"
+    )
 
 
 if __name__ == "__main__":

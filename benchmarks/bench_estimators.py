@@ -39,13 +39,17 @@ COMPANIONS: dict[str, list[str]] = {
     "tir_optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
 }
 
-LENGTH_REWARD = '''
+LENGTH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return (len(solution_str) % 7) / 7.0
-'''
+"""
 
-FIGURES = (("s/step", "timing_s/step"), ("reward", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
-           ("ppo_kl", "actor/ppo_kl"))
+FIGURES = (
+    ("s/step", "timing_s/step"),
+    ("reward", "critic/score/mean"),
+    ("pg_loss", "actor/pg_loss"),
+    ("ppo_kl", "actor/ppo_kl"),
+)
 
 
 def tiny_model(folder: Path) -> Path:
@@ -56,10 +60,19 @@ def tiny_model(folder: Path) -> Path:
     from verl_backend.models import ensure_default_model
 
     tok = AutoTokenizer.from_pretrained(ensure_default_model())
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -71,12 +84,29 @@ def run_one(name: str, model: Path | None, work: Path, steps: int, response_leng
     "why", figures..., "wall_s"}``."""
     out = work / name
     reward = work / "length_reward.py"
-    args = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-            "--max-restarts", "0", f"algorithm.adv_estimator={name}", *COMPANIONS.get(name, []),
-            f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=4",
-            f"data.max_response_length={response_length}",
-            f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score"]
+    args = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "0",
+        f"algorithm.adv_estimator={name}",
+        *COMPANIONS.get(name, []),
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=4",
+        f"data.max_response_length={response_length}",
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
+    ]
     if model is not None:
         args += [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"]
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
@@ -84,9 +114,12 @@ def run_one(name: str, model: Path | None, work: Path, steps: int, response_leng
         env.pop(key, None)
     start = time.time()
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
-    row: dict = {"estimator": name, "wall_s": round(time.time() - start, 1),
-                 "companions": " ".join(COMPANIONS.get(name, []))}
-    errors = [line[len("verl: error: "):] for line in proc.stderr.splitlines() if line.startswith("verl: error: ")]
+    row: dict = {
+        "estimator": name,
+        "wall_s": round(time.time() - start, 1),
+        "companions": " ".join(COMPANIONS.get(name, [])),
+    }
+    errors = [line[len("verl: error: ") :] for line in proc.stderr.splitlines() if line.startswith("verl: error: ")]
     if proc.returncode == 2 and errors:
         return {**row, "status": "refused", "why": errors[-1]}
     if proc.returncode != 0:
@@ -99,16 +132,21 @@ def run_one(name: str, model: Path | None, work: Path, steps: int, response_leng
 
 def table(rows: list[dict]) -> str:
     """A Markdown table of :func:`run_one`'s rows."""
+
     def num(x, fmt):
         return "" if x is None else format(float(x), fmt)
 
-    lines = ["| estimator | companion keys | runs or refused | s/step | reward | pg_loss | ppo_kl | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| estimator | companion keys | runs or refused | s/step | reward | pg_loss | ppo_kl | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         status = r["status"] if r["status"] == "runs" else f"{r['status']}: {r['why']}"
-        lines.append(f"| `{r['estimator']}` | {('`' + r['companions'] + '`') if r['companions'] else ''} | {status} "
-                     f"| {num(r.get('s/step'), '.2f')} | {num(r.get('reward'), '.3f')} | {num(r.get('pg_loss'), '.4f')} "
-                     f"| {num(r.get('ppo_kl'), '.2e')} | {r['wall_s']:.0f} |")
+        lines.append(
+            f"| `{r['estimator']}` | {('`' + r['companions'] + '`') if r['companions'] else ''} | {status} "
+            f"| {num(r.get('s/step'), '.2f')} | {num(r.get('reward'), '.3f')} | {num(r.get('pg_loss'), '.4f')} "
+            f"| {num(r.get('ppo_kl'), '.2e')} | {r['wall_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -127,15 +165,18 @@ def main() -> None:
         work = Path(a.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         (work / "length_reward.py").write_text(LENGTH_REWARD)
-        model = None if a.model == "default" else tiny_model(work / "tiny_model") if a.model == "tiny" \
-            else Path(a.model)
+        model = (
+            None if a.model == "default" else tiny_model(work / "tiny_model") if a.model == "tiny" else Path(a.model)
+        )
         rows = []
         for name in a.estimators.split(","):
             row = run_one(name, model, work, a.steps, a.response_length)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"\nmodel: {a.model}; {a.steps} steps of 4 prompts x 4 samples, responses <= {a.response_length} tokens, "
-          "length reward; figures of step 1\n")
+    print(
+        f"\nmodel: {a.model}; {a.steps} steps of 4 prompts x 4 samples, responses <= {a.response_length} tokens, "
+        "length reward; figures of step 1\n"
+    )
     print(table(rows))
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))

@@ -34,11 +34,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 2048}
+SMOLLM2 = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
 FAMILY_SIZE = {  # what differs from SmolLM2's shape per family (tests/families.py sets the family's features)
-    "gemma3": {"sliding_window": 512, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
-               "query_pre_attn_scalar": 64},
+    "gemma3": {
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        "query_pre_attn_scalar": 64,
+    },
     "mistral": {"sliding_window": 512},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384},
 }
@@ -57,8 +67,14 @@ def _batch(g: torch.Generator):
         for _ in range(4):
             prompts.append(p)
             responses.append(torch.randint(10, 40000, (64,), generator=g).tolist())
-    td = TensorDict({"prompts": nested(prompts), "responses": nested(responses),
-                     "input_ids": nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[len(prompts)])
+    td = TensorDict(
+        {
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "input_ids": nested([p + r for p, r in zip(prompts, responses)]),
+        },
+        batch_size=[len(prompts)],
+    )
     td["position_ids"] = nested([list(range(len(p) + len(r))) for p, r in zip(prompts, responses)])
     return td, prompts, responses
 
@@ -91,8 +107,7 @@ def _update(model, td, mode: str) -> float:
 def _rollout(model, prompts, fast: bool) -> float:
     from rl_tpu.sampler import Sampler, SamplingParams
 
-    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=fast, lean_decode=fast,
-                      max_batch_size=16)
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=fast, lean_decode=fast, max_batch_size=16)
     distinct = list(dict.fromkeys(tuple(p) for p in prompts))
     start = time.perf_counter()
     with torch.no_grad():
@@ -107,22 +122,43 @@ def main() -> int:
     from verl_backend.models import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default="llama,qwen3,gemma3,mistral,qwen3_moe",
-                    help=f"comma-separated, from: {', '.join(FAMILIES)}")
+    ap.add_argument(
+        "--families",
+        default="llama,qwen3,gemma3,mistral,qwen3_moe",
+        help=f"comma-separated, from: {', '.join(FAMILIES)}",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median; one warm-up before)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--warmup", choices=["cell", "model"], default="cell",
-                    help="one untimed run before each cell, or one update and one rollout per model")
+    ap.add_argument(
+        "--warmup",
+        choices=["cell", "model"],
+        default="cell",
+        help="one untimed run before each cell, or one update and one rollout per model",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     td, prompts, _ = _batch(torch.Generator().manual_seed(0))
-    head = ("family", "params M", "update all s", "response-only s", "shared prefix s", "update off/on",
-            "rollout off s", "rollout on s", "rollout off/on")
+    head = (
+        "family",
+        "params M",
+        "update all s",
+        "response-only s",
+        "shared prefix s",
+        "update off/on",
+        "rollout off s",
+        "rollout on s",
+        "rollout off/on",
+    )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
-            path = build_tiny_model(family, ensure_default_model(), Path(tmp) / family, weight_std=0.02,
-                                    **{**SMOLLM2, **FAMILY_SIZE.get(family, {})})
+            path = build_tiny_model(
+                family,
+                ensure_default_model(),
+                Path(tmp) / family,
+                weight_std=0.02,
+                **{**SMOLLM2, **FAMILY_SIZE.get(family, {})},
+            )
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
 
             def median(fn, *a):
@@ -140,12 +176,18 @@ def main() -> int:
             model.eval()
             off, on = median(_rollout, model, prompts, False), median(_rollout, model, prompts, True)
             params = sum(p.numel() for p in model.parameters()) / 1e6
-            print(f"| {family} | {params:.0f} | {upd['all']:.2f} | {upd['response']:.2f} | {upd['shared']:.2f} | "
-                  f"{upd['all'] / upd['shared']:.2f} | {off:.2f} | {on:.2f} | {off / on:.2f} |", flush=True)
+            print(
+                f"| {family} | {params:.0f} | {upd['all']:.2f} | {upd['response']:.2f} | {upd['shared']:.2f} | "
+                f"{upd['all'] / upd['shared']:.2f} | {off:.2f} | {on:.2f} | {off / on:.2f} |",
+                flush=True,
+            )
             del model
     load = os.getloadavg()
-    print(f"\n{args.threads} torch thread(s), median of {args.repeats}, warm-up per {args.warmup}; "
-          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
+    print(
+        f"\n{args.threads} torch thread(s), median of {args.repeats}, warm-up per {args.warmup}; "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
+        flush=True,
+    )
     return 0
 
 

@@ -37,8 +37,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, 40000, (9,), generator=g).tolist()
     prompts = [prefix + torch.randint(3, 40000, (n,), generator=g).tolist() for n in (3, 14, 1, 22)]
-    params = {"greedy": SamplingParams(n=2, temperature=0, max_new_tokens=12),
-              "T=1": SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)}
+    params = {
+        "greedy": SamplingParams(n=2, temperature=0, max_new_tokens=12),
+        "T=1": SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1),
+    }
     print(f"{'family':14s} {'packed prefill':>14s} {'lean decode':>11s} {'greedy':>9s} {'T=1':>9s}")
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
@@ -60,8 +62,10 @@ def main() -> None:
                             err = max(err, float((torch.tensor(o.logprobs) - ref).abs().max()))
                         cells.append(err)
                         ran_packed = all(b == 1 for b, q, _ in s.shapes_seen if q > 1)
-                        used = ("on" if ran_packed else "-" if packed else "off",
-                                "on" if s.lean is not None else "-" if lean else "off")
+                        used = (
+                            "on" if ran_packed else "-" if packed else "off",
+                            "on" if s.lean is not None else "-" if lean else "off",
+                        )
                     print(f"{family:14s} {used[0]:>14s} {used[1]:>11s} {cells[0]:9.1e} {cells[1]:9.1e}", flush=True)
 
 

@@ -161,13 +161,15 @@ class MemorySampler(threading.Thread):
             "cpu_s": sum(self._cpu_s.values()),
             "step_cpu_marks": self.step_cpu_marks,
             "samples": self.samples,
-            "pss_at_peak_gib_by_role": {k: [int(c), b / GIB] for k, (c, b) in
-                                        sorted(self.peak_breakdown.items(), key=lambda kv: -kv[1][1])},
+            "pss_at_peak_gib_by_role": {
+                k: [int(c), b / GIB] for k, (c, b) in sorted(self.peak_breakdown.items(), key=lambda kv: -kv[1][1])
+            },
         }
 
 
-def run_sampled(name: str, cmd: list[str], env: dict, log: Path, timeout_s: float,
-                step_log: Path | None = None) -> tuple[dict, float]:
+def run_sampled(
+    name: str, cmd: list[str], env: dict, log: Path, timeout_s: float, step_log: Path | None = None
+) -> tuple[dict, float]:
     """Run ``cmd`` with a fresh marker under the memory sampler; return (memory summary, wall seconds)."""
     run_id = uuid.uuid4().hex
     env = {**env, MARKER: run_id}
@@ -221,8 +223,17 @@ def _mean_after_warmup(values: list[float]) -> float | None:
 def _prepare_train_file(work: Path) -> str:
     """The parquet ``verl train`` would write for the default job (for a TRL-only run)."""
     out = work / "verl" / "data"
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir",
-           str(work / "verl"), "--print-config"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(work / "verl"),
+        "--print-config",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     found = sorted(out.glob("*_train.parquet"))
     if not found:
@@ -232,25 +243,49 @@ def _prepare_train_file(work: Path) -> str:
 
 # The config compared with TRL, pinned: the default job's recipe may change (docs/recipe.md) without the comparison
 # changing with it. These are the TRL side's settings (4 prompts x 4 samples, temperature 1.0, lr 1e-5, KL loss).
-PINNED = ["actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.n={N_SAMPLES}",
-          "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-          "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.use_kl_loss=true",
-          "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-          "actor_rollout_ref.actor.loss_agg_mode=token-mean", "data.max_response_length=64"]
+PINNED = [
+    "actor_rollout_ref.rollout.temperature=1.0",
+    f"actor_rollout_ref.rollout.n={N_SAMPLES}",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.optim.lr=1e-5",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    "data.max_response_length=64",
+]
 
 
 def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: list[str] | None = None) -> dict:
     out = work / "verl"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp),
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--num-threads", str(threads),
-           "--output-dir", str(out), f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
-           "trainer.test_freq=-1", "trainer.save_freq=-1", *PINNED, *(overrides or [])]
+    env.update(
+        RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--num-threads",
+        str(threads),
+        "--output-dir",
+        str(out),
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        *PINNED,
+        *(overrides or []),
+    ]
     try:
-        memory, wall = run_sampled("ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s,
-                                   step_log=out / "metrics.jsonl")
+        memory, wall = run_sampled(
+            "ours (verl train --backend cpu)", cmd, env, work / "verl.log", timeout_s, step_log=out / "metrics.jsonl"
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -262,9 +297,12 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
         return [sum(float(r["data"].get(k, 0.0)) for k in keys) for r in rows]
 
     return {
-        "framework": "ours: verl train --backend cpu" + "".join(
-            f" {k}={v}" for k, v in sorted(os.environ.items()) if k in ("RL_TPU_COMPACT_MALLOC", "RL_TPU_FORK_SERVER",
-                                                                        "RL_TPU_TASK_RUNNER", "RL_TPU_SHARED_WEIGHTS"))
+        "framework": "ours: verl train --backend cpu"
+        + "".join(
+            f" {k}={v}"
+            for k, v in sorted(os.environ.items())
+            if k in ("RL_TPU_COMPACT_MALLOC", "RL_TPU_FORK_SERVER", "RL_TPU_TASK_RUNNER", "RL_TPU_SHARED_WEIGHTS")
+        )
         + (f" ({' '.join(overrides)})" if overrides else ""),
         "steps": len(rows),
         "step_s": col("timing_s/step"),
@@ -283,20 +321,47 @@ def run_ours(work: Path, steps: int, threads: int, timeout_s: float, overrides: 
 
 
 # ------------------------------------------------------------------------------------------------ TRL
-def run_trl(work: Path, train_file: str, steps: int, threads: int, timeout_s: float,
-            gradient_checkpointing: bool = True, tuned_malloc: bool = False) -> dict:
+def run_trl(
+    work: Path,
+    train_file: str,
+    steps: int,
+    threads: int,
+    timeout_s: float,
+    gradient_checkpointing: bool = True,
+    tuned_malloc: bool = False,
+) -> dict:
     tag = f"gc{int(gradient_checkpointing)}" + ("_malloc" if tuned_malloc else "")
     result = work / f"trl_result_{tag}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        }
+    )
     if tuned_malloc:  # the glibc settings RL_TPU_COMPACT_MALLOC=1 gives the processes of `verl train --backend cpu`
         from verl_backend.host_memory.heap import HOST_MALLOC_ENV
 
         env.update(HOST_MALLOC_ENV)
-    cmd = [sys.executable, __file__, "--trl-worker", "--train-file", train_file, "--steps", str(steps),
-           "--threads", str(threads), "--work", str(work), "--result", str(result),
-           "--trl-gradient-checkpointing", "on" if gradient_checkpointing else "off"]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        "--train-file",
+        train_file,
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        "--work",
+        str(work),
+        "--result",
+        str(result),
+        "--trl-gradient-checkpointing",
+        "on" if gradient_checkpointing else "off",
+    ]
     memory, wall = run_sampled("TRL GRPOTrainer", cmd, env, work / f"trl_{tag}.log", timeout_s)
     out = json.loads(result.read_text())
     if tuned_malloc:
@@ -331,13 +396,22 @@ def trl_worker(args) -> None:
         ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         if len(ids["input_ids"] if hasattr(ids, "keys") else ids) > MAX_PROMPT:
             continue  # what data.filter_overlong_prompts=true does on our side (TRL 1.16 has no max_prompt_length)
-        rows.append({"prompt": prompt, "data_source": r.data_source, "ground_truth": r.reward_model["ground_truth"],
-                     "extra_info": dict(r.extra_info)})
+        rows.append(
+            {
+                "prompt": prompt,
+                "data_source": r.data_source,
+                "ground_truth": r.reward_model["ground_truth"],
+                "extra_info": dict(r.extra_info),
+            }
+        )
     dataset = Dataset.from_list(rows)
 
     def arithmetic_reward(completions, data_source, ground_truth, extra_info, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(compute_score(d, t, g, e)["score"]) for d, t, g, e in zip(data_source, texts, ground_truth, extra_info)]
+        return [
+            float(compute_score(d, t, g, e)["score"])
+            for d, t, g, e in zip(data_source, texts, ground_truth, extra_info)
+        ]
 
     # TRL times its parts with ProfilingContext but only reports them to wandb/mlflow/trackio: record them here.
     step_parts: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -369,17 +443,40 @@ def trl_worker(args) -> None:
             self.logs.append(dict(logs or {}))
 
     config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES, gradient_accumulation_steps=1,
-        num_generations=N_SAMPLES, max_completion_length=MAX_COMPLETION, temperature=1.0,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
-        beta=KL_COEF, epsilon=0.2, loss_type="dapo", max_steps=args.steps, logging_steps=1, report_to=[],
-        save_strategy="no", seed=1, dataloader_num_workers=0, model_init_kwargs={"dtype": torch.float32},
+        output_dir=str(Path(args.work) / "trl"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
+        gradient_accumulation_steps=1,
+        num_generations=N_SAMPLES,
+        max_completion_length=MAX_COMPLETION,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=KL_COEF,
+        epsilon=0.2,
+        loss_type="dapo",
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=1,
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
         gradient_checkpointing=args.trl_gradient_checkpointing == "on",
     )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[timer],
+    )
     trainer.train()
 
     steps = sorted(s for s in step_parts if s >= 1)  # step 0: what ran before training (none so far)
@@ -387,8 +484,8 @@ def trl_worker(args) -> None:
     train_logs = [entry for entry in timer.logs if "completions/mean_length" in entry]
     result = {
         "framework": f"TRL {__import__('trl').__version__} GRPOTrainer, gradient checkpointing "
-                     f"{args.trl_gradient_checkpointing}" + (" (TRL's default)" if args.trl_gradient_checkpointing == "on"
-                                                              else " (as ours)"),
+        f"{args.trl_gradient_checkpointing}"
+        + (" (TRL's default)" if args.trl_gradient_checkpointing == "on" else " (as ours)"),
         "steps": len(timer.step_s),
         "step_s": timer.step_s,
         "rollout_s": part("transformers.generate", "arithmetic_reward"),
@@ -406,11 +503,22 @@ def trl_worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ report
-COLUMNS = [("s/step", "step_s"), ("rollout s", "rollout_s"), ("log-prob s (old+ref)", "logprob_s"),
-           ("update s", "update_s"), ("weight sync s", "weight_sync_s"), ("CPU s/step", "cpu_step_s"),
-           ("completion tok", "completion_tokens_mean")]
-MEMORY = [("peak RSS total GiB", "peak_rss_total_gib"), ("peak RSS largest proc GiB", "peak_rss_largest_gib"),
-          ("peak PSS total GiB", "peak_pss_total_gib"), ("procs", "max_processes"), ("CPU s whole run", "cpu_s")]
+COLUMNS = [
+    ("s/step", "step_s"),
+    ("rollout s", "rollout_s"),
+    ("log-prob s (old+ref)", "logprob_s"),
+    ("update s", "update_s"),
+    ("weight sync s", "weight_sync_s"),
+    ("CPU s/step", "cpu_step_s"),
+    ("completion tok", "completion_tokens_mean"),
+]
+MEMORY = [
+    ("peak RSS total GiB", "peak_rss_total_gib"),
+    ("peak RSS largest proc GiB", "peak_rss_largest_gib"),
+    ("peak PSS total GiB", "peak_pss_total_gib"),
+    ("procs", "max_processes"),
+    ("CPU s whole run", "cpu_s"),
+]
 
 
 def _fmt(value: float | None) -> str:
@@ -431,8 +539,9 @@ def table(results: list[dict]) -> str:
         return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
     for trl in (r for r in results if ours is not None and r is not ours):
-        gc = ("GC on" if "checkpointing on" in trl["framework"] else "GC off") + \
-            (", compact malloc" if "malloc" in trl["framework"] else "")
+        gc = ("GC on" if "checkpointing on" in trl["framework"] else "GC off") + (
+            ", compact malloc" if "malloc" in trl["framework"] else ""
+        )
         cells = [f"ratio ours/TRL ({gc})"] + [ratio(ours["mean"][k], trl["mean"][k]) for _, k in COLUMNS]
         cells += [ratio(ours["memory"][k], trl["memory"][k]) for _, k in MEMORY]
         lines.append("| " + " | ".join(cells) + " |")
@@ -447,15 +556,28 @@ def main() -> int:
     ap.add_argument("--keep", help="keep run folders (logs, metrics.jsonl, data) here instead of a temp folder")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per framework run")
     ap.add_argument("--only", choices=["ours", "trl"], help="run one side only (no ratio row)")
-    ap.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra VeRL override for our run (to try a setting); the table says it was used")
-    ap.add_argument("--trl-gradient-checkpointing", choices=["on", "off", "both"], default="both",
-                    help="TRL's gradient checkpointing: on (TRL 1.16's default), off (as our CPU default), or both "
-                    "(two TRL runs; default)")
-    ap.add_argument("--trl-malloc", choices=["default", "tuned", "both"], default="default",
-                    help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
-                    "RL_TPU_COMPACT_MALLOC=1 gives verl train, verl_backend.host_memory.heap.HOST_MALLOC_ENV), or "
-                    "both (twice the TRL runs)")
+    ap.add_argument(
+        "--ours-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra VeRL override for our run (to try a setting); the table says it was used",
+    )
+    ap.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=["on", "off", "both"],
+        default="both",
+        help="TRL's gradient checkpointing: on (TRL 1.16's default), off (as our CPU default), or both "
+        "(two TRL runs; default)",
+    )
+    ap.add_argument(
+        "--trl-malloc",
+        choices=["default", "tuned", "both"],
+        default="default",
+        help="glibc malloc settings of the TRL process: default (what a TRL user gets), tuned (the ones "
+        "RL_TPU_COMPACT_MALLOC=1 gives verl train, verl_backend.host_memory.heap.HOST_MALLOC_ENV), or "
+        "both (twice the TRL runs)",
+    )
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -484,8 +606,11 @@ def main() -> int:
             mallocs = {"default": [False], "tuned": [True], "both": [False, True]}[args.trl_malloc]
             for gc in modes:
                 for tuned in mallocs:
-                    print(f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}, "
-                          f"{'compact' if tuned else 'default'} malloc settings), {args.steps} steps", flush=True)
+                    print(
+                        f"[bench] TRL GRPOTrainer (gradient checkpointing {'on' if gc else 'off'}, "
+                        f"{'compact' if tuned else 'default'} malloc settings), {args.steps} steps",
+                        flush=True,
+                    )
                     results.append(run_trl(work, train_file, args.steps, args.threads, args.timeout, gc, tuned))
     except BenchError as exc:
         print(f"bench_grpo_step: error: {exc}", file=sys.stderr)
@@ -497,20 +622,29 @@ def main() -> int:
         r["mean"] = {k: _mean_after_warmup(r[k]) for _, k in COLUMNS}
     load = os.getloadavg()
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "load_average": load, "steps": args.steps,
-                                              "threads": args.threads}, indent=1))
-    print(f"\nGRPO step, SmolLM2-135M-Instruct fp32, basic_arithmetic, {BATCH_PROMPTS} prompts x {N_SAMPLES} samples, "
-          f"prompt <= {MAX_PROMPT} / completion <= {MAX_COMPLETION} tokens, lr {LR}, {args.threads} torch thread(s) "
-          f"per process; mean of steps 2..{args.steps}; {os.cpu_count()} CPUs, load average {load[0]:.1f}\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {"results": results, "load_average": load, "steps": args.steps, "threads": args.threads}, indent=1
+            )
+        )
+    print(
+        f"\nGRPO step, SmolLM2-135M-Instruct fp32, basic_arithmetic, {BATCH_PROMPTS} prompts x {N_SAMPLES} samples, "
+        f"prompt <= {MAX_PROMPT} / completion <= {MAX_COMPLETION} tokens, lr {LR}, {args.threads} torch thread(s) "
+        f"per process; mean of steps 2..{args.steps}; {os.cpu_count()} CPUs, load average {load[0]:.1f}\n"
+    )
     print(table(results))
     for r in results:
-        print(f"\n{r['framework']}: wall {r['wall_s']:.0f} s ({r['wall_s'] - sum(r['step_s']):.0f} s outside steps), "
-              f"step s {[round(s, 1) for s in r['step_s']]}, largest process: {r['memory']['largest_process']!r}, "
-              f"load average start/end {[round(x, 1) for x in r['memory']['load_average_1min_start_end']]}, "
-              f"leftover processes killed: {r['memory']['leftover_processes_killed'] or 'none'}")
+        print(
+            f"\n{r['framework']}: wall {r['wall_s']:.0f} s ({r['wall_s'] - sum(r['step_s']):.0f} s outside steps), "
+            f"step s {[round(s, 1) for s in r['step_s']]}, largest process: {r['memory']['largest_process']!r}, "
+            f"load average start/end {[round(x, 1) for x in r['memory']['load_average_1min_start_end']]}, "
+            f"leftover processes killed: {r['memory']['leftover_processes_killed'] or 'none'}"
+        )
         roles = r["memory"]["pss_at_peak_gib_by_role"]
-        print("  PSS at the peak sample, GiB (processes): " + ", ".join(
-            f"{k} {v[1]:.2f} ({v[0]})" for k, v in roles.items() if v[1] >= 0.05))
+        print(
+            "  PSS at the peak sample, GiB (processes): "
+            + ", ".join(f"{k} {v[1]:.2f} ({v[0]})" for k, v in roles.items() if v[1] >= 0.05)
+        )
     return 0
 
 

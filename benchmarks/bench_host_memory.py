@@ -40,7 +40,9 @@ from bench_grpo_step import BenchError, _mean_after_warmup, run_ours
 from verl_backend.settings import BY_NAME
 
 # (setting, its default in the settings table): each configuration flips one of them
-PARTS = tuple((name, BY_NAME[name].default) for name in ("fork_server", "trim_backward", "plain_module", "compact_malloc"))
+PARTS = tuple(
+    (name, BY_NAME[name].default) for name in ("fork_server", "trim_backward", "plain_module", "compact_malloc")
+)
 MEMORY_GAIN, TIME_COST = 0.03, 0.05  # the rule's thresholds (fractions)
 
 
@@ -71,8 +73,9 @@ def main() -> int:
         print("bench_host_memory: error: --steps must be >= 2 and --rounds >= 1", file=sys.stderr)
         return 2
     parts = [(p, d) for p, d in PARTS if not args.only or p in args.only]
-    configs = [("defaults", [])] + [(f"{p}={str(not d).lower()}", [f"rl_tpu.{p}={str(not d).lower()}"])
-                                    for p, d in parts]
+    configs = [("defaults", [])] + [
+        (f"{p}={str(not d).lower()}", [f"rl_tpu.{p}={str(not d).lower()}"]) for p, d in parts
+    ]
     root = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="bench_host_memory_"))
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     try:
@@ -82,9 +85,14 @@ def main() -> int:
                 work.mkdir(parents=True, exist_ok=True)
                 print(f"[bench] round {rnd + 1}/{args.rounds}: {name}, logs in {work}", flush=True)
                 r = run_ours(work, args.steps, args.threads, args.timeout, overrides)
-                runs[name].append({"step_s": _mean_after_warmup(r["step_s"]),
-                                   "update_s": _mean_after_warmup(r["update_s"]),
-                                   "wall_s": r["wall_s"], "peak_pss": r["memory"]["peak_pss_total_gib"]})
+                runs[name].append(
+                    {
+                        "step_s": _mean_after_warmup(r["step_s"]),
+                        "update_s": _mean_after_warmup(r["update_s"]),
+                        "wall_s": r["wall_s"],
+                        "peak_pss": r["memory"]["peak_pss_total_gib"],
+                    }
+                )
     except BenchError as exc:
         print(f"bench_host_memory: error: {exc}", file=sys.stderr)
         return 1
@@ -93,13 +101,17 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     load = os.getloadavg()
-    print(f"\nDefault job, {args.steps} steps, {args.threads} torch thread(s) per process; medians of {args.rounds} "
-          f"interleaved rounds; {os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
+    print(
+        f"\nDefault job, {args.steps} steps, {args.threads} torch thread(s) per process; medians of {args.rounds} "
+        f"interleaved rounds; {os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n"
+    )
     head = ["configuration", "s/step", "update s", "wall s", "peak PSS GiB", "default follows the rule?"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     base = med["defaults"]
-    print(f"| defaults | {base['step_s']:.2f} | {base['update_s']:.2f} | {base['wall_s']:.0f} | "
-          f"{base['peak_pss']:.2f} | |")
+    print(
+        f"| defaults | {base['step_s']:.2f} | {base['update_s']:.2f} | {base['wall_s']:.0f} | "
+        f"{base['peak_pss']:.2f} | |"
+    )
     verdicts = []
     for (name, _), (part, default) in zip(configs[1:], parts):
         m = med[name]
@@ -107,11 +119,15 @@ def main() -> int:
         pays, why = follows_rule(on, off)
         ok = pays == default
         verdicts.append(ok)
-        print(f"| {name} | {m['step_s']:.2f} | {m['update_s']:.2f} | {m['wall_s']:.0f} | {m['peak_pss']:.2f} | "
-              f"{'yes' if ok else 'NO'}: {part} {'pays' if pays else 'does not pay'} ({why}) |")
+        print(
+            f"| {name} | {m['step_s']:.2f} | {m['update_s']:.2f} | {m['wall_s']:.0f} | {m['peak_pss']:.2f} | "
+            f"{'yes' if ok else 'NO'}: {part} {'pays' if pays else 'does not pay'} ({why}) |"
+        )
     for name, rs in runs.items():
-        print(f"\n{name}: s/step {[round(r['step_s'], 2) for r in rs]}, peak PSS "
-              f"{[round(r['peak_pss'], 2) for r in rs]} GiB, wall {[round(r['wall_s']) for r in rs]} s")
+        print(
+            f"\n{name}: s/step {[round(r['step_s'], 2) for r in rs]}, peak PSS "
+            f"{[round(r['peak_pss'], 2) for r in rs]} GiB, wall {[round(r['wall_s']) for r in rs]} s"
+        )
     return 0 if all(verdicts) else 3
 
 

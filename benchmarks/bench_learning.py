@@ -75,13 +75,32 @@ def run_ours(seed: int, timeout_s: float) -> tuple[dict, dict[int, Path]]:
     ray_tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp))
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           f"data.seed={seed}", "trainer.resume_mode=disable", "trainer.val_before_train=false",
-           "trainer.test_freq=-1", f"trainer.save_freq={SAVE_EVERY}", f"trainer.total_training_steps={STEPS}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        f"data.seed={seed}",
+        "trainer.resume_mode=disable",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.save_freq={SAVE_EVERY}",
+        f"trainer.total_training_steps={STEPS}",
+    ]
     OUT.mkdir(parents=True, exist_ok=True)
     try:
-        memory, wall = step_bench.run_sampled("ours (verl train --backend cpu)", cmd, env, OUT / f"ours-s{seed}.log",
-                                              timeout_s, step_log=out / "metrics.jsonl")
+        memory, wall = step_bench.run_sampled(
+            "ours (verl train --backend cpu)",
+            cmd,
+            env,
+            OUT / f"ours-s{seed}.log",
+            timeout_s,
+            step_log=out / "metrics.jsonl",
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     rewards = []
@@ -93,20 +112,40 @@ def run_ours(seed: int, timeout_s: float) -> tuple[dict, dict[int, Path]]:
     return {"wall_s": wall, "memory": memory, "rewards": rewards}, ckpts
 
 
-def run_trl(seed: int, train_file: str, threads: int, gradient_checkpointing: bool,
-            timeout_s: float) -> tuple[dict, dict[int, Path]]:
+def run_trl(
+    seed: int, train_file: str, threads: int, gradient_checkpointing: bool, timeout_s: float
+) -> tuple[dict, dict[int, Path]]:
     """TRL's GRPOTrainer on the same parquet, in a process of its own under the sampler."""
     work = OUT / f"trl-s{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "TOKENIZERS_PARALLELISM": "false", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
-    cmd = [sys.executable, __file__, "trl-worker", "--train-file", train_file, "--seed", str(seed),
-           "--threads", str(threads), "--work", str(work),
-           "--trl-gradient-checkpointing", "on" if gradient_checkpointing else "off"]
-    memory, wall = step_bench.run_sampled("TRL GRPOTrainer", cmd, env, OUT / f"trl-s{seed}.log", timeout_s,
-                                          step_log=work / "steps.jsonl")
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        }
+    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "trl-worker",
+        "--train-file",
+        train_file,
+        "--seed",
+        str(seed),
+        "--threads",
+        str(threads),
+        "--work",
+        str(work),
+        "--trl-gradient-checkpointing",
+        "on" if gradient_checkpointing else "off",
+    ]
+    memory, wall = step_bench.run_sampled(
+        "TRL GRPOTrainer", cmd, env, OUT / f"trl-s{seed}.log", timeout_s, step_log=work / "steps.jsonl"
+    )
     result = json.loads((work / "result.json").read_text())
     ckpts = {int(p.name.split("-")[1]): p for p in (work / "trl").glob("checkpoint-*")}
     return {"wall_s": wall, "memory": memory, "rewards": result["rewards"]}, ckpts
@@ -133,13 +172,21 @@ def trl_worker(args) -> None:
     rows = []
     for r in pd.read_parquet(args.train_file).itertuples(index=False):
         prompt = [dict(m) for m in r.prompt]
-        rows.append({"prompt": prompt, "data_source": r.data_source, "ground_truth": r.reward_model["ground_truth"],
-                     "extra_info": dict(r.extra_info)})
+        rows.append(
+            {
+                "prompt": prompt,
+                "data_source": r.data_source,
+                "ground_truth": r.reward_model["ground_truth"],
+                "extra_info": dict(r.extra_info),
+            }
+        )
 
     def arithmetic_reward(completions, data_source, ground_truth, extra_info, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(compute_score(d, t, g, e)["score"]) for d, t, g, e in zip(data_source, texts, ground_truth,
-                                                                              extra_info)]
+        return [
+            float(compute_score(d, t, g, e)["score"])
+            for d, t, g, e in zip(data_source, texts, ground_truth, extra_info)
+        ]
 
     steps_log = Path(args.work) / "steps.jsonl"
     rewards: list[float] = []
@@ -154,17 +201,44 @@ def trl_worker(args) -> None:
                 fh.write(json.dumps({"step": state.global_step, "timing_s/step": None}) + "\n")
 
     config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1, num_generations=SAMPLES,
-        max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
-        beta=KL_COEF, epsilon=0.2, loss_type="dapo", max_steps=args.steps, logging_steps=1, report_to=[],
-        save_strategy="steps", save_steps=SAVE_EVERY, save_only_model=True, seed=args.seed, data_seed=args.seed,
-        dataloader_num_workers=0, model_init_kwargs={"dtype": torch.float32},
+        output_dir=str(Path(args.work) / "trl"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        gradient_accumulation_steps=1,
+        num_generations=SAMPLES,
+        max_completion_length=MAX_COMPLETION,
+        temperature=TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=KL_COEF,
+        epsilon=0.2,
+        loss_type="dapo",
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=SAVE_EVERY,
+        save_only_model=True,
+        seed=args.seed,
+        data_seed=args.seed,
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
         gradient_checkpointing=args.trl_gradient_checkpointing == "on",
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=arithmetic_reward, args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Steps()])
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        callbacks=[Steps()],
+    )
     trainer.train()
     (Path(args.work) / "result.json").write_text(json.dumps({"rewards": rewards}))
 
@@ -174,17 +248,36 @@ def judge_checkpoints(framework: str, seed: int, measures: dict, ckpts: dict[int
     cpu_at = _cpu_at_steps(measures["memory"])
     for step in sorted(ckpts):
         res = recipe.judge(str(ckpts[step]), "report")
-        _record({"framework": framework, "seed": seed, "step": step, "cpu_s": cpu_at.get(step),
-                 "cpu_s_run": measures["memory"]["cpu_s"], "wall_s": measures["wall_s"],
-                 "peak_pss_gib": measures["memory"]["peak_pss_total_gib"], "rewards": measures["rewards"],
-                 "options": options, "strict": res["strict"], "lenient": res["lenient"]})
+        _record(
+            {
+                "framework": framework,
+                "seed": seed,
+                "step": step,
+                "cpu_s": cpu_at.get(step),
+                "cpu_s_run": measures["memory"]["cpu_s"],
+                "wall_s": measures["wall_s"],
+                "peak_pss_gib": measures["memory"]["peak_pss_total_gib"],
+                "rewards": measures["rewards"],
+                "options": options,
+                "strict": res["strict"],
+                "lenient": res["lenient"],
+            }
+        )
 
 
 def cmd_run(args) -> None:
     if not any(r["framework"] == "base" for r in _rows()):
         res = recipe.judge(recipe.base_model_dir(), "report")
-        _record({"framework": "base", "seed": 0, "step": 0, "cpu_s": 0.0, "strict": res["strict"],
-                 "lenient": res["lenient"]})
+        _record(
+            {
+                "framework": "base",
+                "seed": 0,
+                "step": 0,
+                "cpu_s": 0.0,
+                "strict": res["strict"],
+                "lenient": res["lenient"],
+            }
+        )
     train_file = None
     for seed in args.seeds:
         for framework in args.frameworks:
@@ -196,8 +289,9 @@ def cmd_run(args) -> None:
             else:
                 if train_file is None:
                     train_file = step_bench._prepare_train_file(OUT / "data")
-                measures, ckpts = run_trl(seed, train_file, args.trl_threads,
-                                          args.trl_gradient_checkpointing == "on", args.timeout)
+                measures, ckpts = run_trl(
+                    seed, train_file, args.trl_threads, args.trl_gradient_checkpointing == "on", args.timeout
+                )
                 options = {"threads": args.trl_threads, "gradient_checkpointing": args.trl_gradient_checkpointing}
             judge_checkpoints(framework, seed, measures, ckpts, options)
             print(f"{framework} seed {seed}: {time.monotonic() - t0:.0f} s with judging", flush=True)
@@ -211,18 +305,25 @@ def cmd_table(_args) -> None:
         print("no base row yet: `bench_learning.py run` judges the base model first")
         return
     n = len(base["lenient"])
-    print(f"base model: report set lenient {100 * sum(base['lenient']) / n:.1f}%, strict "
-          f"{100 * sum(base['strict']) / n:.1f}% ({n} items)")
-    print(f"{'framework':<6} {'seed':>4} {'step':>4} {'Δ lenient [95% CI]':>24} {'Δ strict':>9} {'wall min':>8} "
-          f"{'CPU min':>8} {'peak PSS GiB':>12} {'points/CPU-min':>14}")
-    for r in sorted((r for r in rows if r["framework"] != "base"), key=lambda r: (r["framework"], r["seed"],
-                                                                                   r["step"])):
+    print(
+        f"base model: report set lenient {100 * sum(base['lenient']) / n:.1f}%, strict "
+        f"{100 * sum(base['strict']) / n:.1f}% ({n} items)"
+    )
+    print(
+        f"{'framework':<6} {'seed':>4} {'step':>4} {'Δ lenient [95% CI]':>24} {'Δ strict':>9} {'wall min':>8} "
+        f"{'CPU min':>8} {'peak PSS GiB':>12} {'points/CPU-min':>14}"
+    )
+    for r in sorted(
+        (r for r in rows if r["framework"] != "base"), key=lambda r: (r["framework"], r["seed"], r["step"])
+    ):
         dl, lo, hi = recipe.paired(r["lenient"], base["lenient"])
         ds, _, _ = recipe.paired(r["strict"], base["strict"])
         cpu_min = (r.get("cpu_s") or float("nan")) / 60
         rate = dl / cpu_min if cpu_min and math.isfinite(cpu_min) else float("nan")
-        print(f"{r['framework']:<6} {r['seed']:>4} {r['step']:>4} {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
-              f"{r['wall_s'] / 60:8.1f} {cpu_min:8.1f} {r['peak_pss_gib']:12.2f} {rate:14.3f}")
+        print(
+            f"{r['framework']:<6} {r['seed']:>4} {r['step']:>4} {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
+            f"{r['wall_s'] / 60:8.1f} {cpu_min:8.1f} {r['peak_pss_gib']:12.2f} {rate:14.3f}"
+        )
     plot(rows, base)
 
 
@@ -238,12 +339,20 @@ def plot(rows: list[dict], base: dict) -> Path | None:
     base_acc = 100 * sum(base["lenient"]) / len(base["lenient"])
     for framework in sorted({r["framework"] for r in rows} - {"base"}):
         for seed in sorted({r["seed"] for r in rows if r["framework"] == framework}):
-            pts = sorted((r["cpu_s"] / 60, 100 * sum(r["lenient"]) / len(r["lenient"])) for r in rows
-                         if r["framework"] == framework and r["seed"] == seed and r.get("cpu_s"))
+            pts = sorted(
+                (r["cpu_s"] / 60, 100 * sum(r["lenient"]) / len(r["lenient"]))
+                for r in rows
+                if r["framework"] == framework and r["seed"] == seed and r.get("cpu_s")
+            )
             xs, ys = zip(*([(0.0, base_acc)] + pts))
-            ax.plot(xs, ys, marker="o", linewidth=0.8, color=colours.get(framework),
-                    label=f"{framework}" if seed == min(r["seed"] for r in rows if r["framework"] == framework)
-                    else None)
+            ax.plot(
+                xs,
+                ys,
+                marker="o",
+                linewidth=0.8,
+                color=colours.get(framework),
+                label=f"{framework}" if seed == min(r["seed"] for r in rows if r["framework"] == framework) else None,
+            )
     ax.set_xlabel("CPU-minutes (user + sys, all processes)")
     ax.set_ylabel("report-set accuracy, lenient (%)")
     ax.grid(alpha=0.3)

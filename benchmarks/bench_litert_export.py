@@ -55,8 +55,11 @@ def make_checkpoint(out_dir: str) -> str:
 def timed_export(args: list[str]) -> tuple[float, float, float]:
     """Run ``litert export ARGS`` in a child; (wall seconds, CPU seconds, peak RSS GiB of the child)."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "edge_export.cli", "export", *args, "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge_export.cli", "export", *args, "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -73,10 +76,14 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=32)
     parser.add_argument("--cache", type=int, default=256)
     parser.add_argument("--skip-bundle", action="store_true", help="skip the .litertlm export row")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep files already in --workdir (their export rows then show 'reused')")
-    parser.add_argument("--runtime-only", action="store_true",
-                        help="only the .litertlm rows checked through the LiteRT-LM runtime (8 chats)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep files already in --workdir (their export rows then show 'reused')"
+    )
+    parser.add_argument(
+        "--runtime-only",
+        action="store_true",
+        help="only the .litertlm rows checked through the LiteRT-LM runtime (8 chats)",
+    )
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.set_num_threads(args.threads)
@@ -88,8 +95,11 @@ def main() -> None:
     shape = ["--prefill-lengths", str(args.prefill), "--cache-length", str(args.cache), "--threads", str(args.threads)]
     fp32 = os.path.join(args.workdir, "smollm2_fp32.tflite")
     reused = (float("nan"),) * 3
-    exports = {"fp32 .tflite": reused if args.reuse and os.path.exists(fp32) else
-               timed_export([ckpt, "-o", fp32, "--no-verify", *shape])}
+    exports = {
+        "fp32 .tflite": reused
+        if args.reuse and os.path.exists(fp32)
+        else timed_export([ckpt, "-o", fp32, "--no-verify", *shape])
+    }
     files = {"fp32": fp32}
     for name in ("dynamic-int8", "weight-int8", "dynamic-int4"):
         files[name] = os.path.join(args.workdir, f"smollm2_{name}.tflite")
@@ -101,8 +111,11 @@ def main() -> None:
         exports[f"{name} quantize"] = (time.perf_counter() - start, float("nan"), float("nan"))
     if not args.skip_bundle:
         bundle = os.path.join(args.workdir, "smollm2_dynamic-int8.litertlm")
-        exports["dynamic-int8 .litertlm"] = reused if args.reuse and os.path.exists(bundle) else timed_export(
-            [ckpt, "-o", bundle, "--quantize", "dynamic-int8", "--no-verify", *shape])
+        exports["dynamic-int8 .litertlm"] = (
+            reused
+            if args.reuse and os.path.exists(bundle)
+            else timed_export([ckpt, "-o", bundle, "--quantize", "dynamic-int8", "--no-verify", *shape])
+        )
         files["dynamic-int8 .litertlm"] = bundle
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,27 +125,45 @@ def main() -> None:
     fp32_bytes = os.path.getsize(fp32)
     rows = []
     for name, path in files.items():
-        check = verify_lib.verify_causal_lm(path, model, prompt_ids, args.steps,
-                                            verify_lib.TOLERANCES["none"], args.threads)
+        check = verify_lib.verify_causal_lm(
+            path, model, prompt_ids, args.steps, verify_lib.TOLERANCES["none"], args.threads
+        )
         # PyTorch is timed again beside every file, so each ratio compares runs under the same machine load
         speed = bench_lib.bench_causal_lm(path, prompt_ids, model, steps=args.steps, num_threads=args.threads)
-        rows.append((name, os.path.getsize(path) / 2**20, os.path.getsize(path) / fp32_bytes,
-                     check["max_abs_error"], check["relative_error"], check["greedy_agreed_steps"],
-                     check["top1_agreement"], speed["litert_decode_ms_per_token"],
-                     speed["torch_decode_ms_per_token"], speed["decode_litert_over_torch"],
-                     speed["litert_prefill_ms"], speed["torch_prefill_ms"]))
+        rows.append(
+            (
+                name,
+                os.path.getsize(path) / 2**20,
+                os.path.getsize(path) / fp32_bytes,
+                check["max_abs_error"],
+                check["relative_error"],
+                check["greedy_agreed_steps"],
+                check["top1_agreement"],
+                speed["litert_decode_ms_per_token"],
+                speed["torch_decode_ms_per_token"],
+                speed["decode_litert_over_torch"],
+                speed["litert_prefill_ms"],
+                speed["torch_prefill_ms"],
+            )
+        )
 
-    print(f"\nSmolLM2-135M-Instruct -> LiteRT  (threads={args.threads}, prompt {len(prompt_ids)} tokens, "
-          f"prefill bucket {args.prefill}, cache {args.cache}, {args.steps} greedy steps, batch 1)\n")
+    print(
+        f"\nSmolLM2-135M-Instruct -> LiteRT  (threads={args.threads}, prompt {len(prompt_ids)} tokens, "
+        f"prefill bucket {args.prefill}, cache {args.cache}, {args.steps} greedy steps, batch 1)\n"
+    )
     print(f"{'export step (nan: reused)':<26}{'wall s':>9}{'CPU s':>9}{'peak RSS GiB':>14}")
     for name, (wall, cpu, rss) in exports.items():
         print(f"{name:<26}{wall:>9.1f}{cpu:>9.1f}{rss:>14.2f}")
-    head = (f"\n{'file':<24}{'MiB':>8}{'/fp32':>7}{'logit maxabs':>13}{'rel err':>9}{'greedy':>8}{'top1':>6}"
-            f"{'LiteRT ms/tok':>14}{'torch ms/tok':>13}{'ratio':>7}{'LiteRT prefill ms':>18}{'torch prefill ms':>17}")
+    head = (
+        f"\n{'file':<24}{'MiB':>8}{'/fp32':>7}{'logit maxabs':>13}{'rel err':>9}{'greedy':>8}{'top1':>6}"
+        f"{'LiteRT ms/tok':>14}{'torch ms/tok':>13}{'ratio':>7}{'LiteRT prefill ms':>18}{'torch prefill ms':>17}"
+    )
     print(head)
     for r in rows:
-        print(f"{r[0]:<24}{r[1]:>8.1f}{r[2]:>7.0%}{r[3]:>13.4f}{r[4]:>9.4f}{f'{r[5]}/{args.steps}':>8}{r[6]:>6.0%}"
-              f"{r[7]:>14.2f}{r[8]:>13.2f}{r[9]:>7.2f}{r[10]:>18.1f}{r[11]:>17.1f}")
+        print(
+            f"{r[0]:<24}{r[1]:>8.1f}{r[2]:>7.0%}{r[3]:>13.4f}{r[4]:>9.4f}{f'{r[5]}/{args.steps}':>8}{r[6]:>6.0%}"
+            f"{r[7]:>14.2f}{r[8]:>13.2f}{r[9]:>7.2f}{r[10]:>18.1f}{r[11]:>17.1f}"
+        )
     print("\ntargets: int8 size <= 30% of fp32; decode LiteRT/PyTorch <= 0.7")
 
 
@@ -168,22 +199,45 @@ def runtime_rows(ckpt: str, args) -> None:
         if name != "none" and not (args.reuse and os.path.exists(path)):
             with tempfile.TemporaryDirectory(dir=args.workdir) as work:
                 finish_bundle(fp32, path, chat, work, name)
-        result = verify_bundle(path, model, tokenizer, quantization=name, stop_ids=chat.stop_token_ids,
-                               steps=args.steps, cache_length=args.cache, num_threads=args.threads)
+        result = verify_bundle(
+            path,
+            model,
+            tokenizer,
+            quantization=name,
+            stop_ids=chat.stop_token_ids,
+            steps=args.steps,
+            cache_length=args.cache,
+            num_threads=args.threads,
+        )
         speed = bench_lib.bench_litertlm(path, num_threads=args.threads)
-        rows.append((name, os.path.getsize(path) / 2**20, result["top1_agreement"],
-                     [c.get("agreed_steps", 0) for c in result["chats"]], result["prefill_tokens_per_s"] or 0,
-                     result["decode_tokens_per_s"] or 0, speed["litert_prefill_tokens_per_s"],
-                     speed["litert_decode_tokens_per_s"], speed["litert_peak_rss_gib"],
-                     result["chats"][0].get("runtime_answer", "")[:40]))
-    print(f"\nSmolLM2-135M-Instruct .litertlm through LiteRT-LM (CPU backend: this CPU, XNNPACK, not a phone; "
-          f"threads={args.threads})\nPyTorch eager: prefill {torch_speed['torch_prefill_tokens_per_s']:.0f} tokens/s, "
-          f"decode {torch_speed['torch_decode_tokens_per_s']:.1f} tokens/s\n")
-    print(f"{'bundle':<20}{'MiB':>7}{'top1':>7}  {'leading agreed steps per chat':<34}{'chat prefill/decode t/s':>24}"
-          f"{'bench prefill/decode t/s':>26}{'peak RSS GiB':>13}  first answer")
+        rows.append(
+            (
+                name,
+                os.path.getsize(path) / 2**20,
+                result["top1_agreement"],
+                [c.get("agreed_steps", 0) for c in result["chats"]],
+                result["prefill_tokens_per_s"] or 0,
+                result["decode_tokens_per_s"] or 0,
+                speed["litert_prefill_tokens_per_s"],
+                speed["litert_decode_tokens_per_s"],
+                speed["litert_peak_rss_gib"],
+                result["chats"][0].get("runtime_answer", "")[:40],
+            )
+        )
+    print(
+        f"\nSmolLM2-135M-Instruct .litertlm through LiteRT-LM (CPU backend: this CPU, XNNPACK, not a phone; "
+        f"threads={args.threads})\nPyTorch eager: prefill {torch_speed['torch_prefill_tokens_per_s']:.0f} tokens/s, "
+        f"decode {torch_speed['torch_decode_tokens_per_s']:.1f} tokens/s\n"
+    )
+    print(
+        f"{'bundle':<20}{'MiB':>7}{'top1':>7}  {'leading agreed steps per chat':<34}{'chat prefill/decode t/s':>24}"
+        f"{'bench prefill/decode t/s':>26}{'peak RSS GiB':>13}  first answer"
+    )
     for r in rows:
-        print(f"{r[0]:<20}{r[1]:>7.1f}{r[2]:>7.1%}  {str(r[3]):<34}{f'{r[4]:.0f} / {r[5]:.1f}':>24}"
-              f"{f'{r[6]:.0f} / {r[7]:.1f}':>26}{r[8]:>13.2f}  {r[9]!r}")
+        print(
+            f"{r[0]:<20}{r[1]:>7.1f}{r[2]:>7.1%}  {str(r[3]):<34}{f'{r[4]:.0f} / {r[5]:.1f}':>24}"
+            f"{f'{r[6]:.0f} / {r[7]:.1f}':>26}{r[8]:>13.2f}  {r[9]!r}"
+        )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grpo_step import BenchError, _mean_after_warmup, run_ours
 
 # "[rl-tpu] weight sync to rollout replica 0: shared memory, in place: ..., 0 MB copied, 538 MB in 0.01 s"
-SYNC_LINE = re.compile(r"weight sync to rollout replica 0: (?P<transport>[a-z ]+)(?P<detail>, [^\n]*?)?, "
-                       r"(?P<mb>\d+) MB in (?P<s>[0-9.]+) s(?P<what> \([^\n]*\))?")
+SYNC_LINE = re.compile(
+    r"weight sync to rollout replica 0: (?P<transport>[a-z ]+)(?P<detail>, [^\n]*?)?, "
+    r"(?P<mb>\d+) MB in (?P<s>[0-9.]+) s(?P<what> \([^\n]*\))?"
+)
 
 
 def sync_megabytes(log: str) -> tuple[float, str]:
@@ -127,12 +129,16 @@ def sync_table(rank: int, threads: int, repeats: int) -> list[dict]:
                 into_rollout(merger.unadapted())
             merger.finish()
             return wire
+
         return run
 
     want = {n: t.clone() for n, t in merged_lora_weights(trainer)}
     rows = []
-    for name, fn in (("merged model", merged), ("adapter only", adapter(False)),
-                     ("adapter only + refill", adapter(True))):
+    for name, fn in (
+        ("merged model", merged),
+        ("adapter only", adapter(False)),
+        ("adapter only + refill", adapter(True)),
+    ):
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -148,8 +154,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run (step 1 is warm-up; >= 2)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank, all linear layers)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--copy", action="store_true", help="add full fine-tuning with its weights copied each sync "
-                    "(rl_tpu.shared_weights=false, Ray object store)")
+    ap.add_argument(
+        "--copy",
+        action="store_true",
+        help="add full fine-tuning with its weights copied each sync (rl_tpu.shared_weights=false, Ray object store)",
+    )
     ap.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
     ap.add_argument("--keep", help="keep the run folders (logs, metrics) here instead of a temporary folder")
     ap.add_argument("--sync-only", action="store_true", help="no job: merged vs adapter-only sync in this process")
@@ -158,8 +167,10 @@ def main() -> int:
     if args.sync_only:
         rows = sync_table(args.rank, args.threads, args.repeats)
         load = os.getloadavg()
-        print(f"\nLoRA sync, SmolLM2-135M-Instruct fp32, rank {args.rank} all-linear, {args.threads} torch thread(s), "
-              f"median of {args.repeats}; load average {load[0]:.1f}\n")
+        print(
+            f"\nLoRA sync, SmolLM2-135M-Instruct fp32, rank {args.rank} all-linear, {args.threads} torch thread(s), "
+            f"median of {args.repeats}; load average {load[0]:.1f}\n"
+        )
         print("| sync | MB on the wire | s per sync | rollout weights bitwise the merged model |\n|---|---|---|---|")
         for r in rows:
             print(f"| {r['name']} | {r['mb']:.1f} | {r['s']:.3f} | {'yes' if r['exact'] else 'NO'} |")
@@ -167,8 +178,11 @@ def main() -> int:
     if args.steps < 2:
         print("bench_lora: error: --steps must be >= 2 (step 1 is warm-up)", file=sys.stderr)
         return 2
-    lora = [f"actor_rollout_ref.model.lora_rank={args.rank}", f"actor_rollout_ref.model.lora_alpha={2 * args.rank}",
-            "actor_rollout_ref.model.target_modules=all-linear"]
+    lora = [
+        f"actor_rollout_ref.model.lora_rank={args.rank}",
+        f"actor_rollout_ref.model.lora_alpha={2 * args.rank}",
+        "actor_rollout_ref.model.target_modules=all-linear",
+    ]
     runs = [("full fine-tuning", [], None), (f"LoRA rank {args.rank}, all-linear", lora, args.rank)]
     if args.copy:
         runs.insert(1, ("full fine-tuning, copied (shared_weights=false)", ["rl_tpu.shared_weights=false"], None))
@@ -182,9 +196,18 @@ def main() -> int:
             r = run_ours(work, args.steps, args.threads, args.timeout, overrides)
             log = (work / "verl.log").read_text(errors="replace")
             mb, transport = sync_megabytes(log)
-            rows.append({"name": name, "transport": transport, "sync_mb": mb, "trainable_m": trainable_millions(rank),
-                         **{k: _mean_after_warmup(r[k]) for k in ("step_s", "rollout_s", "update_s", "weight_sync_s")},
-                         "step_list": r["step_s"], "peak_pss": r["memory"]["peak_pss_total_gib"], "wall": r["wall_s"]})
+            rows.append(
+                {
+                    "name": name,
+                    "transport": transport,
+                    "sync_mb": mb,
+                    "trainable_m": trainable_millions(rank),
+                    **{k: _mean_after_warmup(r[k]) for k in ("step_s", "rollout_s", "update_s", "weight_sync_s")},
+                    "step_list": r["step_s"],
+                    "peak_pss": r["memory"]["peak_pss_total_gib"],
+                    "wall": r["wall_s"],
+                }
+            )
     except BenchError as exc:
         print(f"bench_lora: error: {exc}", file=sys.stderr)
         return 1
@@ -192,17 +215,30 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()
-    print(f"\nGRPO step, SmolLM2-135M-Instruct fp32, default job (4 prompts x 4 samples), {args.threads} torch "
-          f"thread(s) per process; mean of steps 2..{args.steps}; {os.cpu_count()} CPUs, load average "
-          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
-    head = ["run", "trainable M", "s/step", "rollout s", "update s", "sync s", "sync MB", "sync transport",
-            "peak PSS GiB"]
+    print(
+        f"\nGRPO step, SmolLM2-135M-Instruct fp32, default job (4 prompts x 4 samples), {args.threads} torch "
+        f"thread(s) per process; mean of steps 2..{args.steps}; {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n"
+    )
+    head = [
+        "run",
+        "trainable M",
+        "s/step",
+        "rollout s",
+        "update s",
+        "sync s",
+        "sync MB",
+        "sync transport",
+        "peak PSS GiB",
+    ]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)
     for r in rows:
-        print(f"| {r['name']} | {fmt(r['trainable_m'], '.1f')} | {fmt(r['step_s'])} | {fmt(r['rollout_s'])} | "
-              f"{fmt(r['update_s'])} | {fmt(r['weight_sync_s'], '.3f')} | {r['sync_mb']:.0f} | {r['transport']} | "
-              f"{r['peak_pss']:.2f} |")
+        print(
+            f"| {r['name']} | {fmt(r['trainable_m'], '.1f')} | {fmt(r['step_s'])} | {fmt(r['rollout_s'])} | "
+            f"{fmt(r['update_s'])} | {fmt(r['weight_sync_s'], '.3f')} | {r['sync_mb']:.0f} | {r['transport']} | "
+            f"{r['peak_pss']:.2f} |"
+        )
     for r in rows:
         print(f"\n{r['name']}: step s {[round(s, 1) for s in r['step_list']]}, wall {r['wall']:.0f} s")
     return 0

@@ -33,7 +33,7 @@ def adapters(model: torch.nn.Module, rank: int, seed: int = 0) -> dict[str, tupl
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."):
-            a = torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
+            a = torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5
             b = torch.randn(m.out_features, rank, generator=g) * 1e-3
             out[name] = (a, b)
     return out
@@ -50,8 +50,10 @@ def unmerged_hooks(model: torch.nn.Module, lora: dict, scaling: float) -> list:
     mods = dict(model.named_modules())
     handles = []
     for name, (a, b) in lora.items():
+
         def hook(module, args, output, a=a, b=b):
             return output + scaling * torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b)
+
         handles.append(mods[name].register_forward_hook(hook))
     return handles
 
@@ -80,14 +82,25 @@ def main() -> int:
     merge(merged, lora, scaling)
     merge_s = time.perf_counter() - start
     unmerged_hooks(base, lora, scaling)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {i + 3} * {i + 7}?"}],
-                                           tokenize=False, add_generation_prompt=True))["input_ids"]
-               for i in range(args.prompts)]
+    prompts = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"What is {i + 3} * {i + 7}?"}], tokenize=False, add_generation_prompt=True
+            )
+        )["input_ids"]
+        for i in range(args.prompts)
+    ]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, n=args.samples, seed=1)
     results = {}
     for label, model in (("merged", merged), ("unmerged", base)):
-        sampler = Sampler(model, pad_token_id=tok.pad_token_id or 0, eos_token_ids=[tok.eos_token_id],
-                          packed_weights=True, packed_prefill=False, lean_decode=False)
+        sampler = Sampler(
+            model,
+            pad_token_id=tok.pad_token_id or 0,
+            eos_token_ids=[tok.eos_token_id],
+            packed_weights=True,
+            packed_prefill=False,
+            lean_decode=False,
+        )
         times, outs = [], None
         for _ in range(args.repeats + 1):  # the first packs the weights: not timed
             start = time.perf_counter()
@@ -97,8 +110,10 @@ def main() -> int:
     equal = sum(a.token_ids == b.token_ids for a, b in zip(results["merged"][1], results["unmerged"][1]))
     tokens = sum(len(o.token_ids) for o in results["merged"][1])
     m, u = results["merged"][0], results["unmerged"][0]
-    print(f"SmolLM2-135M fp32, LoRA rank {args.rank} on {len(lora)} linear layers, {args.prompts} x {args.samples} "
-          f"samples, {tokens} tokens generated, one thread")
+    print(
+        f"SmolLM2-135M fp32, LoRA rank {args.rank} on {len(lora)} linear layers, {args.prompts} x {args.samples} "
+        f"samples, {tokens} tokens generated, one thread"
+    )
     print("| adapter applied | merge s (per sync) | generate s | vs merged |")
     print("|---|---|---|---|")
     print(f"| merged into the weights | {merge_s:.3f} | {m:.2f} | 1.00x |")

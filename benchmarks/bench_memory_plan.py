@@ -60,7 +60,9 @@ def _anon_bytes(pid: int) -> int | None:
     code, a checkpoint read through mmap), which a process loads from disk and an accelerator's HBM never holds.
     ``None`` when the process is gone."""
     try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        fields = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
         return sum(int(fields[k].split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
     except (OSError, KeyError, ValueError):
         return None
@@ -127,11 +129,18 @@ class WorkerSampler(threading.Thread):
 
 
 #: the e2e test's small dry-run batch (tests/verl_backend/driver/test_tpu_dry_run.py): one sequence per rank
-DRY_RUN_KEYS = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
-                "rl_tpu.train_size=8", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=600"]
+DRY_RUN_KEYS = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+    "data.max_response_length=16",
+    "rl_tpu.train_size=8",
+    "rl_tpu.val_size=4",
+    "rl_tpu.slice_timeout_s=600",
+]
 
 
 def heap_probe_env(folder: Path) -> dict[str, str]:
@@ -173,8 +182,16 @@ def _copy_log(stream, fh, marks: dict[str, float]) -> None:
     fh.flush()
 
 
-def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s: float, run_id: str | None = None,
-            ray_address: str | None = None, extra_env: dict[str, str] | None = None) -> tuple[WorkerSampler, Path]:
+def run_job(
+    work: Path,
+    steps: int,
+    interval: float,
+    extra: list[str],
+    timeout_s: float,
+    run_id: str | None = None,
+    ray_address: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> tuple[WorkerSampler, Path]:
     """``verl train --backend cpu`` for ``steps`` steps (no validation, no checkpoint) under the sampler; with
     ``ray_address``, on that cluster (whose processes must carry ``MARKER=run_id``)."""
     out = work / "run"
@@ -184,16 +201,35 @@ def run_job(work: Path, steps: int, interval: float, extra: list[str], timeout_s
     env.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp), **(extra_env or {})})
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-           "trainer.save_freq=-1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        *extra,
+    ]
     sampler = WorkerSampler(run_id, interval)
     sampler.start()
     log = work / "train.log"
     try:
         with log.open("w") as fh:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, text=True, errors="replace")
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+                errors="replace",
+            )
             copier = threading.Thread(target=_copy_log, args=(proc.stdout, fh, sampler.marks), daemon=True)
             copier.start()
             try:
@@ -245,13 +281,18 @@ def main() -> None:
 
     plan = plan_memory(OmegaConf.load(out / "config.yaml"), None, PROFILES["cpu"])
     if TRAINER_ROLE not in sampler.peak_rss:
-        raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples): "
-                         f"roles seen {sorted(sampler.peak_rss)}")
+        raise SystemExit(
+            f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples): roles seen {sorted(sampler.peak_rss)}"
+        )
     peak, floor = sampler.peak_rss[TRAINER_ROLE], sampler.first[TRAINER_ROLE]
     est = plan.peak
     figures = {
-        "steps": args.steps, "wall_s": wall, "samples": sampler.samples,
-        "estimate_gib": est / GIB, "trainer_peak_rss_gib": peak / GIB, "trainer_floor_rss_gib": floor / GIB,
+        "steps": args.steps,
+        "wall_s": wall,
+        "samples": sampler.samples,
+        "estimate_gib": est / GIB,
+        "trainer_peak_rss_gib": peak / GIB,
+        "trainer_floor_rss_gib": floor / GIB,
         "trainer_peak_pss_gib": sampler.peak_pss[TRAINER_ROLE] / GIB,
         "estimate_over_peak_minus_floor": est / max(1, peak - floor),
         "estimate_plus_floor_over_peak": (est + floor) / peak,
@@ -260,10 +301,14 @@ def main() -> None:
     }
     print(plan.format())
     print(f"\ntrainer worker ({TRAINER_ROLE}), {args.steps} steps, {sampler.samples} samples every {args.interval} s:")
-    print(f"  peak RSS {peak / GIB:.3f} GiB, floor (first sample) {floor / GIB:.3f} GiB, "
-          f"peak - floor {(peak - floor) / GIB:.3f} GiB, peak PSS {figures['trainer_peak_pss_gib']:.3f} GiB")
-    print(f"  estimate {est / GIB:.3f} GiB / (peak - floor) = {figures['estimate_over_peak_minus_floor']:.3f}; "
-          f"(estimate + floor) / peak = {figures['estimate_plus_floor_over_peak']:.3f}")
+    print(
+        f"  peak RSS {peak / GIB:.3f} GiB, floor (first sample) {floor / GIB:.3f} GiB, "
+        f"peak - floor {(peak - floor) / GIB:.3f} GiB, peak PSS {figures['trainer_peak_pss_gib']:.3f} GiB"
+    )
+    print(
+        f"  estimate {est / GIB:.3f} GiB / (peak - floor) = {figures['estimate_over_peak_minus_floor']:.3f}; "
+        f"(estimate + floor) / peak = {figures['estimate_plus_floor_over_peak']:.3f}"
+    )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     if not args.keep:
@@ -281,8 +326,13 @@ def dry_run(work: Path, args) -> None:
     run_id, state, saved = uuid.uuid4().hex, work / "cluster.json", dict(os.environ)
     heap_dir = work / "heap"
     heap_dir.mkdir(exist_ok=True)
-    os.environ.update({MARKER: run_id, "RAY_AUTH_MODE": "disabled",  # the cluster's workers carry the marker
-                       **heap_probe_env(heap_dir)})  # ... and the heap probe (heap_probe/sitecustomize.py)
+    os.environ.update(
+        {
+            MARKER: run_id,
+            "RAY_AUTH_MODE": "disabled",  # the cluster's workers carry the marker
+            **heap_probe_env(heap_dir),
+        }
+    )  # ... and the heap probe (heap_probe/sitecustomize.py)
     try:
         cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
     finally:
@@ -290,44 +340,79 @@ def dry_run(work: Path, args) -> None:
         os.environ.update(saved)
     start = time.time()
     try:
-        sampler, out = run_job(work, args.steps, args.interval, ["--tpu-dry-run", *DRY_RUN_KEYS, *args.overrides],
-                               args.timeout, run_id=run_id, ray_address=cluster.address,
-                               extra_env=heap_probe_env(heap_dir))
+        sampler, out = run_job(
+            work,
+            args.steps,
+            args.interval,
+            ["--tpu-dry-run", *DRY_RUN_KEYS, *args.overrides],
+            args.timeout,
+            run_id=run_id,
+            ray_address=cluster.address,
+            extra_env=heap_probe_env(heap_dir),
+        )
     finally:
         fake_slice.stop(state_file=state)
     wall = time.time() - start
-    ranks = {pid: (sampler.rank_peak[(role, pid)], sampler.rank_first[(role, pid)])
-             for role, pid in sampler.rank_peak if role == TRAINER_ROLE}
-    anon = {pid: (sampler.rank_peak_anon[(role, pid)], sampler.rank_first_anon[(role, pid)])
-            for role, pid in sampler.rank_peak_anon if role == TRAINER_ROLE}
+    ranks = {
+        pid: (sampler.rank_peak[(role, pid)], sampler.rank_first[(role, pid)])
+        for role, pid in sampler.rank_peak
+        if role == TRAINER_ROLE
+    }
+    anon = {
+        pid: (sampler.rank_peak_anon[(role, pid)], sampler.rank_first_anon[(role, pid)])
+        for role, pid in sampler.rank_peak_anon
+        if role == TRAINER_ROLE
+    }
     seen = {pid: sampler.rank_first_time[(role, pid)] for role, pid in sampler.rank_first_time if role == TRAINER_ROLE}
     heap = heap_figures(heap_dir, seen)
     # the training loop only: from the first weight sync on (set-up's transients, such as a full fp32 checkpoint read
     # on the host before its shards or its bf16 copy are placed, happen in host memory on a TPU, not in HBM)
     loop = heap_figures(heap_dir, seen, since=sampler.marks.get("first_sync", float("inf")))
-    (work / "ranks_rss.json").write_text(json.dumps({"wall_s": wall, "ranks": ranks, "anon": anon, "heap": heap,
-                                                         "loop": loop, "marks": sampler.marks,
-                                                         "seen": seen}))
+    (work / "ranks_rss.json").write_text(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "ranks": ranks,
+                "anon": anon,
+                "heap": heap,
+                "loop": loop,
+                "marks": sampler.marks,
+                "seen": seen,
+            }
+        )
+    )
     plan = plan_memory(OmegaConf.load(out / "config.yaml"), "v6e-4", tpu_dry_run(PROFILES["cpu"]))
     if not ranks:
         raise SystemExit(f"no {TRAINER_ROLE} process was sampled ({sampler.samples} samples)")
     print(plan.format())
-    print(f"\nTPU dry run, {args.steps} step(s), {wall:.0f} s, {sampler.samples} samples every {args.interval} s; "
-          f"plan per chip {plan.peak / GIB:.3f} GiB:")
+    print(
+        f"\nTPU dry run, {args.steps} step(s), {wall:.0f} s, {sampler.samples} samples every {args.interval} s; "
+        f"plan per chip {plan.peak / GIB:.3f} GiB:"
+    )
     measures = {"RSS": ranks, "anon+shmem RSS": anon, "live heap": heap, "live heap, loop": loop}
     print(f"{'rank pid':>9} {'measure':>15} {'peak GiB':>9} {'floor':>7} {'peak-floor':>10} {'plan/(peak-floor)':>17}")
-    figures = {"steps": args.steps, "wall_s": wall, "plan_gib": plan.peak / GIB,
-               "terms_gib": {t.name: t.bytes / GIB for t in plan.terms}, "ranks": {}}
+    figures = {
+        "steps": args.steps,
+        "wall_s": wall,
+        "plan_gib": plan.peak / GIB,
+        "terms_gib": {t.name: t.bytes / GIB for t in plan.terms},
+        "ranks": {},
+    }
     for pid in sorted(ranks):
         for name, values in measures.items():
             if pid not in values:
                 continue
             peak, floor = values[pid]
             ratio = plan.peak / max(1, peak - floor)
-            figures["ranks"].setdefault(pid, {})[name] = {"peak_gib": peak / GIB, "floor_gib": floor / GIB,
-                                                          "plan_over_peak_minus_floor": ratio}
-            print(f"{pid:>9} {name:>15} {peak / GIB:>9.3f} {floor / GIB:>7.3f} {(peak - floor) / GIB:>10.3f} "
-                  f"{ratio:>17.3f}")
+            figures["ranks"].setdefault(pid, {})[name] = {
+                "peak_gib": peak / GIB,
+                "floor_gib": floor / GIB,
+                "plan_over_peak_minus_floor": ratio,
+            }
+            print(
+                f"{pid:>9} {name:>15} {peak / GIB:>9.3f} {floor / GIB:>7.3f} {(peak - floor) / GIB:>10.3f} "
+                f"{ratio:>17.3f}"
+            )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     if not args.keep:

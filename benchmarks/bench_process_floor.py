@@ -58,8 +58,9 @@ print("RL_TPU_FLOOR", fields["Pss"], fields["Pss_Anon"])
 
 def import_cost(imports: str) -> tuple[float, float]:
     """``(PSS, PSS anonymous)`` in bytes of a fresh ``python`` that ran ``imports``; raises RuntimeError on failure."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE.format(imports=imports)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(imports=imports)], capture_output=True, text=True, timeout=300
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RL_TPU_FLOOR")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"`{imports}` failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
@@ -99,8 +100,11 @@ def main() -> int:
                     trl.append((r["framework"], float(r["memory"]["peak_pss_total_gib"])))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             why = f"no key {exc}" if isinstance(exc, KeyError) else str(exc) or type(exc).__name__
-            print(f"bench_process_floor: error: --bench-json {args.bench_json}: {why}; give the file that "
-                  "`bench_grpo_step.py --out FILE` wrote", file=sys.stderr)
+            print(
+                f"bench_process_floor: error: --bench-json {args.bench_json}: {why}; give the file that "
+                "`bench_grpo_step.py --out FILE` wrote",
+                file=sys.stderr,
+            )
             return 2
 
     rows, floor = [], 0.0
@@ -119,10 +123,14 @@ def main() -> int:
     print(head + "\n|---|---|---|---|---|")
     for role, imports, anon, pss, at_peak in rows:
         print(f"| {role} | {imports} | {anon:.2f} | {pss:.2f} | {'n/a' if at_peak is None else f'{at_peak:.2f}'} |")
-    print(f"| training state (actor weights, gradients, 2 AdamW moments, reference weights) | "
-          f"5 x {weights / GIB:.2f} | {state / GIB:.2f} | {state / GIB:.2f} | |")
-    print(f"\nfloor (imports of the 8 processes + training state): {floor / GIB:.2f} GiB, of which imports "
-          f"{(floor - state) / GIB:.2f} GiB")
+    print(
+        f"| training state (actor weights, gradients, 2 AdamW moments, reference weights) | "
+        f"5 x {weights / GIB:.2f} | {state / GIB:.2f} | {state / GIB:.2f} | |"
+    )
+    print(
+        f"\nfloor (imports of the 8 processes + training state): {floor / GIB:.2f} GiB, of which imports "
+        f"{(floor - state) / GIB:.2f} GiB"
+    )
     if ours_peak is not None:
         print(f"ours, measured peak PSS total: {ours_peak:.2f} GiB")
     for name, peak in trl:

@@ -46,8 +46,13 @@ def main() -> int:
     rows: list[tuple[str, str, str]] = []
     t = time.monotonic()
     cluster = fake_slice.start([a.slice], cpus_per_host=2, head_cpus=4, state_file=state, timeout_s=400)
-    rows.append((f"cluster up -> ready ({spec.accelerator_type}: head + {spec.hosts} host nodes)",
-                 f"{cluster.ready_s:.1f} s", f"wall incl. port/tempdir setup {time.monotonic() - t:.1f} s"))
+    rows.append(
+        (
+            f"cluster up -> ready ({spec.accelerator_type}: head + {spec.hosts} host nodes)",
+            f"{cluster.ready_s:.1f} s",
+            f"wall incl. port/tempdir setup {time.monotonic() - t:.1f} s",
+        )
+    )
     try:
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         ours, plain = [], []
@@ -58,7 +63,7 @@ def main() -> int:
                 time.sleep(0.05)
 
         for i in range(a.repeats):
-            for kind in (("ours", "plain") if i % 2 == 0 else ("plain", "ours")):
+            for kind in ("ours", "plain") if i % 2 == 0 else ("plain", "ours"):
                 settle()
                 t = time.monotonic()
                 if kind == "ours":
@@ -66,16 +71,26 @@ def main() -> int:
                     ours.append(time.monotonic() - t)
                     p.shutdown()
                 else:
-                    pg = placement_group([{"TPU": spec.chips_per_host, "CPU": 1}] * spec.hosts,
-                                         strategy="STRICT_SPREAD")
+                    pg = placement_group(
+                        [{"TPU": spec.chips_per_host, "CPU": 1}] * spec.hosts, strategy="STRICT_SPREAD"
+                    )
                     ray.get(pg.ready(), timeout=120)
                     plain.append(time.monotonic() - t)
                     remove_placement_group(pg)
-        rows.append((f"placement {spec.hosts}-host slice, reserve_slice (median of {a.repeats})",
-                     f"{_median(ours) * 1e3:.0f} ms", f"min {min(ours) * 1e3:.0f} ms"))
-        rows.append((f"placement {spec.hosts} bundles, plain Ray placement_group (median)",
-                     f"{_median(plain) * 1e3:.0f} ms",
-                     f"slice-aware / plain = {_median(ours) / _median(plain):.1f}x"))
+        rows.append(
+            (
+                f"placement {spec.hosts}-host slice, reserve_slice (median of {a.repeats})",
+                f"{_median(ours) * 1e3:.0f} ms",
+                f"min {min(ours) * 1e3:.0f} ms",
+            )
+        )
+        rows.append(
+            (
+                f"placement {spec.hosts} bundles, plain Ray placement_group (median)",
+                f"{_median(plain) * 1e3:.0f} ms",
+                f"slice-aware / plain = {_median(ours) / _median(plain):.1f}x",
+            )
+        )
         ray.shutdown()
 
         jobs = Jobs(cluster.dashboard_url)
@@ -92,9 +107,20 @@ def main() -> int:
         if a.verl_step:
             t = time.monotonic()
             out = Path(cluster.temp_dir) / "verl-out"
-            job_id = jobs.submit(["verl", "train", "--backend", "cpu", "--output-dir", str(out),
-                                  "trainer.total_training_steps=1", "trainer.val_before_train=false",
-                                  "trainer.test_freq=-1", "trainer.save_freq=-1"])
+            job_id = jobs.submit(
+                [
+                    "verl",
+                    "train",
+                    "--backend",
+                    "cpu",
+                    "--output-dir",
+                    str(out),
+                    "trainer.total_training_steps=1",
+                    "trainer.val_before_train=false",
+                    "trainer.test_freq=-1",
+                    "trainer.save_freq=-1",
+                ]
+            )
             r = jobs.wait(job_id, timeout_s=1800, poll_s=0.5)
             rows.append(("verl train --backend cpu, 1 step: submit -> RUNNING", f"{r.submit_to_running_s:.1f} s", ""))
             rows.append(("verl train --backend cpu, 1 step: submit -> end", f"{time.monotonic() - t:.1f} s", r.status))
@@ -102,15 +128,22 @@ def main() -> int:
         t = time.monotonic()
         pids = fake_slice.stop(state)
         state.parent.rmdir()
-        rows.append(("cluster down (SIGTERM, then SIGKILL after 10 s)", f"{time.monotonic() - t:.1f} s",
-                     f"{len(pids)} processes"))
+        rows.append(
+            (
+                "cluster down (SIGTERM, then SIGKILL after 10 s)",
+                f"{time.monotonic() - t:.1f} s",
+                f"{len(pids)} processes",
+            )
+        )
 
     w = max(len(r[0]) for r in rows)
     print(f"\n{'measure':<{w}}  {'value':>10}  note")
     print("-" * (w + 40))
     for name, val, note in rows:
         print(f"{name:<{w}}  {val:>10}  {note}")
-    print(f"\n(machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; Ray {ray.__version__})")
+    print(
+        f"\n(machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; Ray {ray.__version__})"
+    )
     return 0
 
 

@@ -51,12 +51,26 @@ RESULTS = OUT / "results.jsonl"
 # The default job's data (verl_backend/configs/grpo_cpu.yaml) and the second task's (examples/chain_sum_cpu.yaml):
 # the study holds these fixed. ``--task`` picks one.
 TASKS = {
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
-                         "allow_parentheses": False, "allow_negation": False},
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 2,
+        "operators": ["+", "-"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
     # basic_arithmetic with "+" only: no item needs the negative numbers the 135M model never samples
-    "addition": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
-                 "allow_parentheses": False, "allow_negation": False},
+    "addition": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 2,
+        "operators": ["+"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
 }
 # reasoning-gym's dataset name of each task (a task here is a dataset and its config)
 DATASET = {"basic_arithmetic": "basic_arithmetic", "chain_sum": "chain_sum", "addition": "basic_arithmetic"}
@@ -68,51 +82,102 @@ SET_SIZE = 200
 
 # Candidates: overrides on top of the job's defaults as they are in grpo_cpu.yaml when the study runs. Keys are
 # VeRL 0.9.1's own. "old" is the default before the study (T=1.0, 4 samples, KL loss on).
-OLD = ["actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.n=4",
-       "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-       "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.use_kl_loss=true",
-       "trainer.total_training_steps=12"]
+OLD = [
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.n=4",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.optim.lr=1e-5",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "trainer.total_training_steps=12",
+]
 CANDIDATES: dict[str, list[str]] = {
     "old": OLD,
     "t07_n8": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8"],
-    "t07_n8_lr2e5": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
-                           "actor_rollout_ref.actor.optim.lr=2e-5"],
-    "t06_n8_drgrpo": OLD + ["actor_rollout_ref.rollout.temperature=0.6", "actor_rollout_ref.rollout.n=8",
-                            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-                            "algorithm.norm_adv_by_std_in_grpo=false"],
-    "t07_n8_nokl_clip": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
-                               "actor_rollout_ref.actor.use_kl_loss=false",
-                               "actor_rollout_ref.actor.clip_ratio_high=0.28"],
-    "t08_n16_b2": OLD + ["actor_rollout_ref.rollout.temperature=0.8", "actor_rollout_ref.rollout.n=16",
-                         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
-    "t07_n8_lr2e5_b8s8": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
-                                "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=2",
-                                "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=24"],
-    "t07_n8_lr3e5": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
-                           "actor_rollout_ref.actor.optim.lr=3e-5"],
-    "t07_n8_lr3e5_mb2": OLD + ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=8",
-                               "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+    "t07_n8_lr2e5": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+    ],
+    "t06_n8_drgrpo": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.6",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+    ],
+    "t07_n8_nokl_clip": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    ],
+    "t08_n16_b2": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.8",
+        "actor_rollout_ref.rollout.n=16",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ],
+    "t07_n8_lr2e5_b8s8": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=24",
+    ],
+    "t07_n8_lr3e5": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.optim.lr=3e-5",
+    ],
+    "t07_n8_lr3e5_mb2": OLD
+    + [
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.optim.lr=3e-5",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ],
     "new_default": [],
     # the format reward (#45): a right answer outside <answer> tags earns half (the default since); its control is
     # the same job with the reward before it (a bare right number earns all)
     "addition_format": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
-    "addition_noformat": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
-                          "reward.custom_reward_function.reward_kwargs.bare_answer_credit=1.0"],
+    "addition_noformat": [
+        "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+        "reward.custom_reward_function.reward_kwargs.bare_answer_credit=1.0",
+    ],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
     "addition": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
     "addition_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]), "actor_rollout_ref.actor.optim.lr=2e-5"],
     # the same 32 samples a step spread over 8 prompts x 4 samples (at ~50% sampled accuracy most groups of 4 vary)
-    "addition_b8n4_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
-                            "actor_rollout_ref.actor.optim.lr=2e-5", "data.train_batch_size=8",
-                            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4"],
+    "addition_b8n4_lr2e5": [
+        "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+    ],
     # the default without the KL loss (coefficient 0.001): no reference policy, so no reference forward each step
-    "addition_lr2e5_nokl": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
-                            "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.use_kl_loss=false"],
+    "addition_lr2e5_nokl": [
+        "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+    ],
     # ... and the time the reference forward took spent on 4 more steps (16 prompts more), validated and saved at
     # the end
-    "addition_lr2e5_nokl_s16": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
-                                "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.use_kl_loss=false",
-                                "trainer.total_training_steps=16", "trainer.test_freq=16", "trainer.save_freq=8"],
+    "addition_lr2e5_nokl_s16": [
+        "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "trainer.total_training_steps=16",
+        "trainer.test_freq=16",
+        "trainer.save_freq=8",
+    ],
 }
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
@@ -136,8 +201,10 @@ def eval_items(which: str) -> list[dict]:
     pool = list(_dataset(DATA_SEED + 2000, SET_SIZE * 2))
     items = [e for e in pool if e["question"] not in seen][:SET_SIZE]
     dropped = sum(e["question"] in seen for e in pool[: SET_SIZE + (SET_SIZE * 2 - len(items))])
-    print(f"report set: {len(items)} items of seed {DATA_SEED + 2000}; {dropped} dropped as train/validation "
-          "duplicates", file=sys.stderr)
+    print(
+        f"report set: {len(items)} items of seed {DATA_SEED + 2000}; {dropped} dropped as train/validation duplicates",
+        file=sys.stderr,
+    )
     return items
 
 
@@ -169,14 +236,23 @@ def judge(model_dir: str, which: str, max_new_tokens: int = 64) -> dict:
     items = eval_items(which)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    sampler = Sampler(model, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                      eos_token_ids=[tok.eos_token_id], max_batch_size=64)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": e["question"].strip() + PROMPT_SUFFIX}],
-                                       tokenize=True, add_generation_prompt=True) for e in items]
+    sampler = Sampler(
+        model,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        eos_token_ids=[tok.eos_token_id],
+        max_batch_size=64,
+    )
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": e["question"].strip() + PROMPT_SUFFIX}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )
+        for e in items
+    ]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     with torch.no_grad():
-        outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
-                                                        logprobs=False))
+        outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False))
     ds = _dataset(DATA_SEED, 1)
     strict, lenient, ends_42, tagged, texts = [], [], 0, 0, []
     for e, out in zip(items, outs):
@@ -188,8 +264,14 @@ def judge(model_dir: str, which: str, max_new_tokens: int = 64) -> dict:
         last = _last_number(text)
         lenient.append(int(last is not None and math.isclose(last, float(e["answer"]))))
         ends_42 += last == 42.0
-    return {"strict": strict, "lenient": lenient, "ends_42": ends_42, "tagged": tagged, "samples": texts[:3],
-            "prompt_suffix": PROMPT_SUFFIX}
+    return {
+        "strict": strict,
+        "lenient": lenient,
+        "ends_42": ends_42,
+        "tagged": tagged,
+        "samples": texts[:3],
+        "prompt_suffix": PROMPT_SUFFIX,
+    }
 
 
 def paired(a: list[int], b: list[int]) -> tuple[float, float, float]:
@@ -229,13 +311,16 @@ def cmd_base(args) -> None:
     for which in args.sets:
         res = judge(model, which)
         _record({"candidate": "base", "seed": 0, "set": which, **res})
-        print(f"base {which}: strict {100 * sum(res['strict']) / len(res['strict']):.1f}% lenient "
-              f"{100 * sum(res['lenient']) / len(res['lenient']):.1f}% ends-42 {res['ends_42']}")
+        print(
+            f"base {which}: strict {100 * sum(res['strict']) / len(res['strict']):.1f}% lenient "
+            f"{100 * sum(res['lenient']) / len(res['lenient']):.1f}% ends-42 {res['ends_42']}"
+        )
 
 
 def _last_checkpoint(run: Path) -> Path | None:
-    steps = sorted(run.glob("checkpoints/global_step_*/actor/huggingface"),
-                   key=lambda p: int(p.parts[-3].rsplit("_", 1)[1]))
+    steps = sorted(
+        run.glob("checkpoints/global_step_*/actor/huggingface"), key=lambda p: int(p.parts[-3].rsplit("_", 1)[1])
+    )
     return steps[-1] if steps else None
 
 
@@ -246,9 +331,20 @@ def cmd_study(args) -> None:
             run = OUT / f"{name}-s{seed}"
             # the task judged is the task trained: its config on the command line (the default job's may differ)
             task = [] if "--config" in CANDIDATES[name] else ["rl_tpu.task_config=" + json.dumps(TASK_CONFIG)]
-            cmd = [verl, "train", "--backend", "cpu", "--output-dir", str(run), f"data.seed={seed}",
-                   "trainer.resume_mode=disable", "trainer.val_before_train=false", *task, *CANDIDATES[name],
-                   *args.extra]
+            cmd = [
+                verl,
+                "train",
+                "--backend",
+                "cpu",
+                "--output-dir",
+                str(run),
+                f"data.seed={seed}",
+                "trainer.resume_mode=disable",
+                "trainer.val_before_train=false",
+                *task,
+                *CANDIDATES[name],
+                *args.extra,
+            ]
             print("$", " ".join(cmd), flush=True)
             t0 = time.monotonic()
             with open(OUT / f"{name}-s{seed}.log", "w") as log:
@@ -276,8 +372,17 @@ def judge_run(name: str, seed: int, run: Path, sets, wall: float | None = None, 
                 rewards.append(data["critic/score/mean"])
     for which in sets:
         res = judge(str(ckpt), which)
-        _record({"candidate": name, "seed": seed, "set": which, "wall_s": wall, "rewards": rewards,
-                 "overrides": CANDIDATES[name] + list(extra), **res})
+        _record(
+            {
+                "candidate": name,
+                "seed": seed,
+                "set": which,
+                "wall_s": wall,
+                "rewards": rewards,
+                "overrides": CANDIDATES[name] + list(extra),
+                **res,
+            }
+        )
 
 
 def cmd_judge(args) -> None:
@@ -294,21 +399,27 @@ def cmd_table(_args) -> None:
     if not base:
         print("no base model rows: run `bench_recipe.py base` first")
         return
-    print(f"{'candidate':<22} {'seed':>4} {'set':<6} {'strict':>7} {'lenient':>8} {'Δ lenient [95% CI]':>24} "
-          f"{'Δ strict':>9} {'ends42':>6} {'wall':>6}")
+    print(
+        f"{'candidate':<22} {'seed':>4} {'set':<6} {'strict':>7} {'lenient':>8} {'Δ lenient [95% CI]':>24} "
+        f"{'Δ strict':>9} {'ends42':>6} {'wall':>6}"
+    )
     for which in [w for w in ("val", "report") if w in base]:
         b = base[which]
         n = len(b["lenient"])
-        print(f"{'base':<22} {'':>4} {which:<6} {100 * sum(b['strict']) / n:6.1f}% {100 * sum(b['lenient']) / n:7.1f}% "
-              f"{'':>24} {'':>9} {b['ends_42']:>6}")
+        print(
+            f"{'base':<22} {'':>4} {which:<6} {100 * sum(b['strict']) / n:6.1f}% {100 * sum(b['lenient']) / n:7.1f}% "
+            f"{'':>24} {'':>9} {b['ends_42']:>6}"
+        )
         for r in rows:
             if r["candidate"] == "base" or r["set"] != which:
                 continue
             dl, lo, hi = paired(r["lenient"], b["lenient"])
             ds, _, _ = paired(r["strict"], b["strict"])
-            print(f"{r['candidate']:<22} {r['seed']:>4} {which:<6} {100 * sum(r['strict']) / n:6.1f}% "
-                  f"{100 * sum(r['lenient']) / n:7.1f}% {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
-                  f"{r['ends_42']:>6} {(r.get('wall_s') or 0) / 60:5.1f}m")
+            print(
+                f"{r['candidate']:<22} {r['seed']:>4} {which:<6} {100 * sum(r['strict']) / n:6.1f}% "
+                f"{100 * sum(r['lenient']) / n:7.1f}% {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
+                f"{r['ends_42']:>6} {(r.get('wall_s') or 0) / 60:5.1f}m"
+            )
 
 
 def reward_slope(rows: list[dict]) -> tuple[float, float, float, int]:
@@ -335,19 +446,28 @@ def reward_slope(rows: list[dict]) -> tuple[float, float, float, int]:
 def cmd_slope(_args) -> None:
     from verl_backend.data.converters import PROMPT_SUFFIX
 
-    rows = [r for r in _rows() if r["set"] == "report" and r["candidate"] != "base"
-            and r.get("prompt_suffix") == PROMPT_SUFFIX]
+    rows = [
+        r
+        for r in _rows()
+        if r["set"] == "report" and r["candidate"] != "base" and r.get("prompt_suffix") == PROMPT_SUFFIX
+    ]
     for name in sorted({r["candidate"] for r in rows}):
         mine = [r for r in rows if r["candidate"] == name]
         b, lo, hi, n = reward_slope(mine)
-        print(f"{name}: train reward slope {b:+.4f}/step [95% CI {lo:+.4f}, {hi:+.4f}] over {n} steps of "
-              f"{len(mine)} run(s) (seeds {sorted(r['seed'] for r in mine)})")
+        print(
+            f"{name}: train reward slope {b:+.4f}/step [95% CI {lo:+.4f}, {hi:+.4f}] over {n} steps of "
+            f"{len(mine)} run(s) (seeds {sorted(r['seed'] for r in mine)})"
+        )
 
 
 # The default job before the study, as a user ran it (its task had + and -, its validation 32 items, 1 torch thread
 # a process): what #30's wall-time bound compares with.
-OLD_DEFAULT = [*OLD, "rl_tpu.task_config=" + json.dumps(TASKS["basic_arithmetic"]), "rl_tpu.val_size=32",
-               "rl_tpu.num_threads=1"]
+OLD_DEFAULT = [
+    *OLD,
+    "rl_tpu.task_config=" + json.dumps(TASKS["basic_arithmetic"]),
+    "rl_tpu.val_size=32",
+    "rl_tpu.num_threads=1",
+]
 
 
 def cmd_walltime(args) -> None:
@@ -364,14 +484,23 @@ def cmd_walltime(args) -> None:
     for rnd in range(args.rounds):
         for name, overrides in commands.items():
             run = OUT / "walltime" / name.replace(" ", "_")
-            cmd = [verl, "train", "--backend", "cpu", "--output-dir", str(run), "trainer.resume_mode=disable",
-                   *overrides]
+            cmd = [
+                verl,
+                "train",
+                "--backend",
+                "cpu",
+                "--output-dir",
+                str(run),
+                "trainer.resume_mode=disable",
+                *overrides,
+            ]
             t0 = time.monotonic()
             with open(OUT / "walltime" / f"{name.replace(' ', '_')}-r{rnd}.log", "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
             wall = time.monotonic() - t0
-            print(f"round {rnd + 1}: {name}: {wall:.0f} s (exit {rc}; load average {os.getloadavg()[0]:.1f})",
-                  flush=True)
+            print(
+                f"round {rnd + 1}: {name}: {wall:.0f} s (exit {rc}; load average {os.getloadavg()[0]:.1f})", flush=True
+            )
             if rc == 0:
                 walls[name].append(wall)
     med = {k: sorted(v)[len(v) // 2] for k, v in walls.items() if v}
@@ -401,8 +530,13 @@ def main() -> None:
     sub.add_parser("slope", help="the train reward's slope over steps per candidate, pooled over its seeds")
     wt = sub.add_parser("walltime", help="time the default job against the old default, back to back")
     wt.add_argument("--rounds", type=int, default=1)
-    wt.add_argument("--variant", nargs="*", default=[], metavar="NAME=KEY=VALUE,...",
-                    help="more commands timed in the same rounds, e.g. 1thread=rl_tpu.num_threads=1")
+    wt.add_argument(
+        "--variant",
+        nargs="*",
+        default=[],
+        metavar="NAME=KEY=VALUE,...",
+        help="more commands timed in the same rounds, e.g. 1thread=rl_tpu.num_threads=1",
+    )
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
     args = parser.parse_args()
     TASK, TASK_CONFIG = args.task, TASKS[args.task]
@@ -410,8 +544,14 @@ def main() -> None:
         OUT = OUT / TASK
         RESULTS = OUT / "results.jsonl"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    {"base": cmd_base, "study": cmd_study, "table": cmd_table, "slope": cmd_slope,
-     "judge": cmd_judge, "walltime": cmd_walltime}[args.cmd](args)
+    {
+        "base": cmd_base,
+        "study": cmd_study,
+        "table": cmd_table,
+        "slope": cmd_slope,
+        "judge": cmd_judge,
+        "walltime": cmd_walltime,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

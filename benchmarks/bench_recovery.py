@@ -53,9 +53,18 @@ def _tiny_model(dest: Path) -> Path:
     from verl_backend.models import ensure_default_model
 
     tok = AutoTokenizer.from_pretrained(ensure_default_model())
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(dest)
     tok.save_pretrained(dest)
@@ -73,10 +82,26 @@ def main() -> None:
     out = work / "run"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           "--max-restarts", "1", f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={args.steps}",
-           "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "rl_tpu.train_size=32",
-           "rl_tpu.val_size=4", f"+ray_kwargs.ray_init._temp_dir={temp_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "1",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=32",
+        "rl_tpu.val_size=4",
+        f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
+    ]
     log_path = work / "log.txt"
     start = time.time()
     with open(log_path, "w") as log:
@@ -105,8 +130,10 @@ def main() -> None:
         ("normal step time (timing_s/step, mean of other steps)", normal),
         ("recovery / normal step", (resumed - killed) / normal),
     ]
-    print(f"\nrecovery after SIGKILL of the rollout server (rc={rc}, total {time.time() - start:.0f} s, load "
-          f"{os.getloadavg()[0]:.1f})\n")
+    print(
+        f"\nrecovery after SIGKILL of the rollout server (rc={rc}, total {time.time() - start:.0f} s, load "
+        f"{os.getloadavg()[0]:.1f})\n"
+    )
     print("| measure | seconds (or ratio) |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.1f} |")

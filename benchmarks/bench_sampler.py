@@ -55,13 +55,18 @@ def run_hf(model, prompts, setting, seed, pad_id: int, eos_id: int) -> tuple[flo
     for i, p in enumerate(prompts):  # left padding, as for decoder-only batched generation
         ids[i, longest - len(p) :] = torch.tensor(p)
         mask[i, longest - len(p) :] = 1
-    kw = dict(max_new_tokens=setting["max_new_tokens"], pad_token_id=pad_id, eos_token_id=eos_id,
-              num_return_sequences=setting.get("n", 1))
+    kw = dict(
+        max_new_tokens=setting["max_new_tokens"],
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        num_return_sequences=setting.get("n", 1),
+    )
     if setting["temperature"] == 0:
         kw.update(do_sample=False)
     else:
-        kw.update(do_sample=True, temperature=setting["temperature"], top_p=setting["top_p"],
-                  top_k=max(setting["top_k"], 0))
+        kw.update(
+            do_sample=True, temperature=setting["temperature"], top_p=setting["top_p"], top_k=max(setting["top_k"], 0)
+        )
     torch.manual_seed(seed)
     wall, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
@@ -116,13 +121,19 @@ def main() -> None:
     run_native(unpacked, prompts[:2], dict(plain, max_new_tokens=4), 0)
     run_hf(model, prompts[:2], dict(plain, max_new_tokens=4), 0, pad_id, eos_id)
 
-    print(f"model={args.model} rows={args.batch} prompt_tokens={min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"max_new_tokens={new} threads={torch.get_num_threads()} repeats={args.repeats} (median)")
-    print("tok/s over process CPU time (robust to other load on a shared machine) and over wall time; native: "
-          f"oneDNN-packed weights ({'on' if sampler.packed is not None else 'unavailable'}, repacked in every call), "
-          "unpacked: packed_weights=False")
-    header = (f"{'setting':<26} {'native cpu':>10} {'unpacked':>8} {'HF cpu':>7} {'ratio':>6} {'unp.':>6} "
-              f"{'native wall':>11} {'HF wall':>8} {'ratio':>6} {'native tok':>10} {'HF tok':>7}")
+    print(
+        f"model={args.model} rows={args.batch} prompt_tokens={min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"max_new_tokens={new} threads={torch.get_num_threads()} repeats={args.repeats} (median)"
+    )
+    print(
+        "tok/s over process CPU time (robust to other load on a shared machine) and over wall time; native: "
+        f"oneDNN-packed weights ({'on' if sampler.packed is not None else 'unavailable'}, repacked in every call), "
+        "unpacked: packed_weights=False"
+    )
+    header = (
+        f"{'setting':<26} {'native cpu':>10} {'unpacked':>8} {'HF cpu':>7} {'ratio':>6} {'unp.':>6} "
+        f"{'native wall':>11} {'HF wall':>8} {'ratio':>6} {'native tok':>10} {'HF tok':>7}"
+    )
     print(header)
     print("-" * len(header), flush=True)
     for name, (setting, n_prompts) in settings.items():
@@ -134,8 +145,11 @@ def main() -> None:
         n_cpu, u_cpu, h_cpu = (statistics.median(t / c for _, c, t in runs) for runs in (nat, unp, hf))
         n_wall, h_wall = (statistics.median(t / w for w, _, t in runs) for runs in (nat, hf))
         n_tok, h_tok = (statistics.median(t for _, _, t in runs) for runs in (nat, hf))
-        print(f"{name:<26} {n_cpu:>10.1f} {u_cpu:>8.1f} {h_cpu:>7.1f} {n_cpu / h_cpu:>5.2f}x {u_cpu / h_cpu:>5.2f}x "
-              f"{n_wall:>11.1f} {h_wall:>8.1f} {n_wall / h_wall:>5.2f}x {n_tok:>10.0f} {h_tok:>7.0f}", flush=True)
+        print(
+            f"{name:<26} {n_cpu:>10.1f} {u_cpu:>8.1f} {h_cpu:>7.1f} {n_cpu / h_cpu:>5.2f}x {u_cpu / h_cpu:>5.2f}x "
+            f"{n_wall:>11.1f} {h_wall:>8.1f} {n_wall / h_wall:>5.2f}x {n_tok:>10.0f} {h_tok:>7.0f}",
+            flush=True,
+        )
     print(f"native forward shapes seen: {sorted(sampler.shapes_seen)}")
 
 

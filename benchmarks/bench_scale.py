@@ -90,18 +90,54 @@ DEFAULT = "smollm2-135m"
 # name -> (transformers config class, widths); None: the default model itself
 MODELS: dict[str, tuple[str, dict] | None] = {
     DEFAULT: ("LlamaConfig", {}),  # the default model's own config, random weights like the others
-    "smollm2-360m": ("LlamaConfig", dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
-                                         num_attention_heads=15, num_key_value_heads=5, head_dim=64,
-                                         tie_word_embeddings=True)),
-    "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                       tie_word_embeddings=True)),
-    "qwen3-1.7b": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                       tie_word_embeddings=True)),
-    "qwen3-tiny": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       tie_word_embeddings=True)),
+    "smollm2-360m": (
+        "LlamaConfig",
+        dict(
+            hidden_size=960,
+            intermediate_size=2560,
+            num_hidden_layers=32,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-1.7b": (
+        "Qwen3Config",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-tiny": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 REAL = [DEFAULT, "smollm2-360m", "qwen3-0.6b", "qwen3-1.7b"]
 # Qwen3's own RoPE base and context (Qwen3Config's defaults are 10000 / 32768); cost does not depend on them
@@ -110,8 +146,10 @@ MARK = ".bench_scale"  # written last into a built model folder: the spec it was
 BASE = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 VERL = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu"]
 PLAN_PEAK = re.compile(r"^#\s+peak estimate\s+([0-9.]+)", re.M)
-PLAN_HOST = re.compile(r"this host: (\d+) trainer worker\(s\) x ([0-9.]+) GiB .*?= ([0-9.]+) GiB .*? against "
-                       r"(\d+)% of ([0-9.]+) GiB: (fits|DOES NOT FIT)")
+PLAN_HOST = re.compile(
+    r"this host: (\d+) trainer worker\(s\) x ([0-9.]+) GiB .*?= ([0-9.]+) GiB .*? against "
+    r"(\d+)% of ([0-9.]+) GiB: (fits|DOES NOT FIT)"
+)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -133,8 +171,12 @@ def build_model(name: str, folder: Path) -> None:
     dtype = getattr(base, "dtype", None) or getattr(base, "torch_dtype", None) or torch.float32
     spec = _spec(name)
     kind = spec.pop("config_class")
-    keys = dict(vocab_size=base.vocab_size, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
-                pad_token_id=base.pad_token_id)
+    keys = dict(
+        vocab_size=base.vocab_size,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+    )
     if kind == type(base).__name__:  # the default model's family: its config with these widths (RoPE, eps, positions)
         inherited = {k: v for k, v in base.to_dict().items() if not k.startswith("_") and k != "architectures"}
         config = getattr(transformers, kind)(**{**inherited, **keys, **spec})
@@ -155,8 +197,11 @@ def build_model(name: str, folder: Path) -> None:
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[bench] {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {dtype}, "
-          f"written to {folder}", flush=True)
+    print(
+        f"[bench] {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {dtype}, "
+        f"written to {folder}",
+        flush=True,
+    )
 
 
 def model_folder(name: str, timeout_s: float) -> Path:
@@ -171,8 +216,9 @@ def model_folder(name: str, timeout_s: float) -> Path:
         return folder
     print(f"[bench] {name}: building the random-weight model in {folder}", flush=True)
     try:
-        done = subprocess.run([sys.executable, __file__, "--build-model", name], capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run(
+            [sys.executable, __file__, "--build-model", name], capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         raise BenchError(f"building {name} timed out after {timeout_s:.0f} s") from None
     if done.returncode != 0:
@@ -196,21 +242,28 @@ def plan(model_dir: Path, out: Path, overrides: list[str], threads: int) -> dict
     cmd = [*VERL, "--print-config", "--num-threads", str(threads), "--output-dir", str(out), *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     if done.returncode != 0:
-        raise BenchError(_error_line(done.stderr) or f"--print-config exited {done.returncode}: "
-                         f"{(done.stderr.strip().splitlines() or [''])[-1]}")
+        raise BenchError(
+            _error_line(done.stderr)
+            or f"--print-config exited {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"
+        )
     peak, host = PLAN_PEAK.search(done.stdout), PLAN_HOST.search(done.stdout)
     if peak is None or host is None:
-        raise BenchError(f"`{' '.join(cmd)}` printed no '# memory plan' block with 'peak estimate' and 'this host:' "
-                         "lines (verl_backend/driver/memory_fit.py show_memory_plan)")
+        raise BenchError(
+            f"`{' '.join(cmd)}` printed no '# memory plan' block with 'peak estimate' and 'this host:' "
+            "lines (verl_backend/driver/memory_fit.py show_memory_plan)"
+        )
     from omegaconf import OmegaConf
 
     config = OmegaConf.create(done.stdout)  # the YAML; the plan's lines are comments
     pick = lambda key: OmegaConf.select(config, key, throw_on_missing=False)  # noqa: E731
     return {
-        "plan_peak_per_worker_gib": float(peak.group(1)), "plan_workers": int(host.group(1)),
-        "plan_host_need_gib": float(host.group(3)), "plan_usable_gib": float(host.group(5)) * int(host.group(4)) / 100,
-        "plan_fits": host.group(6) == "fits", "responses_per_step": int(pick("data.train_batch_size")) *
-        int(pick("actor_rollout_ref.rollout.n")), "ppo_epochs": int(pick("actor_rollout_ref.actor.ppo_epochs") or 1),
+        "plan_peak_per_worker_gib": float(peak.group(1)),
+        "plan_workers": int(host.group(1)),
+        "plan_host_need_gib": float(host.group(3)),
+        "plan_usable_gib": float(host.group(5)) * int(host.group(4)) / 100,
+        "plan_fits": host.group(6) == "fits",
+        "responses_per_step": int(pick("data.train_batch_size")) * int(pick("actor_rollout_ref.rollout.n")),
+        "ppo_epochs": int(pick("actor_rollout_ref.actor.ppo_epochs") or 1),
         "max_response_length": int(pick("data.max_response_length")),
     }
 
@@ -225,24 +278,46 @@ def run_row(name: str, mode: str, model_dir: Path, shape, args) -> dict:
     out.mkdir(parents=True)
     overrides = [f"trainer.total_training_steps={args.steps}", *BASE, f"actor_rollout_ref.model.path={model_dir}"]
     if mode == "lora":
-        overrides += [f"actor_rollout_ref.model.lora_rank={rank}", f"actor_rollout_ref.model.lora_alpha={2 * rank}",
-                      "actor_rollout_ref.model.target_modules=all-linear"]
+        overrides += [
+            f"actor_rollout_ref.model.lora_rank={rank}",
+            f"actor_rollout_ref.model.lora_alpha={2 * rank}",
+            "actor_rollout_ref.model.target_modules=all-linear",
+        ]
     overrides += args.extra
-    row = {"model": name, "mode": label, "params": shape.params,
-           "trainable_params": shape.params if mode == "full" else rank * shape.lora_linear,
-           "run_folder": str(out), "overrides": overrides, "steps": args.steps, "threads": args.threads,
-           "ran_at": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_1min": os.getloadavg()[0]}
+    row = {
+        "model": name,
+        "mode": label,
+        "params": shape.params,
+        "trainable_params": shape.params if mode == "full" else rank * shape.lora_linear,
+        "run_folder": str(out),
+        "overrides": overrides,
+        "steps": args.steps,
+        "threads": args.threads,
+        "ran_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average_1min": os.getloadavg()[0],
+    }
     try:
         row.update(plan(model_dir, out, overrides, args.threads))
     except BenchError as exc:
         return {**row, "outcome": f"failed: {exc}"}
-    print(f"[bench] {name} {label}: plan {row['plan_host_need_gib']:.2f} GiB of {row['plan_usable_gib']:.1f} usable "
-          + (f"(fits); training {args.steps} steps" if row["plan_fits"] else "(does not fit); starting it for its "
-             "refusal") + f", log {out / 'bench.log'}", flush=True)
+    print(
+        f"[bench] {name} {label}: plan {row['plan_host_need_gib']:.2f} GiB of {row['plan_usable_gib']:.1f} usable "
+        + (
+            f"(fits); training {args.steps} steps"
+            if row["plan_fits"]
+            else "(does not fit); starting it for its refusal"
+        )
+        + f", log {out / 'bench.log'}",
+        flush=True,
+    )
     ray_tmp = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp), OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads))
+    env.update(
+        RAY_AUTH_MODE="disabled",
+        RAY_TMPDIR=str(ray_tmp),
+        OMP_NUM_THREADS=str(args.threads),
+        MKL_NUM_THREADS=str(args.threads),
+    )
     cmd = [*VERL, "--num-threads", str(args.threads), "--max-restarts", "0", "--output-dir", str(out), *overrides]
     log = out / "bench.log"
     try:
@@ -283,20 +358,32 @@ def metrics(path: Path, steps: int, row: dict) -> dict:
             raise BenchError(f"{path}: no {', '.join(missing)} in step {rows[0]['step']}'s metrics")
         return [sum(float(r["data"][k]) for k in keys) for r in rows]
 
-    per_step = {"step_s": col("timing_s/step"), "rollout_s": col("timing_s/gen"),
-                "logprob_s": col("timing_s/old_log_prob", "timing_s/ref"), "update_s": col("timing_s/update_actor"),
-                "sync_s": col("timing_s/update_weights"), "response_length_mean": col("response_length/mean"),
-                "response_clip_ratio": col("response_length/clip_ratio"), "sync_bytes": col("weight_sync/bytes"),
-                "total_tokens": col("perf/total_num_tokens")}
+    per_step = {
+        "step_s": col("timing_s/step"),
+        "rollout_s": col("timing_s/gen"),
+        "logprob_s": col("timing_s/old_log_prob", "timing_s/ref"),
+        "update_s": col("timing_s/update_actor"),
+        "sync_s": col("timing_s/update_weights"),
+        "response_length_mean": col("response_length/mean"),
+        "response_clip_ratio": col("response_length/clip_ratio"),
+        "sync_bytes": col("weight_sync/bytes"),
+        "total_tokens": col("perf/total_num_tokens"),
+    }
     # the route each sync took (verl train --print-config lists the numbers: 1 trainer_memory, 3 object_store, ...)
     per_step["sync_route"] = [r["data"].get("weight_sync/route") for r in rows]
     mean = {k: _mean_after_warmup(v) for k, v in per_step.items() if k != "sync_route"}
     response_tokens = mean["response_length_mean"] * row["responses_per_step"]
     updated = mean["total_tokens"] * row["ppo_epochs"]
-    return {"outcome": "ok", "per_step": per_step, "mean": mean, "response_tokens_per_step": response_tokens,
-            "tokens_per_s": response_tokens / mean["step_s"], "update_tokens_per_step": updated,
-            # Kaplan et al. 2020 (arXiv:2001.08361) §2.1: ~6N FLOPs per token of a forward and backward, N all params
-            "update_flops_per_s": 6 * row["params"] * updated / mean["update_s"]}
+    return {
+        "outcome": "ok",
+        "per_step": per_step,
+        "mean": mean,
+        "response_tokens_per_step": response_tokens,
+        "tokens_per_s": response_tokens / mean["step_s"],
+        "update_tokens_per_step": updated,
+        # Kaplan et al. 2020 (arXiv:2001.08361) §2.1: ~6N FLOPs per token of a forward and backward, N all params
+        "update_flops_per_s": 6 * row["params"] * updated / mean["update_s"],
+    }
 
 
 def run_model(name: str, args) -> list[dict]:
@@ -344,74 +431,128 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
 def fits(rows: list[dict]) -> dict:
     full = [r for r in rows if r.get("outcome") == "ok" and r["mode"] == "full"]
     xs = [float(r["params"]) for r in full]
-    return {"rows": [r["model"] for r in full],
-            "peak_pss_exponent": slope(xs, [r["peak_pss_gib"] for r in full]),
-            "update_flops_exponent": slope(xs, [r["update_flops_per_s"] for r in full])}
+    return {
+        "rows": [r["model"] for r in full],
+        "peak_pss_exponent": slope(xs, [r["peak_pss_gib"] for r in full]),
+        "update_flops_exponent": slope(xs, [r["update_flops_per_s"] for r in full]),
+    }
 
 
 def report(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
-    head = ["model", "parameters", "mode", "s/step", "rollout s", "log-prob s", "update s", "sync s", "tokens/s",
-            "peak PSS GiB", "plan GiB", "plan / peak", "sync MB"]
+    head = [
+        "model",
+        "parameters",
+        "mode",
+        "s/step",
+        "rollout s",
+        "log-prob s",
+        "update s",
+        "sync s",
+        "tokens/s",
+        "peak PSS GiB",
+        "plan GiB",
+        "plan / peak",
+        "sync MB",
+    ]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         plan_gib = _f(r.get("plan_host_need_gib"))
         if r.get("outcome") != "ok":
-            cells = [r["model"], _params(r.get("params")), _cell(f"{r['mode']}, {r['outcome']}")] + ["n/a"] * 7 + \
-                [plan_gib, "n/a", "n/a"]
+            cells = (
+                [r["model"], _params(r.get("params")), _cell(f"{r['mode']}, {r['outcome']}")]
+                + ["n/a"] * 7
+                + [plan_gib, "n/a", "n/a"]
+            )
         else:
             m = r["mean"]
             mode = r["mode"] + (f" ({_params(r['trainable_params'])} trainable)" if r["mode"] != "full" else "")
-            cells = [r["model"], _params(r["params"]), mode, _f(m["step_s"], ".1f"), _f(m["rollout_s"], ".1f"),
-                     _f(m["logprob_s"], ".1f"), _f(m["update_s"], ".1f"), _f(m["sync_s"], ".2f"),
-                     _f(r["tokens_per_s"], ".1f"), _f(r["peak_pss_gib"]), plan_gib,
-                     _f(r["plan_host_need_gib"] / r["peak_pss_gib"], ".3f"), _f(m["sync_bytes"] / 1e6, ".0f" if m["sync_bytes"] >= 1e7 else ".2f")]
+            cells = [
+                r["model"],
+                _params(r["params"]),
+                mode,
+                _f(m["step_s"], ".1f"),
+                _f(m["rollout_s"], ".1f"),
+                _f(m["logprob_s"], ".1f"),
+                _f(m["update_s"], ".1f"),
+                _f(m["sync_s"], ".2f"),
+                _f(r["tokens_per_s"], ".1f"),
+                _f(r["peak_pss_gib"]),
+                plan_gib,
+                _f(r["plan_host_need_gib"] / r["peak_pss_gib"], ".3f"),
+                _f(m["sync_bytes"] / 1e6, ".0f" if m["sync_bytes"] >= 1e7 else ".2f"),
+            ]
         out.append("| " + " | ".join(cells) + " |")
     ok = [r for r in rows if r.get("outcome") == "ok"]
     clip = [r["mean"]["response_clip_ratio"] for r in ok if MODELS.get(r["model"]) is not None]
     trained = [f"{r['model']} ({r['mean']['response_clip_ratio']:.2f})" for r in ok if MODELS.get(r["model"]) is None]
-    out += ["", f"`verl train --backend cpu`, the default job (basic_arithmetic, {meta['responses']} responses a step, "
-            f"responses <= {meta['max_response_length']} tokens), {meta['steps']} steps, means of steps "
-            f"2..{meta['steps']}; {meta['threads']} torch thread(s) per process; {meta['cpus']} CPUs, "
-            f"{meta['host_gib']:.1f} GiB; load average {meta['load_average_1min']:.1f} at the start. Random weights "
-            "never emit EOS: every response runs to the length cap (response clip ratio "
-            + (f"{min(clip):.2f}-{max(clip):.2f}" if clip else "n/a") + "), so this is a cost measurement, not a "
-            "learning one" + (f"; {', '.join(trained)} is the default model's trained weights: its responses stop at "
-                              "EOS (that fraction at the cap), so it makes fewer tokens a step" if trained else "")
-            + ". plan GiB: the memory plan's host need (the whole job); peak PSS: every process of the job."]
-    out += ["", "| model | mode | parameters N | tokens updated/step T | update s | update GFLOP/s (6NT/s) | "
-                "peak PSS GiB |", "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        f"`verl train --backend cpu`, the default job (basic_arithmetic, {meta['responses']} responses a step, "
+        f"responses <= {meta['max_response_length']} tokens), {meta['steps']} steps, means of steps "
+        f"2..{meta['steps']}; {meta['threads']} torch thread(s) per process; {meta['cpus']} CPUs, "
+        f"{meta['host_gib']:.1f} GiB; load average {meta['load_average_1min']:.1f} at the start. Random weights "
+        "never emit EOS: every response runs to the length cap (response clip ratio "
+        + (f"{min(clip):.2f}-{max(clip):.2f}" if clip else "n/a")
+        + "), so this is a cost measurement, not a "
+        "learning one"
+        + (
+            f"; {', '.join(trained)} is the default model's trained weights: its responses stop at "
+            "EOS (that fraction at the cap), so it makes fewer tokens a step"
+            if trained
+            else ""
+        )
+        + ". plan GiB: the memory plan's host need (the whole job); peak PSS: every process of the job.",
+    ]
+    out += [
+        "",
+        "| model | mode | parameters N | tokens updated/step T | update s | update GFLOP/s (6NT/s) | peak PSS GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if not ok:
         out.append("| (no row finished) | | | | | | |")
     for r in ok:
-        out.append(f"| {r['model']} | {r['mode']} | {_params(r['params'])} | {r['update_tokens_per_step']:.0f} | "
-                   f"{r['mean']['update_s']:.1f} | {r['update_flops_per_s'] / 1e9:.2f}"
-                   f"{' (upper bound)' if r['mode'] != 'full' else ''} | {r['peak_pss_gib']:.2f} |")
+        out.append(
+            f"| {r['model']} | {r['mode']} | {_params(r['params'])} | {r['update_tokens_per_step']:.0f} | "
+            f"{r['mean']['update_s']:.1f} | {r['update_flops_per_s'] / 1e9:.2f}"
+            f"{' (upper bound)' if r['mode'] != 'full' else ''} | {r['peak_pss_gib']:.2f} |"
+        )
     fit = result["fit"]
-    out += ["", "update FLOP/s = 6 x N x T / update s: N all the model's parameters, T = perf/total_num_tokens x "
-                "ppo_epochs (prompt + response tokens of the update, no padding); 6N FLOPs per training token from "
-                "Kaplan et al. 2020 (arXiv:2001.08361, §2.1). LoRA rows: the frozen weights get no weight gradient "
-                "(~4N), so theirs is an upper bound and the fit leaves them out.",
-            f"Least squares over the full fine-tuning rows ({', '.join(fit['rows']) or 'none'}): peak PSS ~ N^"
-            f"{_f(fit['peak_pss_exponent'])}, update FLOP/s ~ N^{_f(fit['update_flops_exponent'])}"
-            + ("" if len(fit["rows"]) >= 2 else " (n/a: needs two full fine-tuning rows)") + "."]
+    out += [
+        "",
+        "update FLOP/s = 6 x N x T / update s: N all the model's parameters, T = perf/total_num_tokens x "
+        "ppo_epochs (prompt + response tokens of the update, no padding); 6N FLOPs per training token from "
+        "Kaplan et al. 2020 (arXiv:2001.08361, §2.1). LoRA rows: the frozen weights get no weight gradient "
+        "(~4N), so theirs is an upper bound and the fit leaves them out.",
+        f"Least squares over the full fine-tuning rows ({', '.join(fit['rows']) or 'none'}): peak PSS ~ N^"
+        f"{_f(fit['peak_pss_exponent'])}, update FLOP/s ~ N^{_f(fit['update_flops_exponent'])}"
+        + ("" if len(fit["rows"]) >= 2 else " (n/a: needs two full fine-tuning rows)")
+        + ".",
+    ]
     return "\n".join(out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=list(MODELS),
-                    help=f"rows to run, in order (default: {' '.join(REAL)})")
+    ap.add_argument(
+        "--models", nargs="+", choices=list(MODELS), help=f"rows to run, in order (default: {' '.join(REAL)})"
+    )
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per row (step 1 is warm-up; >= 2)")
     ap.add_argument("--lora-rank", type=int, default=16, help="LoRA rank where full fine-tuning does not fit")
     ap.add_argument("--timeout-s", type=float, default=3600, help="seconds allowed per row (and per model build)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (verl train --num-threads)")
-    ap.add_argument("--mode", choices=["auto", "full", "lora"], default="auto",
-                    help="auto: full fine-tuning where the memory plan fits, else its refusal and LoRA (default)")
+    ap.add_argument(
+        "--mode",
+        choices=["auto", "full", "lora"],
+        default="auto",
+        help="auto: full fine-tuning where the memory plan fits, else its refusal and LoRA (default)",
+    )
     ap.add_argument("--extra", nargs="+", default=[], metavar="KEY=VALUE", help="VeRL overrides added to every row")
-    ap.add_argument("--tiny", action="store_true",
-                    help="smoke test: add qwen3-tiny (the only row unless --models is given); JSON "
-                    "runs/scale/smoke.json")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke test: add qwen3-tiny (the only row unless --models is given); JSON runs/scale/smoke.json",
+    )
     ap.add_argument("--table", action="store_true", help="reprint the table from the JSON; run nothing")
     ap.add_argument("--out", help="the JSON (default runs/scale/scale.json, runs/scale/smoke.json with --tiny)")
     ap.add_argument("--build-model", help=argparse.SUPPRESS)
@@ -427,8 +568,10 @@ def main() -> int:
         print(report(json.loads(out.read_text())))
         return 0
     if args.steps < 2 or args.threads < 1 or args.lora_rank < 1:
-        print("bench_scale: error: --steps must be >= 2 (step 1 is warm-up), --threads and --lora-rank >= 1",
-              file=sys.stderr)
+        print(
+            "bench_scale: error: --steps must be >= 2 (step 1 is warm-up), --threads and --lora-rank >= 1",
+            file=sys.stderr,
+        )
         return 2
     bad = [e for e in args.extra if "=" not in e]
     if bad:
@@ -442,14 +585,28 @@ def main() -> int:
     rows: list[dict] = []
     for name in dict.fromkeys(models):
         rows += run_model(name, args)
-        print(f"[bench] {name}: " + "; ".join(f"{r['mode']} {r['outcome'][:200]}" for r in rows if r["model"] == name),
-              flush=True)
+        print(
+            f"[bench] {name}: " + "; ".join(f"{r['mode']} {r['outcome'][:200]}" for r in rows if r["model"] == name),
+            flush=True,
+        )
     ok = next((r for r in rows if "responses_per_step" in r), {})
-    result = {"rows": rows, "fit": fits(rows), "meta": {
-        "steps": args.steps, "threads": args.threads, "lora_rank": args.lora_rank, "mode": args.mode,
-        "extra": args.extra, "cpus": os.cpu_count(), "host_gib": host_memory_bytes() / GIB,
-        "load_average_1min": load, "responses": ok.get("responses_per_step"),
-        "max_response_length": ok.get("max_response_length"), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    result = {
+        "rows": rows,
+        "fit": fits(rows),
+        "meta": {
+            "steps": args.steps,
+            "threads": args.threads,
+            "lora_rank": args.lora_rank,
+            "mode": args.mode,
+            "extra": args.extra,
+            "cpus": os.cpu_count(),
+            "host_gib": host_memory_bytes() / GIB,
+            "load_average_1min": load,
+            "responses": ok.get("responses_per_step"),
+            "max_response_length": ok.get("max_response_length"),
+            "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print("\n" + report(result))

@@ -166,9 +166,11 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
     from verl_backend.settings import RECORD_ENV, RlTpuSettings, record
 
     cfg = SimpleNamespace(prompt_length=128, response_length=64, max_num_seqs=16, dtype="float32")
-    server = ray.remote(NativeRolloutServer).options(
-        num_cpus=0, runtime_env={"env_vars": {RECORD_ENV: record(RlTpuSettings(num_threads=threads))}}
-    ).remote(rollout_config=cfg, model_path=str(ensure_default_model()))
+    server = (
+        ray.remote(NativeRolloutServer)
+        .options(num_cpus=0, runtime_env={"env_vars": {RECORD_ENV: record(RlTpuSettings(num_threads=threads))}})
+        .remote(rollout_config=cfg, model_path=str(ensure_default_model()))
+    )
     writer = SharedWeightsWriter(ray.get(server.shared_weights_handle.remote()))
     ray.get(server.shared_weights_attached.remote())
     rows = {}
@@ -205,8 +207,7 @@ def shared_memory_rows(ray, named, repeats: int, threads: int) -> dict[str, list
     rows["shared memory, in place (default)"] = [in_place() for _ in range(repeats)]
     with torch.no_grad():  # an optimizer step in the trainer is what the server serves next: no copy
         trainer.get_output_embeddings().weight.zero_()
-    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2,
-                                                               "logprobs": True}))
+    out = ray.get(server.generate.remote("check", [1, 2, 3], {"temperature": 0.0, "max_tokens": 2, "logprobs": True}))
     assert all(lp == out.log_probs[0] for lp in out.log_probs)  # all-zero logits: every token equally likely
     return rows
 
@@ -240,8 +241,13 @@ def run_gloo(named, bucket_bytes, repeats, threads) -> list[float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_gloo_worker, args=(port, named, bucket_bytes, repeats, threads, results), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _gloo_worker,
+        args=(port, named, bucket_bytes, repeats, threads, results),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     return results.get()
 
 
@@ -283,8 +289,9 @@ def _engine_side(role: str, named, bucket_bytes: int, threads: int, inbox, outbo
         outbox.put(("error", traceback.format_exc()))
 
 
-def run_engine(named, bucket_bytes, repeats, threads, other_host: bool = False) -> tuple[list[float], list[int],
-                                                                                      list[dict]]:
+def run_engine(
+    named, bucket_bytes, repeats, threads, other_host: bool = False
+) -> tuple[list[float], list[int], list[dict]]:
     """``repeats`` syncs source -> receiver: (seconds, receiver bytes, source metrics) per sync. ``other_host``: the
     receiver gets the source's shared-memory handle with another boot id, as a receiver on another host would."""
     from verl_backend.weight_sync.gloo_engine import GlooCheckpointEngine
@@ -292,8 +299,10 @@ def run_engine(named, bucket_bytes, repeats, threads, other_host: bool = False) 
     ctx = mp.get_context("spawn")
     go = ctx.Barrier(2)
     boxes = {role: (ctx.Queue(), ctx.Queue()) for role in ("trainer", "rollout")}
-    procs = [ctx.Process(target=_engine_side, args=(role, named, bucket_bytes, threads, inbox, outbox, go),
-                         daemon=True) for role, (inbox, outbox) in boxes.items()]
+    procs = [
+        ctx.Process(target=_engine_side, args=(role, named, bucket_bytes, threads, inbox, outbox, go), daemon=True)
+        for role, (inbox, outbox) in boxes.items()
+    ]
 
     def reply(role: str):
         got = boxes[role][1].get(timeout=900)  # prepare()'s dict, or a (kind, ...) tuple
@@ -335,8 +344,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (median shown)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
     ap.add_argument("--synthetic-mb", type=int, default=None, help="random payload of this size instead of SmolLM2")
-    ap.add_argument("--engine-bucket-mb", type=int, default=None, help="gloo checkpoint engine bucket in MiB "
-                    "(default: --bucket-mb)")
+    ap.add_argument(
+        "--engine-bucket-mb", type=int, default=None, help="gloo checkpoint engine bucket in MiB (default: --bucket-mb)"
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=["ray", "gloo", "engine"], help="paths to leave out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -352,20 +362,32 @@ def main() -> None:
     moved: dict[str, int] = {}  # bytes a row measured itself (else the payload's)
     rows["memcpy (reference)"] = [run_memcpy(named, dst) for _ in range(args.repeats)]
     rows["memcpy into fresh pages"] = [run_memcpy_fresh(named) for _ in range(args.repeats)]
-    rows["pack+unpack (no transfer)"] = [run_pack_unpack(named, dst, bucket_bytes, staging) for _ in range(args.repeats)]
+    rows["pack+unpack (no transfer)"] = [
+        run_pack_unpack(named, dst, bucket_bytes, staging) for _ in range(args.repeats)
+    ]
     assert all(torch.equal(dst[n], t) for n, t in named)
 
     if "ray" not in args.skip:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=max(1 << 30, 3 * total))
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=max(1 << 30, 3 * total),
+        )
         try:
             receiver = make_receiver(ray, args.threads).remote([(n, t.dtype, tuple(t.shape)) for n, t in named])
             ray.get(receiver.checksum.remote())  # actor up
-            for label, as_numpy in (("ray object store (torch tensor)", False), ("ray object store (numpy view)", True)):
+            for label, as_numpy in (
+                ("ray object store (torch tensor)", False),
+                ("ray object store (numpy view)", True),
+            ):
                 run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging)  # warm-up
-                rows[label] = [run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging) for _ in range(args.repeats)]
+                rows[label] = [
+                    run_ray(ray, receiver, named, bucket_bytes, as_numpy, staging) for _ in range(args.repeats)
+                ]
             want = float(sum(t.double().sum() for _, t in named))
             assert abs(ray.get(receiver.checksum.remote()) - want) <= 1e-6 * max(1.0, abs(want))
             ray.kill(receiver)
@@ -389,19 +411,25 @@ def main() -> None:
     gb = total / 1e9
     ref = gb / statistics.median(rows["memcpy (reference)"])
     fresh = gb / statistics.median(rows["memcpy into fresh pages"])
-    print(f"payload {total} bytes ({gb:.3f} GB) in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads "
-          f"{args.threads}, repeats {args.repeats} (median)")
+    print(
+        f"payload {total} bytes ({gb:.3f} GB) in {len(named)} tensors, bucket {args.bucket_mb} MiB, threads "
+        f"{args.threads}, repeats {args.repeats} (median)"
+    )
     header = f"{'path':<34} {'bytes':>11} {'seconds':>8} {'GB/s':>7} {'vs memcpy':>9} {'vs fresh':>9}"
     print(header)
     print("-" * len(header))
     for label, times in rows.items():
         sec, rate = statistics.median(times), moved.get(label, total) / 1e9 / statistics.median(times)
-        print(f"{label:<34} {moved.get(label, total):>11} {sec:>8.3f} {rate:>7.2f} {rate / ref:>9.0%} "
-              f"{rate / fresh:>9.0%}")
+        print(
+            f"{label:<34} {moved.get(label, total):>11} {sec:>8.3f} {rate:>7.2f} {rate / ref:>9.0%} "
+            f"{rate / fresh:>9.0%}"
+        )
     for label, metrics in engine_metrics.items():
         median = {k: statistics.median(m[k] for m in metrics) for k in sorted(metrics[0])}
-        print(f"{label}, the source's metrics (median): " + ", ".join(
-            f"{k} {v:.3f}" if k.endswith("seconds") else f"{k} {v:.0f}" for k, v in median.items()))
+        print(
+            f"{label}, the source's metrics (median): "
+            + ", ".join(f"{k} {v:.3f}" if k.endswith("seconds") else f"{k} {v:.0f}" for k, v in median.items())
+        )
 
 
 if __name__ == "__main__":

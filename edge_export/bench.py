@@ -40,8 +40,11 @@ def bench_module(
     torch.set_num_threads(num_threads)
     lite = TFLiteModule(path, num_threads)
     arrays = [a.numpy() for a in sample_args]
-    report = {"file_bytes": os.path.getsize(path), "threads": num_threads,
-              "litert_ms": _median_ms(lambda: lite(*arrays), repeats)}
+    report = {
+        "file_bytes": os.path.getsize(path),
+        "threads": num_threads,
+        "litert_ms": _median_ms(lambda: lite(*arrays), repeats),
+    }
     if module is not None:
         module = module.eval()
         with torch.no_grad():
@@ -62,8 +65,12 @@ def bench_causal_lm(
     torch.set_num_threads(num_threads)
     lm = LiteRTCausalLM(path, num_threads)
     steps = min(steps, lm.cache_length - len(prompt_ids))
-    report = {"file_bytes": os.path.getsize(path), "threads": num_threads, "prompt_tokens": len(prompt_ids),
-              "decode_steps": steps}
+    report = {
+        "file_bytes": os.path.getsize(path),
+        "threads": num_threads,
+        "prompt_tokens": len(prompt_ids),
+        "decode_steps": steps,
+    }
     cache = lm.prefill(prompt_ids, lm.empty_cache())
     report["litert_prefill_ms"] = _median_ms(lambda: lm.prefill(prompt_ids, lm.empty_cache()), repeats)
 
@@ -127,22 +134,32 @@ def bench_litertlm(path: str, num_threads: int = 1, prefill_tokens: int = 128, d
     """
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUNTIME_BENCHMARK, path, str(num_threads), str(prefill_tokens), str(decode_tokens)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate()
     found = [line for line in out.splitlines() if line.startswith("BENCHMARK ")]
     if proc.returncode != 0 or not found:
         last = ([line for line in err.splitlines() if line.strip()] or ["no output"])[-1]
         raise ExportError(BAD_FILE, f"the LiteRT-LM runtime could not benchmark {path}: {last}")
     info = json.loads(found[-1].removeprefix("BENCHMARK "))
-    return {"file_bytes": os.path.getsize(path), "threads": num_threads, "prefill_tokens": prefill_tokens,
-            "decode_tokens": decode_tokens, "litert_prefill_tokens_per_s": info["last_prefill_tokens_per_second"],
-            "litert_decode_tokens_per_s": info["last_decode_tokens_per_second"], "init_s": info["init_time_in_second"],
-            "time_to_first_token_s": info["time_to_first_token_in_second"],
-            "litert_peak_rss_gib": info["peak_kib"] / 2**20 if info.get("peak_kib") else float("nan")}
+    return {
+        "file_bytes": os.path.getsize(path),
+        "threads": num_threads,
+        "prefill_tokens": prefill_tokens,
+        "decode_tokens": decode_tokens,
+        "litert_prefill_tokens_per_s": info["last_prefill_tokens_per_second"],
+        "litert_decode_tokens_per_s": info["last_decode_tokens_per_second"],
+        "init_s": info["init_time_in_second"],
+        "time_to_first_token_s": info["time_to_first_token_in_second"],
+        "litert_peak_rss_gib": info["peak_kib"] / 2**20 if info.get("peak_kib") else float("nan"),
+    }
 
 
-def torch_tokens_per_s(model: torch.nn.Module, prefill_tokens: int = 128, decode_tokens: int = 64,
-                       num_threads: int = 1) -> dict:
+def torch_tokens_per_s(
+    model: torch.nn.Module, prefill_tokens: int = 128, decode_tokens: int = 64, num_threads: int = 1
+) -> dict:
     """PyTorch eager prefill and greedy decode tokens/s (batch 1, HF DynamicCache), on token ids 1..prefill_tokens."""
     torch.set_num_threads(num_threads)
     ids = torch.arange(1, prefill_tokens + 1)[None]
@@ -157,4 +174,7 @@ def torch_tokens_per_s(model: torch.nn.Module, prefill_tokens: int = 128, decode
             out = model(input_ids=token, past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - start
-    return {"torch_prefill_tokens_per_s": prefill_tokens / prefill_s, "torch_decode_tokens_per_s": decode_tokens / decode_s}
+    return {
+        "torch_prefill_tokens_per_s": prefill_tokens / prefill_s,
+        "torch_decode_tokens_per_s": decode_tokens / decode_s,
+    }

@@ -25,7 +25,9 @@ def _unpack(path: str, workdir: str) -> tuple[str, dict]:
 
 def _section_path(workdir: str, toml: dict, section_type: str, model_type: str | None = None) -> str:
     for section in toml.get("section", []):
-        if section.get("section_type") == section_type and (model_type is None or section.get("model_type") == model_type):
+        if section.get("section_type") == section_type and (
+            model_type is None or section.get("model_type") == model_type
+        ):
             return os.path.join(workdir, section["data_path"])
     raise ExportError(BAD_FILE, f"the bundle has no {section_type} section{f' ({model_type})' if model_type else ''}")
 
@@ -65,8 +67,9 @@ def read_chat_format(path: str, workdir: str) -> dict:
     }
 
 
-def finish_bundle(src: str, dst: str, chat: ChatFormat, workdir: str, quantization: str = "none",
-                  block_size: int = 32) -> None:
+def finish_bundle(
+    src: str, dst: str, chat: ChatFormat, workdir: str, quantization: str = "none", block_size: int = 32
+) -> None:
     """Write ``src`` to ``dst`` with ``chat`` in its metadata and its model quantized by ``quantization``.
 
     Args:

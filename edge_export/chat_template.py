@@ -103,7 +103,10 @@ def stop_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
     """Ids that end an answer: the generation config's ``eos_token_id``, the tokenizer's EOS, the end of turn."""
     found: list[int] = []
     eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    for value in (eos if isinstance(eos, (list, tuple)) else [eos]) + [tokenizer.eos_token_id, _end_of_turn_id(tokenizer)]:
+    for value in (eos if isinstance(eos, (list, tuple)) else [eos]) + [
+        tokenizer.eos_token_id,
+        _end_of_turn_id(tokenizer),
+    ]:
         if isinstance(value, int) and value not in found:
             found.append(value)
     return tuple(found)
@@ -126,8 +129,9 @@ def chat_format_for(tokenizer, generation_config=None, source: str = "the checkp
             "runtime's conversations: add chat_template to tokenizer_config.json (or chat_template.jinja), or "
             "export to .tflite",
         )
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                          add_generation_prompt=True)
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True
+    )
     # The runtime's start token stands for the BOS a chat begins with: only where the tokenizer puts it before
     # plain text too (else `litert-lm run --no-template` would get a BOS that tokenizer(text) never has).
     begins_with_bos = bool(tokenizer.bos_token) and probe.startswith(tokenizer.bos_token)
@@ -136,8 +140,12 @@ def chat_format_for(tokenizer, generation_config=None, source: str = "the checkp
     bos_text = "" if start is not None else (tokenizer.bos_token or "")
     prelude = (
         _NORMALIZE_MESSAGES
-        + "{%- set bos_token = " + _jinja_string(bos_text) + " -%}"
-        + "{%- set eos_token = " + _jinja_string(tokenizer.eos_token or "") + " -%}"
+        + "{%- set bos_token = "
+        + _jinja_string(bos_text)
+        + " -%}"
+        + "{%- set eos_token = "
+        + _jinja_string(tokenizer.eos_token or "")
+        + " -%}"
     )
     return ChatFormat(
         template=prelude + tokenizer.chat_template,

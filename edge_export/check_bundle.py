@@ -20,10 +20,21 @@ from edge_export.sources import is_checkpoint_dir
 from edge_export.verify import format_table
 
 
-def verify_litertlm(path: str, source: str, *, quantize: str = "none", steps: int = 32,
-                    min_agreement: float | None = None, chats: list[list[dict]] | None = None, num_threads: int = 1,
-                    eval_file: str | None = None, scorer: str = "number", eval_max_tokens: int = 128,
-                    max_drop: float = 5.0, quiet: bool = False) -> dict:
+def verify_litertlm(
+    path: str,
+    source: str,
+    *,
+    quantize: str = "none",
+    steps: int = 32,
+    min_agreement: float | None = None,
+    chats: list[list[dict]] | None = None,
+    num_threads: int = 1,
+    eval_file: str | None = None,
+    scorer: str = "number",
+    eval_max_tokens: int = 128,
+    max_drop: float = 5.0,
+    quiet: bool = False,
+) -> dict:
     """Check an existing ``.litertlm`` through the LiteRT-LM runtime against the checkpoint it came from.
 
     The bundle's own stop tokens (ids) and ``max_num_tokens`` are used; ``quantize`` only picks the default bound.
@@ -39,16 +50,22 @@ def verify_litertlm(path: str, source: str, *, quantize: str = "none", steps: in
     if not path.endswith(".litertlm") or not os.path.isfile(path):
         raise ExportError(BAD_FILE, f"FILE '{path}' is not an existing .litertlm bundle; give one litert export wrote")
     if not is_checkpoint_dir(source):
-        raise ExportError(BAD_SOURCE, f"--source '{source}' is not a model folder with config.json; give the "
-                                      "checkpoint the bundle was exported from")
+        raise ExportError(
+            BAD_SOURCE,
+            f"--source '{source}' is not a model folder with config.json; give the "
+            "checkpoint the bundle was exported from",
+        )
     with tempfile.TemporaryDirectory(prefix=".litertlm-read-", dir=os.path.dirname(os.path.abspath(path))) as tmp:
         try:
             stored = read_chat_format(path, tmp)
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 -- litert-lm-builder's reader raises whatever the bytes provoke
-            raise ExportError(BAD_FILE, f"FILE '{path}' is not a .litertlm bundle that litert-lm-builder can read "
-                                        f"({type(exc).__name__}: {str(exc)[:120]}); give one litert export wrote")
+            raise ExportError(
+                BAD_FILE,
+                f"FILE '{path}' is not a .litertlm bundle that litert-lm-builder can read "
+                f"({type(exc).__name__}: {str(exc)[:120]}); give one litert export wrote",
+            )
     stop_ids = tuple(t[0] for t in stored["stop_tokens"] if isinstance(t, list) and len(t) == 1)
     if eval_file is not None:
         eval_items = evaluate.read_items(eval_file)
@@ -56,20 +73,42 @@ def verify_litertlm(path: str, source: str, *, quantize: str = "none", steps: in
     torch.set_num_threads(num_threads)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    result = verify_bundle(path, model, tokenizer, quantization=quantize, stop_ids=stop_ids, chats=chats,
-                           steps=steps, cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads,
-                           min_agreement=min_agreement)
+    result = verify_bundle(
+        path,
+        model,
+        tokenizer,
+        quantization=quantize,
+        stop_ids=stop_ids,
+        chats=chats,
+        steps=steps,
+        cache_length=stored["max_num_tokens"] or 256,
+        num_threads=num_threads,
+        min_agreement=min_agreement,
+    )
     if not quiet:
         print("[litert] verification\n" + format_table(verification_rows(result)), flush=True)
     if not result["passed"]:
         more = f" (and {len(result['failures']) - 1} more)" if len(result["failures"]) > 1 else ""
-        raise ExportError(VERIFICATION_FAILED, f"{path} fails in the LiteRT-LM runtime: {result['failures'][0]}{more}; "
-                                               f"{result['hint']}")
+        raise ExportError(
+            VERIFICATION_FAILED,
+            f"{path} fails in the LiteRT-LM runtime: {result['failures'][0]}{more}; {result['hint']}",
+        )
     if eval_file is not None:
         result["eval"] = evaluate.evaluate_bundle(
-            path, model, tokenizer, eval_items, stop_ids=stop_ids, scorer=scorer, max_tokens=eval_max_tokens,
-            cache_length=stored["max_num_tokens"] or 256, num_threads=num_threads, max_drop_points=max_drop)
+            path,
+            model,
+            tokenizer,
+            eval_items,
+            stop_ids=stop_ids,
+            scorer=scorer,
+            max_tokens=eval_max_tokens,
+            cache_length=stored["max_num_tokens"] or 256,
+            num_threads=num_threads,
+            max_drop_points=max_drop,
+        )
         if not result["eval"]["passed"]:
-            raise ExportError(VERIFICATION_FAILED, f"{path}: {result['eval']['failures'][0]}; use a milder "
-                                                   "--quantize, or raise --max-drop")
+            raise ExportError(
+                VERIFICATION_FAILED,
+                f"{path}: {result['eval']['failures'][0]}; use a milder --quantize, or raise --max-drop",
+            )
     return result

@@ -102,8 +102,10 @@ def explain_conversion_failure(
             f"operator {op}{where} has no LiteRT lowering in litert-torch; replace it with supported ops (for "
             f"random sampling, pass the noise in as an input) or leave it out of the exported forward()",
         )
-    if type(exc).__name__ == "NonConcreteBooleanIndexError" or "GuardOnDataDependentSymNode" in text or (
-        "data-dependent" in text.lower()
+    if (
+        type(exc).__name__ == "NonConcreteBooleanIndexError"
+        or "GuardOnDataDependentSymNode" in text
+        or ("data-dependent" in text.lower())
     ):
         return ExportError(
             DATA_DEPENDENT_SHAPE,

@@ -71,15 +71,24 @@ def load_scorer(name: str):
         else:
             fn = getattr(importlib.import_module(module_name), attr) if attr else None
     except ImportError as exc:
-        raise ExportError(BAD_SOURCE, f"--scorer '{name}': cannot import {module_name} ({exc}); give "
-                                      f"{' or '.join(SCORERS)} or package.module:function") from exc
+        raise ExportError(
+            BAD_SOURCE,
+            f"--scorer '{name}': cannot import {module_name} ({exc}); give "
+            f"{' or '.join(SCORERS)} or package.module:function",
+        ) from exc
     if not callable(fn):
-        raise ExportError(BAD_SOURCE, f"--scorer '{name}' is not a function; give {' or '.join(SCORERS)} or "
-                                      "package.module:function")
+        raise ExportError(
+            BAD_SOURCE, f"--scorer '{name}' is not a function; give {' or '.join(SCORERS)} or package.module:function"
+        )
     if "solution_str" in inspect.signature(fn).parameters:
-        return lambda answer, expected, item: _as_accuracy(fn(
-            data_source=item.get("data_source", ""), solution_str=answer, ground_truth=str(expected),
-            extra_info=item.get("extra_info")))
+        return lambda answer, expected, item: _as_accuracy(
+            fn(
+                data_source=item.get("data_source", ""),
+                solution_str=answer,
+                ground_truth=str(expected),
+                extra_info=item.get("extra_info"),
+            )
+        )
     return lambda answer, expected, item: _as_accuracy(fn(answer, expected))
 
 
@@ -100,8 +109,10 @@ def read_items(path: str) -> list[dict]:
         with open(path) as fh:
             lines = fh.read().splitlines()
     except OSError as exc:
-        raise ExportError(BAD_SOURCE, f"--eval '{path}': {exc.strerror}; give a JSONL file of "
-                                      '{"prompt": ..., "answer": ...} lines') from exc
+        raise ExportError(
+            BAD_SOURCE,
+            f'--eval \'{path}\': {exc.strerror}; give a JSONL file of {{"prompt": ..., "answer": ...}} lines',
+        ) from exc
     items = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -120,9 +131,19 @@ def read_items(path: str) -> list[dict]:
     return items
 
 
-def evaluate_bundle(path: str, model, tokenizer, items: list[dict], *, stop_ids: tuple[int, ...], scorer: str,
-                    max_tokens: int = 128, cache_length: int = 256, num_threads: int = 1,
-                    max_drop_points: float = 5.0) -> dict:
+def evaluate_bundle(
+    path: str,
+    model,
+    tokenizer,
+    items: list[dict],
+    *,
+    stop_ids: tuple[int, ...],
+    scorer: str,
+    max_tokens: int = 128,
+    cache_length: int = 256,
+    num_threads: int = 1,
+    max_drop_points: float = 5.0,
+) -> dict:
     """Score the runtime's and PyTorch's greedy answers on ``items`` with ``scorer``.
 
     Returns:
@@ -140,21 +161,37 @@ def evaluate_bundle(path: str, model, tokenizer, items: list[dict], *, stop_ids:
         ids = torch_greedy(model, hf_prompt_ids(tokenizer, item["messages"]), max_tokens, stop_ids)
         torch_answer = tokenizer.decode([t for t in ids if t not in stop_ids])
         runtime_answer = turn.get("text", "")
-        rows.append({"prompt": item["prompt"], "expected": item["answer"], "runtime_answer": runtime_answer,
-                     "torch_answer": torch_answer, "runtime_error": turn.get("error"),
-                     "runtime_score": score(runtime_answer, item["answer"], item) if "text" in turn else 0.0,
-                     "torch_score": score(torch_answer, item["answer"], item)})
+        rows.append(
+            {
+                "prompt": item["prompt"],
+                "expected": item["answer"],
+                "runtime_answer": runtime_answer,
+                "torch_answer": torch_answer,
+                "runtime_error": turn.get("error"),
+                "runtime_score": score(runtime_answer, item["answer"], item) if "text" in turn else 0.0,
+                "torch_score": score(torch_answer, item["answer"], item),
+            }
+        )
     runtime_accuracy = 100 * sum(r["runtime_score"] for r in rows) / len(rows)
     torch_accuracy = 100 * sum(r["torch_score"] for r in rows) / len(rows)
     drop = torch_accuracy - runtime_accuracy
     failures = []
     if drop > max_drop_points:
-        failures.append(f"task accuracy in the runtime {runtime_accuracy:.1f}% vs PyTorch {torch_accuracy:.1f}% on "
-                        f"{len(rows)} items: {drop:.1f} points lost, {max_drop_points:g} allowed")
+        failures.append(
+            f"task accuracy in the runtime {runtime_accuracy:.1f}% vs PyTorch {torch_accuracy:.1f}% on "
+            f"{len(rows)} items: {drop:.1f} points lost, {max_drop_points:g} allowed"
+        )
     errors = [r for r in rows if r["runtime_error"]]
     if errors:
         failures.append(f"the runtime could not answer {len(errors)} items: {errors[0]['runtime_error']}")
-    return {"scorer": scorer, "max_tokens": max_tokens, "items": rows, "runtime_accuracy": runtime_accuracy,
-            "torch_accuracy": torch_accuracy, "drop_points": drop,
-            "disagreements": sum(r["runtime_score"] != r["torch_score"] for r in rows),
-            "passed": not failures, "failures": failures}
+    return {
+        "scorer": scorer,
+        "max_tokens": max_tokens,
+        "items": rows,
+        "runtime_accuracy": runtime_accuracy,
+        "torch_accuracy": torch_accuracy,
+        "drop_points": drop,
+        "disagreements": sum(r["runtime_score"] != r["torch_score"] for r in rows),
+        "passed": not failures,
+        "failures": failures,
+    }

@@ -169,8 +169,9 @@ def export_checkpoint(
         from edge_export import evaluate
 
         if not output.endswith(".litertlm"):
-            raise ExportError(BAD_SOURCE, f"--eval scores through the LiteRT-LM runtime: give a .litertlm output, "
-                                          f"not '{output}'")
+            raise ExportError(
+                BAD_SOURCE, f"--eval scores through the LiteRT-LM runtime: give a .litertlm output, not '{output}'"
+            )
         eval_items = evaluate.read_items(eval_file)
         evaluate.load_scorer(scorer)
     if min(prefill_lengths, default=0) < 1 or cache_length <= max(prefill_lengths):
@@ -200,18 +201,33 @@ def export_checkpoint(
         start = time.perf_counter()
         with convert.quiet_stdout(quiet):
             convert.export_causal_lm(
-                checkpoint, tmp_file, workdir, bundle=is_bundle, quantization=quantize,
-                prefill_lengths=list(prefill_lengths), cache_length=cache_length, block_size=block_size,
+                checkpoint,
+                tmp_file,
+                workdir,
+                bundle=is_bundle,
+                quantization=quantize,
+                prefill_lengths=list(prefill_lengths),
+                cache_length=cache_length,
+                block_size=block_size,
             )
             if is_bundle:
                 finish_bundle(tmp_file, tmp_file, chat, os.path.join(workdir, "bundle"), quantize, block_size)
         report = {
-            "source": str(checkpoint_dir), "output": str(out), "kind": "causal-lm", "format": out.suffix[1:],
-            "model_type": checkpoint.model_type, "quantization": quantize,
-            "recipe": _recipe_label(quantize, block_size), "prefill_lengths": list(prefill_lengths),
+            "source": str(checkpoint_dir),
+            "output": str(out),
+            "kind": "causal-lm",
+            "format": out.suffix[1:],
+            "model_type": checkpoint.model_type,
+            "quantization": quantize,
+            "recipe": _recipe_label(quantize, block_size),
+            "prefill_lengths": list(prefill_lengths),
             "cache_length": cache_length,
-            "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
-            "notes": checkpoint.notes, "versions": _versions(), "verification": None, "eval": None,
+            "export_seconds": round(time.perf_counter() - start, 2),
+            "file_bytes": os.path.getsize(tmp_file),
+            "notes": checkpoint.notes,
+            "versions": _versions(),
+            "verification": None,
+            "eval": None,
             "benchmark": None,
         }
         if is_bundle:
@@ -223,13 +239,25 @@ def export_checkpoint(
             model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
             tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
             steps = max(1, min(steps, cache_length - 1))
-            prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps):] or [0]
+            prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps) :] or [0]
         if verify and is_bundle:
-            _say(f"verifying {len(chats or DEFAULT_CHATS)} chats x {steps} greedy steps through the LiteRT-LM "
-                 "runtime against PyTorch ...", quiet)
+            _say(
+                f"verifying {len(chats or DEFAULT_CHATS)} chats x {steps} greedy steps through the LiteRT-LM "
+                "runtime against PyTorch ...",
+                quiet,
+            )
             report["verification"] = verify_bundle(
-                tmp_file, model, tokenizer, quantization=quantize, stop_ids=chat.stop_token_ids, chats=chats,
-                steps=steps, cache_length=cache_length, num_threads=num_threads, min_agreement=min_agreement)
+                tmp_file,
+                model,
+                tokenizer,
+                quantization=quantize,
+                stop_ids=chat.stop_token_ids,
+                chats=chats,
+                steps=steps,
+                cache_length=cache_length,
+                num_threads=num_threads,
+                min_agreement=min_agreement,
+            )
             _say("verification\n" + verify_lib.format_table(_verification_rows(report["verification"])), quiet)
         elif verify:
             _say(f"verifying {steps} greedy steps with the LiteRT runtime against PyTorch ...", quiet)
@@ -244,12 +272,23 @@ def export_checkpoint(
         if eval_file is not None and (report["verification"] is None or report["verification"]["passed"]):
             _say(f"scoring {len(eval_items)} items of {eval_file} through the runtime and in PyTorch ...", quiet)
             report["eval"] = evaluate.evaluate_bundle(
-                tmp_file, model, tokenizer, eval_items, stop_ids=chat.stop_token_ids, scorer=scorer,
-                max_tokens=eval_max_tokens, cache_length=cache_length, num_threads=num_threads,
-                max_drop_points=max_drop)
+                tmp_file,
+                model,
+                tokenizer,
+                eval_items,
+                stop_ids=chat.stop_token_ids,
+                scorer=scorer,
+                max_tokens=eval_max_tokens,
+                cache_length=cache_length,
+                num_threads=num_threads,
+                max_drop_points=max_drop,
+            )
             found = report["eval"]
-            _say(f"task accuracy: runtime {found['runtime_accuracy']:.1f}%, PyTorch {found['torch_accuracy']:.1f}% "
-                 f"({found['disagreements']} of {len(eval_items)} items scored differently)", quiet)
+            _say(
+                f"task accuracy: runtime {found['runtime_accuracy']:.1f}%, PyTorch {found['torch_accuracy']:.1f}% "
+                f"({found['disagreements']} of {len(eval_items)} items scored differently)",
+                quiet,
+            )
         if benchmark and (report["verification"] is None or report["verification"]["passed"]):
             _say("benchmarking LiteRT vs PyTorch eager ...", quiet)
             report["benchmark"] = bench_lib.bench_causal_lm(tmp_file, prompt_ids, model, num_threads=num_threads)
@@ -301,15 +340,29 @@ def export_module(
         start = time.perf_counter()
         with convert.quiet_stdout(quiet):
             convert.export_plain_module(
-                module, tuple(sample_inputs), tmp_file, workdir, quantization=quantize,
-                dynamic_shapes=dynamic_shapes, name=name, block_size=block_size,
+                module,
+                tuple(sample_inputs),
+                tmp_file,
+                workdir,
+                quantization=quantize,
+                dynamic_shapes=dynamic_shapes,
+                name=name,
+                block_size=block_size,
             )
         report = {
-            "source": name, "output": str(out), "kind": "module", "format": "tflite", "quantization": quantize,
+            "source": name,
+            "output": str(out),
+            "kind": "module",
+            "format": "tflite",
+            "quantization": quantize,
             "recipe": _recipe_label(quantize, block_size),
             "inputs": [f"{'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}" for t in sample_inputs],
-            "export_seconds": round(time.perf_counter() - start, 2), "file_bytes": os.path.getsize(tmp_file),
-            "notes": notes, "versions": _versions(), "verification": None, "benchmark": None,
+            "export_seconds": round(time.perf_counter() - start, 2),
+            "file_bytes": os.path.getsize(tmp_file),
+            "notes": notes,
+            "versions": _versions(),
+            "verification": None,
+            "benchmark": None,
         }
         if verify:
             _say("verifying with the LiteRT runtime against PyTorch ...", quiet)
@@ -345,8 +398,11 @@ def _verification_rows(result: dict) -> list[tuple[str, str]]:
 def bench_rows(result: dict) -> list[tuple[str, str]]:
     rows = [("file size", f"{result['file_bytes'] / 2**20:.2f} MiB"), ("threads", str(result["threads"]))]
     for key, label in (
-        ("litert_ms", "LiteRT ms/call"), ("torch_ms", "PyTorch ms/call"), ("litert_over_torch", "LiteRT / PyTorch"),
-        ("litert_prefill_ms", "LiteRT prefill ms"), ("torch_prefill_ms", "PyTorch prefill ms"),
+        ("litert_ms", "LiteRT ms/call"),
+        ("torch_ms", "PyTorch ms/call"),
+        ("litert_over_torch", "LiteRT / PyTorch"),
+        ("litert_prefill_ms", "LiteRT prefill ms"),
+        ("torch_prefill_ms", "PyTorch prefill ms"),
         ("litert_decode_ms_per_token", "LiteRT decode ms/token"),
         ("torch_decode_ms_per_token", "PyTorch decode ms/token"),
         ("decode_litert_over_torch", "decode LiteRT / PyTorch"),
@@ -360,4 +416,3 @@ def bench_rows(result: dict) -> list[tuple[str, str]]:
         if key in result:
             rows.append((label, f"{result[key]:.3f}"))
     return rows
-

@@ -55,8 +55,9 @@ def _cache_get_max_length(self) -> int:
 
 def _defined_upstream(mixin: type) -> bool:
     own = mixin.__dict__.get("get_max_length")
-    return (own is not None and own is not _cache_get_max_length) or \
-        any("get_max_length" in vars(base) for base in mixin.__mro__[1:])
+    return (own is not None and own is not _cache_get_max_length) or any(
+        "get_max_length" in vars(base) for base in mixin.__mro__[1:]
+    )
 
 
 def _add_cache_method(module: ModuleType) -> None:
@@ -99,28 +100,45 @@ def _schema_aliased(module: ModuleType) -> bool:
 
 
 TF_SCHEMA = Patch(
-    target=f"{_SCHEMA} (a sys.modules alias)", module="ai_edge_litert.schema_py_generated", library="litert-torch",
+    target=f"{_SCHEMA} (a sys.modules alias)",
+    module="ai_edge_litert.schema_py_generated",
+    library="litert-torch",
     versions=VERSIONS,
     why="litert-torch imports TensorFlow's TFLite schema without depending on TensorFlow; ai-edge-litert ships it",
-    upstream=searched("google-ai-edge/litert-torch", "ai-edge-torch litert-torch imports tensorflow "
-                                                     "schema_py_generated without tensorflow dependency"),
-    apply=_alias_schema, applied=_schema_aliased)
+    upstream=searched(
+        "google-ai-edge/litert-torch",
+        "ai-edge-torch litert-torch imports tensorflow schema_py_generated without tensorflow dependency",
+    ),
+    apply=_alias_schema,
+    applied=_schema_aliased,
+)
 
 KERNEL_HOOK = Patch(
     target="transformers.integrations.use_kernel_forward_from_hub (litert-torch's swap undone)",
-    module=_HOOK_MODULE, library="litert-torch", versions=VERSIONS,
+    module=_HOOK_MODULE,
+    library="litert-torch",
+    versions=VERSIONS,
     why="importing litert-torch's export swaps transformers' kernel hook for the process: later models get its RMSNorm",
-    upstream=searched("google-ai-edge/litert-torch", "litert-torch use_kernel_forward_from_hub replaced globally "
-                                                     "RMSNorm mark_tensor"),
-    apply=_restore_kernel_hook, applied=_kernel_hook_restored)
+    upstream=searched(
+        "google-ai-edge/litert-torch", "litert-torch use_kernel_forward_from_hub replaced globally RMSNorm mark_tensor"
+    ),
+    apply=_restore_kernel_hook,
+    applied=_kernel_hook_restored,
+)
 
 CACHE = Patch(
-    target=f"{_CACHE_MODULE}.LiteRTLMCacheMixin.get_max_length", module=_CACHE_MODULE, library="litert-torch",
+    target=f"{_CACHE_MODULE}.LiteRTLMCacheMixin.get_max_length",
+    module=_CACHE_MODULE,
+    library="litert-torch",
     versions=VERSIONS,
     why="the sliding-window export calls the cache's get_max_length, which transformers 5's Cache no longer has",
-    upstream=searched("google-ai-edge/litert-torch", "litert-torch LiteRTLMCache get_max_length AttributeError "
-                                                     "transformers 5 sliding window"),
-    apply=_add_cache_method, applied=_cache_method_in_place)
+    upstream=searched(
+        "google-ai-edge/litert-torch",
+        "litert-torch LiteRTLMCache get_max_length AttributeError transformers 5 sliding window",
+    ),
+    apply=_add_cache_method,
+    applied=_cache_method_in_place,
+)
 
 PATCHES: tuple[Patch, ...] = (TF_SCHEMA, KERNEL_HOOK, CACHE)
 

@@ -69,11 +69,16 @@ def _recipe(quantization: str, block_size: int):
     if quantization == "dynamic-int4-block":
         granularity = qtyping.QuantGranularity[f"BLOCKWISE_{check_block_size(block_size)}"]
     manager = recipe_manager.RecipeManager()
-    manager.add_dynamic_config(regex=".*", operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
-                               num_bits=8 if quantization == "dynamic-int8" else 4, granularity=granularity)
+    manager.add_dynamic_config(
+        regex=".*",
+        operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+        num_bits=8 if quantization == "dynamic-int8" else 4,
+        granularity=granularity,
+    )
     if quantization == "dynamic-int8":
-        manager.add_weight_only_config(regex=LOGITS_LAYER, operation_name=qtyping.TFLOperationName.FULLY_CONNECTED,
-                                       num_bits=8)
+        manager.add_weight_only_config(
+            regex=LOGITS_LAYER, operation_name=qtyping.TFLOperationName.FULLY_CONNECTED, num_bits=8
+        )
     return manager.get_quantization_recipe()
 
 

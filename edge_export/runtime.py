@@ -40,10 +40,7 @@ def tflite_in_bundle(path: str, workdir: str) -> str:
 
     litertlm_builder.unpack(path, workdir)
     candidates = [
-        os.path.join(root, name)
-        for root, _, names in os.walk(workdir)
-        for name in names
-        if name.endswith(".tflite")
+        os.path.join(root, name) for root, _, names in os.walk(workdir) for name in names if name.endswith(".tflite")
     ]
     for candidate in candidates:
         if "prefill_decode" in os.path.basename(candidate).lower():
@@ -137,7 +134,7 @@ class LiteRTCausalLM:
         """
         position = start
         while position < start + len(tokens):
-            rest = tokens[position - start:]
+            rest = tokens[position - start :]
             room = self.cache_length - position
             fitting = [n for n in self.prefill_lengths if n <= room]
             if not fitting:  # too close to the end of the cache for any bucket: one token at a time

@@ -43,17 +43,19 @@ DEFAULT_CHATS: list[list[dict]] = [
     [_user("What is the capital of France?")],
     [_user("Name three primary colours.")],
     [SYSTEM, _user("How many days are there in a week?")],
-    [_user("What is 12 plus 30?"), {"role": "assistant", "content": "12 plus 30 is 42."},
-     _user("And 42 plus 8?")],
-    [SYSTEM, _user("Who wrote Hamlet?"), {"role": "assistant", "content": "William Shakespeare."},
-     _user("When was he born?")],
+    [_user("What is 12 plus 30?"), {"role": "assistant", "content": "12 plus 30 is 42."}, _user("And 42 plus 8?")],
+    [
+        SYSTEM,
+        _user("Who wrote Hamlet?"),
+        {"role": "assistant", "content": "William Shakespeare."},
+        _user("When was he born?"),
+    ],
     [_user(_parts("Translate to French: ", "good morning"))],
     [SYSTEM, _user(_parts("Give a synonym for 'happy'."))],
 ]
 
 # Least share of agreeing steps over all chats, per quantization; fp32 must agree on every step of every chat.
-MIN_AGREEMENT = {"none": 1.0, "weight-int8": 0.9, "dynamic-int8": 0.9, "dynamic-int4": 0.5,
-                 "dynamic-int4-block": 0.5}
+MIN_AGREEMENT = {"none": 1.0, "weight-int8": 0.9, "dynamic-int8": 0.9, "dynamic-int4": 0.5, "dynamic-int4-block": 0.5}
 _TOP_K = 64
 _CAUSE_RE = re.compile(r"(Failed to .*|INVALID_ARGUMENT: .*|NOT_FOUND: .*|INTERNAL: .*)$")
 
@@ -86,7 +88,7 @@ def native_cause(log: str) -> str:
         return lines[-1] if lines else "no message from the runtime"
     index, cause = found[-1]
     chain = []
-    for line in lines[index + 1:]:
+    for line in lines[index + 1 :]:
         if not line.startswith("└"):
             break
         chain.append(line.lstrip("└ ").strip())
@@ -111,8 +113,13 @@ def open_engine(path: str, cache_length: int, num_threads: int = 1):
     cache = tempfile.TemporaryDirectory(prefix="litertlm-xnnpack-")
     with native_stderr(box):
         try:
-            engine = litert_lm.Engine(path, backend=litert_lm.Backend.CPU(thread_count=num_threads),
-                                      max_num_tokens=cache_length, enable_benchmark=True, cache_dir=cache.name)
+            engine = litert_lm.Engine(
+                path,
+                backend=litert_lm.Backend.CPU(thread_count=num_threads),
+                max_num_tokens=cache_length,
+                enable_benchmark=True,
+                cache_dir=cache.name,
+            )
         except (RuntimeError, ValueError) as exc:
             error = exc
     if engine is None:
@@ -144,7 +151,8 @@ def runtime_turn(engine, chat: list[dict], steps: int) -> dict:
     with native_stderr(box):
         try:
             conversation = engine.create_conversation(
-                messages=chat[:-1], sampler_config=litert_lm.SamplerConfig(top_k=1), max_output_tokens=steps)
+                messages=chat[:-1], sampler_config=litert_lm.SamplerConfig(top_k=1), max_output_tokens=steps
+            )
             rendered = conversation.render_message_to_string(chat[-1])
             if rendered:
                 start = engine.bos_token_id
@@ -152,7 +160,8 @@ def runtime_turn(engine, chat: list[dict], steps: int) -> dict:
                 answer = conversation.send_message(chat[-1])
                 info = conversation.get_benchmark_info()
                 result.update(
-                    text=_message_text(answer), prefill_tokens=info.last_prefill_token_count,
+                    text=_message_text(answer),
+                    prefill_tokens=info.last_prefill_token_count,
                     decode_tokens=info.last_decode_token_count,
                     prefill_tokens_per_s=info.last_prefill_tokens_per_second,
                     decode_tokens_per_s=info.last_decode_tokens_per_second,
@@ -190,8 +199,9 @@ def torch_greedy(model, prompt_ids: list[int], steps: int, stop_ids: tuple[int, 
     return tokens
 
 
-def agreement_along(model, tokenizer, prompt_ids: list[int], text: str, runtime_steps: int, steps: int,
-                    stop_ids: tuple[int, ...]) -> dict:
+def agreement_along(
+    model, tokenizer, prompt_ids: list[int], text: str, runtime_steps: int, steps: int, stop_ids: tuple[int, ...]
+) -> dict:
     """Teacher-force PyTorch along the runtime's answer ``text`` (see the module docstring).
 
     Returns:
@@ -226,9 +236,19 @@ def agreement_along(model, tokenizer, prompt_ids: list[int], text: str, runtime_
     return {"steps": len(agree), "agreed_steps": leading, "agreeing": sum(agree), "recovered_ids": recovered}
 
 
-def verify_bundle(path: str, model, tokenizer, *, quantization: str, stop_ids: tuple[int, ...],
-                  chats: list[list[dict]] | None = None, steps: int = 32, cache_length: int = 256,
-                  num_threads: int = 1, min_agreement: float | None = None) -> dict:
+def verify_bundle(
+    path: str,
+    model,
+    tokenizer,
+    *,
+    quantization: str,
+    stop_ids: tuple[int, ...],
+    chats: list[list[dict]] | None = None,
+    steps: int = 32,
+    cache_length: int = 256,
+    num_threads: int = 1,
+    min_agreement: float | None = None,
+) -> dict:
     """Run ``chats`` through the runtime and compare prompts and greedy answers with PyTorch.
 
     Args:
@@ -251,10 +271,21 @@ def verify_bundle(path: str, model, tokenizer, *, quantization: str, stop_ids: t
     try:
         engine = open_engine(path, cache_length, num_threads)
     except ExportError as err:
-        return {"runtime": "litert_lm", "backend": "cpu", "threads": num_threads, "chats": [], "steps": steps,
-                "compared_steps": 0, "top1_agreement": 0.0, "min_agreement": bound, "prefill_tokens_per_s": None,
-                "decode_tokens_per_s": None, "passed": False, "failures": [str(err)],
-                "hint": "the bundle is not usable on a device; keep the report for a bug"}
+        return {
+            "runtime": "litert_lm",
+            "backend": "cpu",
+            "threads": num_threads,
+            "chats": [],
+            "steps": steps,
+            "compared_steps": 0,
+            "top1_agreement": 0.0,
+            "min_agreement": bound,
+            "prefill_tokens_per_s": None,
+            "decode_tokens_per_s": None,
+            "passed": False,
+            "failures": [str(err)],
+            "hint": "the bundle is not usable on a device; keep the report for a bug",
+        }
     entries, failures = [], []
     for index, chat in enumerate(chats):
         reference = hf_prompt_ids(tokenizer, chat)
@@ -265,17 +296,24 @@ def verify_bundle(path: str, model, tokenizer, *, quantization: str, stop_ids: t
             entry["runtime_error"] = turn["error"]
             failures.append(f"chat {index}: the runtime cannot render or answer it: {turn['error']}")
             continue
-        entry.update(runtime_prompt_tokens=turn["prefill_tokens"], runtime_answer=turn["text"],
-                     runtime_decode_tokens=turn["decode_tokens"], prefill_tokens_per_s=turn["prefill_tokens_per_s"],
-                     decode_tokens_per_s=turn["decode_tokens_per_s"])
+        entry.update(
+            runtime_prompt_tokens=turn["prefill_tokens"],
+            runtime_answer=turn["text"],
+            runtime_decode_tokens=turn["decode_tokens"],
+            prefill_tokens_per_s=turn["prefill_tokens_per_s"],
+            decode_tokens_per_s=turn["decode_tokens_per_s"],
+        )
         if turn["prompt_ids"] != reference or turn["prefill_tokens"] != len(reference):
-            at = next((i for i, (a, b) in enumerate(zip(turn["prompt_ids"], reference)) if a != b),
-                      min(len(reference), len(turn["prompt_ids"])))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(turn["prompt_ids"], reference)) if a != b),
+                min(len(reference), len(turn["prompt_ids"])),
+            )
             entry["runtime_prompt_ids"], entry["torch_prompt_ids"] = turn["prompt_ids"], reference
             failures.append(
                 f"chat {index}: the runtime prefills {turn['prefill_tokens']} tokens, apply_chat_template gives "
                 f"{len(reference)}; first difference at token {at} (runtime "
-                f"{tokenizer.decode(turn['prompt_ids'][at:at + 3])!r} vs {tokenizer.decode(reference[at:at + 3])!r})")
+                f"{tokenizer.decode(turn['prompt_ids'][at : at + 3])!r} vs {tokenizer.decode(reference[at : at + 3])!r})"
+            )
         check = agreement_along(model, tokenizer, reference, turn["text"], turn["decode_tokens"], steps, stop_ids)
         entry.update(steps=check["steps"], agreed_steps=check["agreed_steps"], agreeing_steps=check["agreeing"])
         if check["agreed_steps"] == check["steps"]:
@@ -284,17 +322,22 @@ def verify_bundle(path: str, model, tokenizer, *, quantization: str, stop_ids: t
             greedy = torch_greedy(model, reference, steps, stop_ids)
             entry["torch_answer"] = tokenizer.decode([t for t in greedy if t not in stop_ids])
         if bound >= 1.0 and check["agreed_steps"] < check["steps"]:
-            failures.append(f"chat {index}: greedy tokens differ from PyTorch at step {check['agreed_steps']} of "
-                            f"{check['steps']} (runtime {turn['text'][:40]!r}, PyTorch {entry['torch_answer'][:40]!r})")
+            failures.append(
+                f"chat {index}: greedy tokens differ from PyTorch at step {check['agreed_steps']} of "
+                f"{check['steps']} (runtime {turn['text'][:40]!r}, PyTorch {entry['torch_answer'][:40]!r})"
+            )
     compared = sum(e.get("steps", 0) for e in entries)
     agreement = sum(e.get("agreeing_steps", 0) for e in entries) / compared if compared else 0.0
     if compared and agreement < bound and bound < 1.0:
-        failures.append(f"top-1 agreement {agreement:.1%} over {compared} steps is below {bound:.0%} by "
-                        f"{bound - agreement:.1%}")
+        failures.append(
+            f"top-1 agreement {agreement:.1%} over {compared} steps is below {bound:.0%} by {bound - agreement:.1%}"
+        )
 
     if any("render" in f or "prefills" in f for f in failures):
-        hint = ("the bundle's chat template or start token makes the runtime answer another prompt than "
-                "apply_chat_template; the report has both prompts' token counts")
+        hint = (
+            "the bundle's chat template or start token makes the runtime answer another prompt than "
+            "apply_chat_template; the report has both prompts' token counts"
+        )
     elif failures and bound >= 1.0:
         hint = "the float bundle computes other tokens than PyTorch: a conversion fault; keep the report for a bug"
     else:
@@ -304,19 +347,41 @@ def verify_bundle(path: str, model, tokenizer, *, quantization: str, stop_ids: t
         values = [e[key] for e in entries if key in e]
         return sum(values) / len(values) if values else None
 
-    return {"runtime": "litert_lm", "backend": "cpu", "threads": num_threads, "chats": entries, "steps": steps,
-            "compared_steps": compared, "top1_agreement": agreement, "min_agreement": bound,
-            "prefill_tokens_per_s": mean("prefill_tokens_per_s"), "decode_tokens_per_s": mean("decode_tokens_per_s"),
-            "passed": not failures, "failures": failures, "hint": hint}
+    return {
+        "runtime": "litert_lm",
+        "backend": "cpu",
+        "threads": num_threads,
+        "chats": entries,
+        "steps": steps,
+        "compared_steps": compared,
+        "top1_agreement": agreement,
+        "min_agreement": bound,
+        "prefill_tokens_per_s": mean("prefill_tokens_per_s"),
+        "decode_tokens_per_s": mean("decode_tokens_per_s"),
+        "passed": not failures,
+        "failures": failures,
+        "hint": hint,
+    }
 
 
 def verification_rows(result: dict) -> list[tuple[str, str]]:
     """(label, value) rows of a ``verify_bundle`` result for a two-column table."""
-    rows = [(f"chat {i}", f"prompt {c['torch_prompt_tokens']} tokens, " + (
-        f"runtime error: {c['runtime_error']}" if "runtime_error" in c else
-        f"runtime prefilled {c['runtime_prompt_tokens']}, greedy {c['agreed_steps']}/{c['steps']}: "
-        f"{c['runtime_answer'][:48]!r}")) for i, c in enumerate(result["chats"])]
-    agreement = f"{result['top1_agreement']:.1%} of {result['compared_steps']} steps (bound {result['min_agreement']:.0%})"
+    rows = [
+        (
+            f"chat {i}",
+            f"prompt {c['torch_prompt_tokens']} tokens, "
+            + (
+                f"runtime error: {c['runtime_error']}"
+                if "runtime_error" in c
+                else f"runtime prefilled {c['runtime_prompt_tokens']}, greedy {c['agreed_steps']}/{c['steps']}: "
+                f"{c['runtime_answer'][:48]!r}"
+            ),
+        )
+        for i, c in enumerate(result["chats"])
+    ]
+    agreement = (
+        f"{result['top1_agreement']:.1%} of {result['compared_steps']} steps (bound {result['min_agreement']:.0%})"
+    )
     rows.append(("top-1 agreement", agreement))
     if result["decode_tokens_per_s"]:
         speed = f"prefill {result['prefill_tokens_per_s']:.0f}, decode {result['decode_tokens_per_s']:.1f}"

@@ -28,9 +28,15 @@ import torch
 from edge_export.errors import BAD_CHECKPOINT, BAD_INPUT_SPEC, BAD_SOURCE, ExportError
 
 DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
 }
 _FLOAT_SAFETENSORS = {"F32", "F16", "BF16", "F64"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -82,8 +88,7 @@ def dynamic_shapes_for(specs: list[InputSpec]) -> tuple | None:
         return None
     dims: dict[str, torch.export.Dim] = {}
     return tuple(
-        {i: dims.setdefault(name, torch.export.Dim(name)) for i, name in spec.dynamic.items()} or None
-        for spec in specs
+        {i: dims.setdefault(name, torch.export.Dim(name)) for i, name in spec.dynamic.items()} or None for spec in specs
     )
 
 
@@ -100,7 +105,9 @@ def load_factory(source: str) -> torch.nn.Module:
     if os.path.isdir(source):
         raise ExportError(BAD_SOURCE, f"SOURCE '{source}' is a folder without config.json; {usage}")
     if not _FACTORY_RE.match(source):
-        raise ExportError(BAD_SOURCE, f"SOURCE '{source}' is neither a model folder nor 'package.module:factory'; {usage}")
+        raise ExportError(
+            BAD_SOURCE, f"SOURCE '{source}' is neither a model folder nor 'package.module:factory'; {usage}"
+        )
     module_name, attr = source.split(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: factories in the current folder are importable
@@ -113,7 +120,8 @@ def load_factory(source: str) -> torch.nn.Module:
         raise ExportError(BAD_SOURCE, f"SOURCE '{source}': '{module_name}' has no callable '{attr}'; {usage}")
     try:
         required = [
-            p.name for p in inspect.signature(factory).parameters.values()
+            p.name
+            for p in inspect.signature(factory).parameters.values()
             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         ]
     except (TypeError, ValueError):  # no introspectable signature (some builtins): just call it
@@ -143,8 +151,9 @@ def run_on_sample(module: torch.nn.Module, sample_args: tuple, source: str):
         with torch.no_grad():
             return module.eval()(*sample_args)
     except Exception as exc:
-        given = " ".join(f"--input {'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}"
-                         for t in sample_args)
+        given = " ".join(
+            f"--input {'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}" for t in sample_args
+        )
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ExportError(
             BAD_INPUT_SPEC,
@@ -232,9 +241,11 @@ def inspect_checkpoint(source: str, staging_dir: str) -> Checkpoint:
     if _routes_through_experts_kernels(loaded) and config.get("experts_implementation") != EXPORT_EXPERTS:
         config["experts_implementation"] = EXPORT_EXPERTS
         path = _stage(root, staging_dir, config)
-        notes.append(f"mixture of experts: exported with transformers' {EXPORT_EXPERTS} experts forward (its default "
-                     "counts tokens per expert with aten.histc, which has no LiteRT lowering); the same experts, "
-                     "weights and routing")
+        notes.append(
+            f"mixture of experts: exported with transformers' {EXPORT_EXPERTS} experts forward (its default "
+            "counts tokens per expert with aten.histc, which has no LiteRT lowering); the same experts, "
+            "weights and routing"
+        )
     return Checkpoint(path=path, source=str(root), model_type=model_type, notes=notes)
 
 

@@ -112,7 +112,7 @@ def verify_causal_lm(
     tokens, lite_logits = lm.greedy(prompt_ids, steps)
     with torch.no_grad():
         ids = torch.tensor([prompt_ids + tokens[:-1]])
-        ref = model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float().numpy()  # (steps, vocab)
+        ref = model(input_ids=ids).logits[0, len(prompt_ids) - 1 :].float().numpy()  # (steps, vocab)
     max_abs, rel = _errors(lite_logits, ref)
     agree = ref.argmax(-1) == np.asarray(tokens)
     agreed_steps = int(np.argmin(agree)) if not agree.all() else steps

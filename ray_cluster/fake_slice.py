@@ -48,9 +48,17 @@ from .ray_nodes import (
 STATE_ENV = "RL_TPU_CLUSTER_STATE"
 DEFAULT_STATE_FILE = Path.home() / ".cache" / "rl-tpu" / "fake-cluster.json"
 # Ray variables a user's shell may carry that would point our nodes at another cluster.
-_SCRUB_ENV = ("RAY_ADDRESS", "RAY_NAMESPACE", "RAY_JOB_ID", "TPU_VISIBLE_CHIPS",
-              "TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_TOPOLOGY",
-              "TPU_WORKER_HOSTNAMES")
+_SCRUB_ENV = (
+    "RAY_ADDRESS",
+    "RAY_NAMESPACE",
+    "RAY_JOB_ID",
+    "TPU_VISIBLE_CHIPS",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_NAME",
+    "TPU_WORKER_ID",
+    "TPU_TOPOLOGY",
+    "TPU_WORKER_HOSTNAMES",
+)
 
 
 def default_state_file() -> Path:
@@ -89,8 +97,10 @@ class FakeCluster:
                 f"`rl-tpu cluster up --fake-slice v6e-16` (or pass the --state-file it used)"
             ) from None
         except (ValueError, TypeError, KeyError) as e:
-            raise ClusterError(f"fake cluster state file {path} is unreadable ({e}); "
-                               f"delete it after checking no cluster of yours is running") from None
+            raise ClusterError(
+                f"fake cluster state file {path} is unreadable ({e}); "
+                f"delete it after checking no cluster of yours is running"
+            ) from None
 
     @property
     def env(self) -> dict[str, str]:
@@ -191,36 +201,70 @@ def start(
     bindir = str(Path(sys.executable).parent)
     base_env["PATH"] = bindir + os.pathsep + base_env.get("PATH", "")
     cluster = FakeCluster(
-        address=gcs, dashboard_url=f"http://127.0.0.1:{dash_port}", temp_dir=temp_dir, marker=marker,
-        slices=[{"name": n, "accelerator_type": s.accelerator_type, "topology": s.topology,
-                 "hosts": s.hosts, "chips_per_host": s.chips_per_host} for n, s in zip(names, specs)],
-        nodes=[], started_at=time.time(),
+        address=gcs,
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        temp_dir=temp_dir,
+        marker=marker,
+        slices=[
+            {
+                "name": n,
+                "accelerator_type": s.accelerator_type,
+                "topology": s.topology,
+                "hosts": s.hosts,
+                "chips_per_host": s.chips_per_host,
+            }
+            for n, s in zip(names, specs)
+        ],
+        nodes=[],
+        started_at=time.time(),
     )
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     store = object_store_mb * 1024 * 1024
 
     def head_cmd(ports, attempt):
-        return node_command(ports, head=True, gcs=gcs, temp_dir=temp_dir, num_cpus=head_cpus,
-                            resources={}, object_store_bytes=store, dashboard_port=dash_port)
+        return node_command(
+            ports,
+            head=True,
+            gcs=gcs,
+            temp_dir=temp_dir,
+            num_cpus=head_cpus,
+            resources={},
+            object_store_bytes=store,
+            dashboard_port=dash_port,
+        )
 
     launches = []
     for name, spec in zip(names, specs):
         for w in range(spec.hosts):
+
             def cmd(ports, attempt, n=len(launches) + 1, spec=spec):
-                return node_command(ports, head=False, gcs=gcs, temp_dir=f"{temp_dir}/n{n}-{attempt}",
-                                    num_cpus=cpus_per_host or CPUS_PER_CHIP * spec.chips_per_host,
-                                    resources={"TPU": spec.chips_per_host},
-                                    object_store_bytes=store)
+                return node_command(
+                    ports,
+                    head=False,
+                    gcs=gcs,
+                    temp_dir=f"{temp_dir}/n{n}-{attempt}",
+                    num_cpus=cpus_per_host or CPUS_PER_CHIP * spec.chips_per_host,
+                    resources={"TPU": spec.chips_per_host},
+                    object_store_bytes=store,
+                )
+
             env = dict(base_env, **host_env(spec, w, name, ["127.0.0.1"] * spec.hosts))
-            launches.append(NodeLaunch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}",
-                                       host_resources(spec, w, name)))
+            launches.append(
+                NodeLaunch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}", host_resources(spec, w, name))
+            )
     try:
+
         def save():
             cluster.save(state_file)
 
-        start_nodes([NodeLaunch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
-                    cluster.nodes, save, deadline, parallel=1)
+        start_nodes(
+            [NodeLaunch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
+            cluster.nodes,
+            save,
+            deadline,
+            parallel=1,
+        )
         start_nodes(launches, cluster.nodes, save, deadline, parallel=max_parallel)
         _wait_ready(cluster, deadline)
     except BaseException:
@@ -254,8 +298,9 @@ def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
     raise ClusterError(f"fake cluster not ready in time ({last}); node logs are in {cluster.temp_dir}")
 
 
-def stop(state_file: Path | None = None, cluster: FakeCluster | None = None,
-         grace_s: float = 10.0, remove_temp: bool = True) -> list[int]:
+def stop(
+    state_file: Path | None = None, cluster: FakeCluster | None = None, grace_s: float = 10.0, remove_temp: bool = True
+) -> list[int]:
     """Stop exactly the processes a fake cluster started, then delete its state file.
 
     The recorded ``ray start`` pids (checked against their start times), their descendants and
@@ -310,6 +355,12 @@ def status(state_file: Path | None = None) -> dict:
             ]
         except Exception:
             nodes = None
-    return {"address": cluster.address, "dashboard_url": cluster.dashboard_url,
-            "slices": cluster.slices, "temp_dir": cluster.temp_dir, "ready_s": cluster.ready_s,
-            "processes": procs, "nodes": nodes}
+    return {
+        "address": cluster.address,
+        "dashboard_url": cluster.dashboard_url,
+        "slices": cluster.slices,
+        "temp_dir": cluster.temp_dir,
+        "ready_s": cluster.ready_s,
+        "processes": procs,
+        "nodes": nodes,
+    }

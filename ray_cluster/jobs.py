@@ -144,8 +144,7 @@ class Jobs:
         ClusterError: nothing answers at the address, or it wants a token.
     """
 
-    def __init__(self, address: str | None = None, auth_mode: str | None = None,
-                 state_file: str | Path | None = None):
+    def __init__(self, address: str | None = None, auth_mode: str | None = None, state_file: str | Path | None = None):
         from ray.job_submission import JobSubmissionClient
 
         self.auth_mode = set_auth_mode(auth_mode)
@@ -187,8 +186,11 @@ class Jobs:
         cmd = resolve_entrypoint(entrypoint, self.address)
         try:
             return self.client.submit_job(
-                entrypoint=cmd, runtime_env=runtime_env, submission_id=submission_id,
-                entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_resources=entrypoint_resources,
+                entrypoint=cmd,
+                runtime_env=runtime_env,
+                submission_id=submission_id,
+                entrypoint_num_cpus=entrypoint_num_cpus,
+                entrypoint_resources=entrypoint_resources,
                 metadata=metadata,
             )
         except RuntimeError as e:
@@ -204,13 +206,25 @@ class Jobs:
             info = self.client.get_job_info(job_id)
             logs = self.client.get_job_logs(job_id)
         except RuntimeError as e:
-            raise ClusterError(f"no job {job_id!r} at {self.address} ({str(e).splitlines()[0][:200]}); "
-                               f"list jobs with `ray job list --address {self.address}`") from None
-        return JobResult(job_id=job_id, status=str(info.status.value if hasattr(info.status, "value") else info.status),
-                         message=info.message or "", logs=logs)
+            raise ClusterError(
+                f"no job {job_id!r} at {self.address} ({str(e).splitlines()[0][:200]}); "
+                f"list jobs with `ray job list --address {self.address}`"
+            ) from None
+        return JobResult(
+            job_id=job_id,
+            status=str(info.status.value if hasattr(info.status, "value") else info.status),
+            message=info.message or "",
+            logs=logs,
+        )
 
-    def wait(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 0.2,
-             on_log: Callable[[str], None] | None = None, until: Sequence[str] = TERMINAL) -> JobResult:
+    def wait(
+        self,
+        job_id: str,
+        timeout_s: float = 600.0,
+        poll_s: float = 0.2,
+        on_log: Callable[[str], None] | None = None,
+        until: Sequence[str] = TERMINAL,
+    ) -> JobResult:
         """Poll until the job reaches a status in ``until`` (default: it ended) or ``timeout_s``
         passes, passing new log text to ``on_log``.
 
@@ -239,4 +253,6 @@ class Jobs:
         try:
             return self.client.stop_job(job_id)
         except RuntimeError as e:
-            raise ClusterError(f"cannot stop job {job_id!r} at {self.address}: {str(e).splitlines()[0][:200]}") from None
+            raise ClusterError(
+                f"cannot stop job {job_id!r} at {self.address}: {str(e).splitlines()[0][:200]}"
+            ) from None

@@ -45,9 +45,23 @@ DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
 CRD_DIR_ENV = "RL_TPU_KUBERAY_CRDS"
 _CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 # Kubernetes ObjectMeta fields a user writes (the CRD leaves metadata as a bare object).
-_OBJECT_META = {"name", "namespace", "labels", "annotations", "generateName", "finalizers",
-                "ownerReferences", "uid", "resourceVersion", "generation", "creationTimestamp",
-                "deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink"}
+_OBJECT_META = {
+    "name",
+    "namespace",
+    "labels",
+    "annotations",
+    "generateName",
+    "finalizers",
+    "ownerReferences",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "selfLink",
+}
 
 
 def _container(name: str, image: str, resources: dict, env: dict[str, str] | None = None) -> dict:
@@ -57,8 +71,16 @@ def _container(name: str, image: str, resources: dict, env: dict[str, str] | Non
     return c
 
 
-def worker_group(spec: SliceTopology, *, name: str, image: str = DEFAULT_IMAGE, replicas: int = 1,
-                 cpu: str = "8", memory: str = "32Gi", env: dict[str, str] | None = None) -> dict:
+def worker_group(
+    spec: SliceTopology,
+    *,
+    name: str,
+    image: str = DEFAULT_IMAGE,
+    replicas: int = 1,
+    cpu: str = "8",
+    memory: str = "32Gi",
+    env: dict[str, str] | None = None,
+) -> dict:
     """One RayCluster worker group = ``replicas`` slices of ``spec`` (``numOfHosts`` pods each)."""
     return {
         "groupName": name,
@@ -69,8 +91,14 @@ def worker_group(spec: SliceTopology, *, name: str, image: str = DEFAULT_IMAGE, 
         "rayStartParams": {},
         "template": {
             "spec": {
-                "containers": [_container("ray-worker", image, {
-                    "cpu": cpu, "memory": memory, "google.com/tpu": str(spec.chips_per_host)}, env)],
+                "containers": [
+                    _container(
+                        "ray-worker",
+                        image,
+                        {"cpu": cpu, "memory": memory, "google.com/tpu": str(spec.chips_per_host)},
+                        env,
+                    )
+                ],
                 "nodeSelector": {
                     "cloud.google.com/gke-tpu-accelerator": GKE_TPU_ACCELERATOR[spec.generation],
                     "cloud.google.com/gke-tpu-topology": spec.topology,
@@ -80,9 +108,16 @@ def worker_group(spec: SliceTopology, *, name: str, image: str = DEFAULT_IMAGE, 
     }
 
 
-def ray_cluster_spec(slices: Sequence[str | SliceTopology], *, image: str = DEFAULT_IMAGE,
-                     head_cpu: str = "4", head_memory: str = "16Gi", worker_cpu: str = "8",
-                     worker_memory: str = "32Gi", env: dict[str, str] | None = None) -> dict:
+def ray_cluster_spec(
+    slices: Sequence[str | SliceTopology],
+    *,
+    image: str = DEFAULT_IMAGE,
+    head_cpu: str = "4",
+    head_memory: str = "16Gi",
+    worker_cpu: str = "8",
+    worker_memory: str = "32Gi",
+    env: dict[str, str] | None = None,
+) -> dict:
     """The ``spec`` of a RayCluster: a CPU head plus one worker group per entry of ``slices``
     (``"v6e-16"`` or ``"v6e-16:4x4"``; two entries = separate rollout and trainer slices).
 
@@ -93,17 +128,30 @@ def ray_cluster_spec(slices: Sequence[str | SliceTopology], *, image: str = DEFA
     if not specs:
         raise ClusterError("no slice given: name at least one, e.g. --slice v6e-16")
     # No RAY_AUTH_MODE here: on KubeRay, token auth is the operator's (spec.authOptions).
-    groups = [worker_group(s, name=f"tpu-{s.accelerator_type}-{i}", image=image, cpu=worker_cpu,
-                           memory=worker_memory, env=env) for i, s in enumerate(specs)]
+    groups = [
+        worker_group(
+            s, name=f"tpu-{s.accelerator_type}-{i}", image=image, cpu=worker_cpu, memory=worker_memory, env=env
+        )
+        for i, s in enumerate(specs)
+    ]
     return {
         "rayVersion": "2.60.0",
         "headGroupSpec": {
             "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-            "template": {"spec": {"containers": [_container(
-                "ray-head", image, {"cpu": head_cpu, "memory": head_memory}, env) | {
-                "ports": [{"containerPort": 6379, "name": "gcs"},
-                          {"containerPort": 8265, "name": "dashboard"},
-                          {"containerPort": 10001, "name": "client"}]}]}},
+            "template": {
+                "spec": {
+                    "containers": [
+                        _container("ray-head", image, {"cpu": head_cpu, "memory": head_memory}, env)
+                        | {
+                            "ports": [
+                                {"containerPort": 6379, "name": "gcs"},
+                                {"containerPort": 8265, "name": "dashboard"},
+                                {"containerPort": 10001, "name": "client"},
+                            ]
+                        }
+                    ]
+                }
+            },
         },
         "workerGroupSpecs": groups,
     }
@@ -115,24 +163,44 @@ def _split(text: str) -> tuple[str, str | None]:
 
 
 def _k8s_name(name: str) -> str:
-    ok = name and len(name) <= 63 and name.replace("-", "a").isalnum() and name == name.lower() \
-        and name[0].isalnum() and name[-1].isalnum()
+    ok = (
+        name
+        and len(name) <= 63
+        and name.replace("-", "a").isalnum()
+        and name == name.lower()
+        and name[0].isalnum()
+        and name[-1].isalnum()
+    )
     if not ok:
-        raise ClusterError(f"name {name!r} is not a Kubernetes name: use lowercase letters, digits and "
-                           f"'-', start and end with a letter or digit, at most 63 characters")
+        raise ClusterError(
+            f"name {name!r} is not a Kubernetes name: use lowercase letters, digits and "
+            f"'-', start and end with a letter or digit, at most 63 characters"
+        )
     return name
 
 
-def ray_cluster_manifest(name: str, slices: Sequence[str | SliceTopology], *, namespace: str | None = None,
-                         **kwargs: Any) -> dict:
+def ray_cluster_manifest(
+    name: str, slices: Sequence[str | SliceTopology], *, namespace: str | None = None, **kwargs: Any
+) -> dict:
     """A complete ``ray.io/v1`` RayCluster manifest (see :func:`ray_cluster_spec` for kwargs)."""
     meta = {"name": _k8s_name(name)} | ({"namespace": namespace} if namespace else {})
-    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta,
-            "spec": ray_cluster_spec(slices, **kwargs)}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": meta,
+        "spec": ray_cluster_spec(slices, **kwargs),
+    }
 
 
-def ray_job_manifest(name: str, slices: Sequence[str | SliceTopology], train_args: Sequence[str] = (),
-                     *, namespace: str | None = None, ttl_s: int = 600, **kwargs: Any) -> dict:
+def ray_job_manifest(
+    name: str,
+    slices: Sequence[str | SliceTopology],
+    train_args: Sequence[str] = (),
+    *,
+    namespace: str | None = None,
+    ttl_s: int = 600,
+    **kwargs: Any,
+) -> dict:
     """A ``ray.io/v1`` RayJob running ``verl train --backend tpu <train_args>`` on a new cluster
     of ``slices`` that is deleted ``ttl_s`` seconds after the job ends."""
     meta = {"name": _k8s_name(name)} | ({"namespace": namespace} if namespace else {})
@@ -158,8 +226,9 @@ def crd_dir() -> Path:
     for cand in (here / "crds", here.parent.parent / "shared" / "kuberay"):
         if cand.is_dir():
             return cand
-    raise ClusterError(f"KubeRay CRD schemas not found; set {CRD_DIR_ENV} to the folder holding "
-                       f"{', '.join(_CRD_FILES.values())}")
+    raise ClusterError(
+        f"KubeRay CRD schemas not found; set {CRD_DIR_ENV} to the folder holding {', '.join(_CRD_FILES.values())}"
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -221,8 +290,9 @@ def load_manifests(path: str | Path) -> list[dict]:
     except OSError as e:
         raise ClusterError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise ClusterError(f"{path} is not a text file: pass a YAML manifest, e.g. one from "
-                           "rl-tpu kuberay job -o FILE") from None
+        raise ClusterError(
+            f"{path} is not a text file: pass a YAML manifest, e.g. one from rl-tpu kuberay job -o FILE"
+        ) from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
@@ -232,16 +302,21 @@ def load_manifests(path: str | Path) -> list[dict]:
         ctx, ctx_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
         if ctx and ctx_mark and ctx_mark is not mark:  # e.g. the unclosed "[" that the error is about
             problem += f" ({ctx} started at line {ctx_mark.line + 1}, column {ctx_mark.column + 1})"
-        raise ClusterError(f"{path} is not valid YAML{where}: {problem}; fix the YAML there "
-                           "(brackets, quotes, indentation)") from None
+        raise ClusterError(
+            f"{path} is not valid YAML{where}: {problem}; fix the YAML there (brackets, quotes, indentation)"
+        ) from None
     if not docs:
-        raise ClusterError(f"{path} holds no YAML document: pass a RayCluster or RayJob manifest, e.g. one "
-                           "from rl-tpu kuberay job -o FILE")
+        raise ClusterError(
+            f"{path} holds no YAML document: pass a RayCluster or RayJob manifest, e.g. one "
+            "from rl-tpu kuberay job -o FILE"
+        )
     for i, d in enumerate(docs):
         if not isinstance(d, dict):
             which = f"document {i + 1} of {path}" if len(docs) > 1 else path
-            raise ClusterError(f"{which} is a YAML {type(d).__name__} at the top level, not a mapping: a "
-                               "manifest starts with apiVersion: ray.io/v1 and kind: RayCluster or RayJob")
+            raise ClusterError(
+                f"{which} is a YAML {type(d).__name__} at the top level, not a mapping: a "
+                "manifest starts with apiVersion: ray.io/v1 and kind: RayCluster or RayJob"
+            )
     return docs
 
 
@@ -255,19 +330,24 @@ def validate(manifest: dict, crd_directory: str | Path | None = None) -> None:
     import jsonschema
 
     if not isinstance(manifest, dict):
-        raise ClusterError(f"a manifest is a mapping (apiVersion, kind, metadata, spec), not a "
-                           f"{type(manifest).__name__}")
+        raise ClusterError(
+            f"a manifest is a mapping (apiVersion, kind, metadata, spec), not a {type(manifest).__name__}"
+        )
     kind = manifest.get("kind")
     if manifest.get("apiVersion") != "ray.io/v1":
-        raise ClusterError(f"apiVersion {manifest.get('apiVersion')!r} is not ray.io/v1; generate it with rl-tpu kuberay")
+        raise ClusterError(
+            f"apiVersion {manifest.get('apiVersion')!r} is not ray.io/v1; generate it with rl-tpu kuberay"
+        )
     schema = crd_schema(str(kind), str(crd_directory) if crd_directory else None)
     validator = jsonschema.Draft4Validator(schema)
     errors = sorted(validator.iter_errors(manifest), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
         where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise ClusterError(f"{kind} manifest invalid at {where}: {e.message[:300]} "
-                           f"({len(errors)} schema error{'s' if len(errors) > 1 else ''})")
+        raise ClusterError(
+            f"{kind} manifest invalid at {where}: {e.message[:300]} "
+            f"({len(errors)} schema error{'s' if len(errors) > 1 else ''})"
+        )
     unknown = unknown_fields(manifest, schema)
     if unknown:
         raise ClusterError(f"{kind} manifest has fields the KubeRay CRD does not know: {'; '.join(unknown)}")

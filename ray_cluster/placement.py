@@ -139,8 +139,10 @@ class SlicePlacement:
         """
         n = check_chip_request(chips, self.spec)
         if not 0 <= bundle_index < self.num_bundles:
-            raise ClusterError(f"bundle index {bundle_index} outside slice {self.spec.accelerator_type} "
-                               f"(0..{self.num_bundles - 1}, one per host)")
+            raise ClusterError(
+                f"bundle index {bundle_index} outside slice {self.spec.accelerator_type} "
+                f"(0..{self.num_bundles - 1}, one per host)"
+            )
         used = self._used.get(bundle_index, 0)
         if used + n > self.spec.chips_per_host:
             raise ClusterError(
@@ -195,11 +197,18 @@ def _slice_placement_group(spec: SliceTopology, timeout_s: float, **kwargs):
     from ray.util.tpu import SlicePlacementGroup
 
     try:
-        return SlicePlacementGroup(topology=spec.topology, accelerator_version=spec.generation,
-                                   chips_per_vm=spec.chips_per_host, head_reservation_timeout_s=timeout_s, **kwargs)
+        return SlicePlacementGroup(
+            topology=spec.topology,
+            accelerator_version=spec.generation,
+            chips_per_vm=spec.chips_per_host,
+            head_reservation_timeout_s=timeout_s,
+            **kwargs,
+        )
     except ValueError as e:
-        raise ClusterError(f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
-                           f"use one of its standard shapes") from None
+        raise ClusterError(
+            f"Ray {ray.__version__} cannot place {spec.accelerator_type} {spec.topology}: {e}; "
+            f"use one of its standard shapes"
+        ) from None
     except TimeoutError:
         raise ClusterError(
             f"no free {spec.accelerator_type} slice within {timeout_s:.0f} s: every one in the "
@@ -249,14 +258,20 @@ def reserve_slice_workers(
     if cpus_per_worker < 0:
         raise ClusterError(f"cpus_per_worker {cpus_per_worker} is negative; use 0 or more")
     check_cluster_has(spec, 1)
-    selectors = [{POD_TYPE_LABEL: spec.pod_type, WORKER_ID_LABEL: str(b // per_host)}
-                 for b in range(spec.hosts * per_host)]
+    selectors = [
+        {POD_TYPE_LABEL: spec.pod_type, WORKER_ID_LABEL: str(b // per_host)} for b in range(spec.hosts * per_host)
+    ]
     start = time.monotonic()
     handle = _slice_placement_group(
-        spec, timeout_s, resources_per_bundle={"TPU": n, "CPU": cpus_per_worker},
+        spec,
+        timeout_s,
+        resources_per_bundle={"TPU": n, "CPU": cpus_per_worker},
         # Single-host slices get no slice-name pin from Ray: STRICT_PACK keeps their bundles on
         # one host. Multi-host bundles are pinned by slice name + worker id already.
-        strategy="STRICT_PACK" if spec.hosts == 1 else "PACK", name=name, bundle_label_selector=selectors)
+        strategy="STRICT_PACK" if spec.hosts == 1 else "PACK",
+        name=name,
+        bundle_label_selector=selectors,
+    )
     placement = SliceWorkers(spec=spec, handle=handle, cpus_per_bundle=cpus_per_worker, chips_per_worker=n)
     placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))
     return placement
@@ -284,14 +299,18 @@ class SliceWorkers(SlicePlacement):
         """``.options(**...)`` for worker ``bundle_index`` (its bundle's chips, or ``chips`` of them)."""
         n = self.chips_per_worker if chips is None else check_chip_request(chips, self.spec)
         if not 0 <= bundle_index < self.num_bundles or n > self.chips_per_worker:
-            raise ClusterError(f"worker {bundle_index} with {n} chips does not fit slice {self.spec.accelerator_type} "
-                               f"reserved as {self.num_bundles} workers x {self.chips_per_worker} chips")
+            raise ClusterError(
+                f"worker {bundle_index} with {n} chips does not fit slice {self.spec.accelerator_type} "
+                f"reserved as {self.num_bundles} workers x {self.chips_per_worker} chips"
+            )
         return {
             "num_cpus": num_cpus,
             "resources": {"TPU": n},
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=bundle_index,
-                placement_group_capture_child_tasks=True),
+                placement_group=self.placement_group,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True,
+            ),
         }
 
 
@@ -330,10 +349,14 @@ def reserve_slice(
     check_cluster_has(spec, _count)
     start = time.monotonic()
     handle = _slice_placement_group(
-        spec, timeout_s, resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host}, name=name,
+        spec,
+        timeout_s,
+        resources_per_bundle={"TPU": spec.chips_per_host, "CPU": cpus_per_host},
+        name=name,
         # Single-host slices get no slice-name pin from Ray; pin them to the pod type so
         # a v6e-8 request never lands on, say, a v4-8 host with as many chips.
-        bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts)
+        bundle_label_selector=[{POD_TYPE_LABEL: spec.pod_type}] * spec.hosts,
+    )
     placement = SlicePlacement(spec=spec, handle=handle, cpus_per_bundle=cpus_per_host)
     if wait:
         placement.ready(max(1.0, timeout_s - (time.monotonic() - start)))

@@ -65,8 +65,13 @@ def place_pools(layout: PoolLayout, timeout_s: float = 60.0) -> dict[str, SliceP
     for spec in specs.values():
         check_chip_request(layout.chips_per_worker, spec)
     if layout.colocate:
-        p = reserve_slice(specs["trainer"].accelerator_type, specs["trainer"].topology,
-                          cpus_per_host=layout.cpus_per_host, name="rl-tpu-colocated", timeout_s=timeout_s)
+        p = reserve_slice(
+            specs["trainer"].accelerator_type,
+            specs["trainer"].topology,
+            cpus_per_host=layout.cpus_per_host,
+            name="rl-tpu-colocated",
+            timeout_s=timeout_s,
+        )
         return {"trainer": p, "rollout": p}
     same = specs["trainer"].pod_type == specs["rollout"].pod_type
     check_cluster_has(specs["trainer"], 2 if same else 1)
@@ -75,8 +80,14 @@ def place_pools(layout: PoolLayout, timeout_s: float = 60.0) -> dict[str, SliceP
     try:
         for pool in ("trainer", "rollout"):
             s = specs[pool]
-            out[pool] = reserve_slice(s.accelerator_type, s.topology, cpus_per_host=layout.cpus_per_host,
-                                      name=f"rl-tpu-{pool}", timeout_s=timeout_s, _count=2 if same else 1)
+            out[pool] = reserve_slice(
+                s.accelerator_type,
+                s.topology,
+                cpus_per_host=layout.cpus_per_host,
+                name=f"rl-tpu-{pool}",
+                timeout_s=timeout_s,
+                _count=2 if same else 1,
+            )
     except BaseException:
         for p in out.values():
             p.shutdown()

@@ -75,26 +75,65 @@ def tagged_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
-def node_command(ports: dict[str, int], *, head: bool, gcs: str, temp_dir: str, num_cpus: int,
-                  resources: dict[str, float], object_store_bytes: int,
-                  dashboard_port: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-           "--node-ip-address", "127.0.0.1",
-           "--num-cpus", str(num_cpus), "--num-gpus", "0",
-           "--resources", json.dumps(resources),
-           "--object-store-memory", str(object_store_bytes),
-           "--node-manager-port", str(ports["node_manager"]),
-           "--object-manager-port", str(ports["object_manager"]),
-           "--metrics-export-port", str(ports["metrics"]),
-           "--dashboard-agent-listen-port", str(ports["agent_http"]),
-           "--dashboard-agent-grpc-port", str(ports["agent_grpc"]),
-           "--runtime-env-agent-port", str(ports["runtime_env"]),
-           "--disable-usage-stats", "--log-style", "record"]
+def node_command(
+    ports: dict[str, int],
+    *,
+    head: bool,
+    gcs: str,
+    temp_dir: str,
+    num_cpus: int,
+    resources: dict[str, float],
+    object_store_bytes: int,
+    dashboard_port: int | None = None,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        str(num_cpus),
+        "--num-gpus",
+        "0",
+        "--resources",
+        json.dumps(resources),
+        "--object-store-memory",
+        str(object_store_bytes),
+        "--node-manager-port",
+        str(ports["node_manager"]),
+        "--object-manager-port",
+        str(ports["object_manager"]),
+        "--metrics-export-port",
+        str(ports["metrics"]),
+        "--dashboard-agent-listen-port",
+        str(ports["agent_http"]),
+        "--dashboard-agent-grpc-port",
+        str(ports["agent_grpc"]),
+        "--runtime-env-agent-port",
+        str(ports["runtime_env"]),
+        "--disable-usage-stats",
+        "--log-style",
+        "record",
+    ]
     if head:
-        cmd += ["--head", "--port", gcs.rsplit(":", 1)[1], "--temp-dir", temp_dir,
-                "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                "--dashboard-port", str(dashboard_port),
-                "--ray-client-server-port", str(ports["client"])]
+        cmd += [
+            "--head",
+            "--port",
+            gcs.rsplit(":", 1)[1],
+            "--temp-dir",
+            temp_dir,
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard_port),
+            "--ray-client-server-port",
+            str(ports["client"]),
+        ]
     else:
         # A temp dir per node: nodes sharing one pick socket names by a racy "does it exist"
         # check, and two raylets starting together then collide ("bind: Address already in use").
@@ -102,13 +141,14 @@ def node_command(ports: dict[str, int], *, head: bool, gcs: str, temp_dir: str, 
     return cmd
 
 
-def spawn(cmd: list[str], env: dict[str, str], log: Path, role: str,
-           resources: dict[str, float]) -> NodeRecord:
+def spawn(cmd: list[str], env: dict[str, str], log: Path, role: str, resources: dict[str, float]) -> NodeRecord:
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    return NodeRecord(role=role, pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
-                      log=str(log), resources=resources)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    return NodeRecord(
+        role=role, pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), log=str(log), resources=resources
+    )
 
 
 def tail(path: str, n: int = 5) -> str:
@@ -135,8 +175,14 @@ PORT_KEYS = ("node_manager", "object_manager", "metrics", "agent_http", "agent_g
 _STARTED = "Ray runtime started."
 
 
-def start_nodes(launches: list[NodeLaunch], records: list[NodeRecord], on_change: Callable[[], None],
-                deadline: float, parallel: int, attempts: int = 3) -> None:
+def start_nodes(
+    launches: list[NodeLaunch],
+    records: list[NodeRecord],
+    on_change: Callable[[], None],
+    deadline: float,
+    parallel: int,
+    attempts: int = 3,
+) -> None:
     """Start ``launches`` at most ``parallel`` at a time; retry a node that dies while starting.
 
     Every process started is appended to ``records`` (a failed attempt is removed again) and
@@ -165,12 +211,15 @@ def start_nodes(launches: list[NodeLaunch], records: list[NodeRecord], on_change
                 records.remove(rec)
                 job.attempt += 1
                 if job.attempt >= attempts:
-                    raise ClusterError(f"Ray node {job.role} failed to start {attempts} times; "
-                                       f"last log {rec.log}: {tail(rec.log)}")
+                    raise ClusterError(
+                        f"Ray node {job.role} failed to start {attempts} times; last log {rec.log}: {tail(rec.log)}"
+                    )
                 pending.insert(0, job)
         if time.monotonic() > deadline:
-            raise ClusterError(f"Ray nodes {[j.role for j, _ in running]} not started in time; "
-                               f"logs beside {running[0][1].log if running else 'the head log'}")
+            raise ClusterError(
+                f"Ray nodes {[j.role for j, _ in running]} not started in time; "
+                f"logs beside {running[0][1].log if running else 'the head log'}"
+            )
         time.sleep(0.3)
     on_change()
 

@@ -56,18 +56,20 @@ def weight_mismatch(where: str, name: str, dst: torch.Tensor | None, src: torch.
     starting with ``where``, or ``None`` when it can (``dst is None``: the receiver has no tensor of that name;
     ``example`` is one of its names)."""
     if dst is None:
-        return (f"{where}: the model has no tensor named {name!r}; send the receiving model's state_dict names "
-                f"(e.g. {example!r})")
+        return (
+            f"{where}: the model has no tensor named {name!r}; send the receiving model's state_dict names "
+            f"(e.g. {example!r})"
+        )
     if tuple(dst.shape) != tuple(src.shape):
-        return (f"{where}: {name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}; send weights "
-                "of the same architecture")
+        return (
+            f"{where}: {name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}; send weights "
+            "of the same architecture"
+        )
     return None
 
 
 # ------------------------------------------------------------------------------------------ process groups
-def init_process_group_from_env(
-    backend: DeviceBackend | str, timeout_s: float = 1800
-) -> tuple[int, int]:
+def init_process_group_from_env(backend: DeviceBackend | str, timeout_s: float = 1800) -> tuple[int, int]:
     """Join (or reuse) the default process group described by the environment; return ``(rank, world_size)``.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, as torchrun sets them and as VeRL's Ray
@@ -105,7 +107,10 @@ def init_process_group_from_env(
         import torch_tpu  # noqa: F401  # registers the tpu_dist backend when autoload is off
 
     dist.init_process_group(
-        backend=b.dist_backend, init_method="env://", rank=rank, world_size=world,
+        backend=b.dist_backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
     return rank, world
@@ -167,8 +172,9 @@ def pack_bucket(
     bucket = list(bucket)
     metas, total = bucket_layout(bucket)
     if out is not None and (out.dtype != torch.uint8 or out.numel() < total):
-        raise CollectiveError(f"pack_bucket out: need a uint8 tensor of >= {total} bytes, got {out.dtype} "
-                              f"{out.numel()}")
+        raise CollectiveError(
+            f"pack_bucket out: need a uint8 tensor of >= {total} bytes, got {out.dtype} {out.numel()}"
+        )
     device = bucket[0][1].device if bucket else torch.device("cpu")
     flat = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), m in zip(bucket, metas):

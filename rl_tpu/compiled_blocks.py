@@ -57,8 +57,8 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _signature(args, kwargs) -> tuple:
     leaves = torch_internals.tree_leaves((args, kwargs))
     return (torch.is_grad_enabled(),) + tuple(
-        (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
-        for x in leaves)
+        (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__ for x in leaves
+    )
 
 
 def _first_line(exc: Exception) -> str:
@@ -86,8 +86,14 @@ class CompiledBlocks:
         eager_reason: why some block inputs run eagerly (``None`` while every one ran compiled).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str, *, max_graphs: int = MAX_GRAPHS,
-                 say: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: str,
+        *,
+        max_graphs: int = MAX_GRAPHS,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.backend = backend
         self.max_graphs = max_graphs
         self.signatures: set[tuple] = set()
@@ -123,15 +129,21 @@ class CompiledBlocks:
                 return eager(*args, **kwargs)
             if sig not in self.signatures:
                 if len(self.signatures) >= self.max_graphs:
-                    self.fall_back(sig, f"more than {self.max_graphs} distinct block input shapes (the micro batches' "
-                                   "shape changes from call to call: pad them to one length)")
+                    self.fall_back(
+                        sig,
+                        f"more than {self.max_graphs} distinct block input shapes (the micro batches' "
+                        "shape changes from call to call: pad them to one length)",
+                    )
                     return eager(*args, **kwargs)
                 self.signatures.add(sig)
-                hidden = next((x for x in torch_internals.tree_leaves((args, kwargs))
-                               if isinstance(x, torch.Tensor)), None)
-                self._say(f"[rl-tpu] compiled trainer blocks: graph {len(self.signatures)} of at most "
-                          f"{self.max_graphs} ({'update' if sig[0] else 'no-grad forward'}, block input "
-                          f"{tuple(hidden.shape) if hidden is not None else ()}, backend {self.backend})")
+                hidden = next(
+                    (x for x in torch_internals.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None
+                )
+                self._say(
+                    f"[rl-tpu] compiled trainer blocks: graph {len(self.signatures)} of at most "
+                    f"{self.max_graphs} ({'update' if sig[0] else 'no-grad forward'}, block input "
+                    f"{tuple(hidden.shape) if hidden is not None else ()}, backend {self.backend})"
+                )
             try:
                 with torch_internals.recompile_limits(RECOMPILE_LIMIT):
                     return compiled(*args, **kwargs)
@@ -141,6 +153,7 @@ class CompiledBlocks:
                 self.signatures.discard(sig)
                 self.fall_back(sig, _first_line(exc))  # a graph break (fullgraph), a backend failure: nothing ran
                 return eager(*args, **kwargs)
+
         return forward
 
     def fall_back(self, sig: tuple, reason: str) -> None:
@@ -151,8 +164,10 @@ class CompiledBlocks:
         self._eager_signatures.add(sig)
         if self.eager_reason is None:
             self.eager_reason = reason
-            self._say(f"[rl-tpu] compiled trainer blocks: {self._name} runs eagerly for block inputs it cannot "
-                      f"compile ({reason})")
+            self._say(
+                f"[rl-tpu] compiled trainer blocks: {self._name} runs eagerly for block inputs it cannot "
+                f"compile ({reason})"
+            )
 
     @property
     def graphs(self) -> int:
@@ -196,8 +211,9 @@ def pad_to_bucket(model_inputs: dict, pad_token_id: int, smallest: int = MIN_BUC
     return model_inputs
 
 
-def refusal(remove_padding: bool, backend: str = "cpu",
-            key: str = "actor_rollout_ref.model.use_remove_padding") -> str | None:
+def refusal(
+    remove_padding: bool, backend: str = "cpu", key: str = "actor_rollout_ref.model.use_remove_padding"
+) -> str | None:
     """Why the trainer's blocks cannot be compiled with bounded graphs, or ``None``.
 
     Args:
@@ -206,9 +222,13 @@ def refusal(remove_padding: bool, backend: str = "cpu",
         key: the config key that sets packing, named in the message.
     """
     if backend not in ("cpu", "tpu"):
-        return (f"rl_tpu.compile_trainer applies to --backend cpu and tpu (rl-tpu's engine); on --backend {backend} "
-                "VeRL's own engine runs: use its actor_rollout_ref.actor.use_torch_compile instead")
+        return (
+            f"rl_tpu.compile_trainer applies to --backend cpu and tpu (rl-tpu's engine); on --backend {backend} "
+            "VeRL's own engine runs: use its actor_rollout_ref.actor.use_torch_compile instead"
+        )
     if remove_padding:
-        return (f"rl_tpu.compile_trainer needs padded micro batches of one shape, but {key}=true packs them into rows "
-                f"whose length changes every step (a compile per step): set {key}=false (the TPU profile's default)")
+        return (
+            f"rl_tpu.compile_trainer needs padded micro batches of one shape, but {key}=true packs them into rows "
+            f"whose length changes every step (a compile per step): set {key}=false (the TPU profile's default)"
+        )
     return None

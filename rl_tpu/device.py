@@ -33,7 +33,6 @@ __all__ = [
 ]
 
 
-
 class DeviceError(ValueError):
     """A device choice that cannot work here; the message is one line naming the input and the fix."""
 

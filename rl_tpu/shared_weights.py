@@ -36,7 +36,12 @@ import torch
 from rl_tpu.collectives import weight_mismatch
 
 __all__ = [
-    "SharedWeights", "SharedWeightsError", "SharedWeightsReader", "SharedWeightsWriter", "Slot", "shared_memory_supported",
+    "SharedWeights",
+    "SharedWeightsError",
+    "SharedWeightsReader",
+    "SharedWeightsWriter",
+    "Slot",
+    "shared_memory_supported",
 ]
 
 _ALIGN = 64  # bytes; slots start on cache-line boundaries (and satisfy every dtype's alignment)
@@ -68,7 +73,9 @@ def shared_memory_supported() -> bool:
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise SharedWeightsError(f"slot dtype {name!r} is not a torch dtype: the handle is corrupt; ask the owner again")
+        raise SharedWeightsError(
+            f"slot dtype {name!r} is not a torch dtype: the handle is corrupt; ask the owner again"
+        )
     return dtype
 
 
@@ -170,8 +177,9 @@ class SharedWeights:
                     "to the CPU or sync through the object store"
                 )
             nbytes = tensor.numel() * tensor.element_size()
-            slots.append(Slot(tuple(names), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
-                              nbytes))
+            slots.append(
+                Slot(tuple(names), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes)
+            )
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.slots: list[Slot] = slots
         self.nbytes = max(offset, _ALIGN)
@@ -192,8 +200,13 @@ class SharedWeights:
 
     def handle(self, node_id: str | None = None) -> dict:
         """What a writer needs to map the file: ``{"pid", "fd", "nbytes", "node_id", "slots"}`` (picklable)."""
-        return {"pid": os.getpid(), "fd": self.fd, "nbytes": self.nbytes, "node_id": node_id,
-                "slots": [tuple(s) for s in self.slots]}
+        return {
+            "pid": os.getpid(),
+            "fd": self.fd,
+            "nbytes": self.nbytes,
+            "node_id": node_id,
+            "slots": [tuple(s) for s in self.slots],
+        }
 
     def release(self) -> None:
         """Give the file's pages back to the OS; the weights read as zeros until every slot is written again."""
@@ -217,7 +230,6 @@ class SharedWeights:
             )
         self.resident = True
 
-
     @torch.no_grad()
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Make ``named_tensors`` what readers of the file see, copying only what is not already there.
@@ -239,7 +251,9 @@ class SharedWeights:
             problem = weight_mismatch("weight sync", name, view, tensor, next(iter(self._by_name)))
             if problem:
                 raise SharedWeightsError(problem)
-            same = tensor.data_ptr() == view.data_ptr() and tensor.dtype == view.dtype and tensor.stride() == view.stride()
+            same = (
+                tensor.data_ptr() == view.data_ptr() and tensor.dtype == view.dtype and tensor.stride() == view.stride()
+            )
             if not same:
                 view.copy_(tensor)
             if index not in seen:
@@ -264,8 +278,9 @@ class SharedWeights:
 
 def _map(handle: dict, writable: bool) -> tuple[list[Slot], mmap.mmap, list[torch.Tensor]]:
     slots = [Slot(tuple(s[0]), *s[1:]) for s in handle["slots"]]
-    fd = os.open(f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}", (os.O_RDWR if writable else os.O_RDONLY)
-                 | os.O_CLOEXEC)
+    fd = os.open(
+        f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+    )
     try:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(fd, int(handle["nbytes"]), mmap.MAP_SHARED, prot)
@@ -315,7 +330,9 @@ class SharedWeightsWriter:
 
     def __init__(self, handle: dict) -> None:
         self.slots, self._mm, views = _map(handle, writable=True)
-        self._by_name = {name: (i, view) for i, (slot, view) in enumerate(zip(self.slots, views)) for name in slot.names}
+        self._by_name = {
+            name: (i, view) for i, (slot, view) in enumerate(zip(self.slots, views)) for name in slot.names
+        }
 
     @torch.no_grad()
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:

@@ -23,8 +23,7 @@ __all__ = ["host_env", "host_resources"]
 def _check_worker(spec: SliceTopology, worker_id: int) -> None:
     if not isinstance(worker_id, int) or not 0 <= worker_id < spec.hosts:
         raise TopologyError(
-            f"worker id {worker_id!r} is outside {spec.accelerator_type} "
-            f"({spec.hosts} hosts): use 0..{spec.hosts - 1}"
+            f"worker id {worker_id!r} is outside {spec.accelerator_type} ({spec.hosts} hosts): use 0..{spec.hosts - 1}"
         )
 
 

@@ -109,8 +109,18 @@ _TOPOLOGIES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 # Published 3-D shapes below one 64-chip cube, then whole-cube shapes; the default
 # topology for a chip count is the first one of that size here.
 _TOPOLOGIES_3D_DEFAULT = (
-    "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
-    "8x8x16", "8x16x16", "16x16x16", "16x16x24",
+    "2x2x1",
+    "2x2x2",
+    "2x2x4",
+    "2x4x4",
+    "4x4x4",
+    "4x4x8",
+    "4x8x8",
+    "8x8x8",
+    "8x8x16",
+    "8x16x16",
+    "16x16x16",
+    "16x16x24",
 )
 # v7x publishes a fixed list (GKE TPU7x page; Ray 2.60 VALID_TPU_TOPOLOGY["v7x"]).
 _TOPOLOGIES_V7X = _TOPOLOGIES_3D_DEFAULT[:10]
@@ -263,8 +273,7 @@ def default_topology(accelerator_type: str) -> str:
     gen, n = _generation_of(accelerator_type)
     if n is None:
         raise TopologyError(
-            f"accelerator type {accelerator_type!r} has no size; write e.g. "
-            f"'{gen.type_name(16)}' or pass a topology"
+            f"accelerator type {accelerator_type!r} has no size; write e.g. '{gen.type_name(16)}' or pass a topology"
         )
     chips = _chips_from_size(gen, n, accelerator_type)
     order = _TOPOLOGIES_2D if gen.ndim == 2 else _TOPOLOGIES_3D_DEFAULT
@@ -365,11 +374,14 @@ def check_chip_request(chips: float, spec: SliceTopology | None = None) -> int:
     Raises:
         TopologyError: fractional, non-positive, not in (1, 2, 4, 8), or more than a host has.
     """
-    if isinstance(chips, bool) or not isinstance(chips, (int, float)) or chips != int(chips) \
-            or int(chips) not in VALID_CHIP_REQUESTS:
+    if (
+        isinstance(chips, bool)
+        or not isinstance(chips, (int, float))
+        or chips != int(chips)
+        or int(chips) not in VALID_CHIP_REQUESTS
+    ):
         raise TopologyError(
-            f"TPU request {chips!r} per actor is not a whole-chip count Ray accepts; "
-            f"use one of {VALID_CHIP_REQUESTS}"
+            f"TPU request {chips!r} per actor is not a whole-chip count Ray accepts; use one of {VALID_CHIP_REQUESTS}"
         )
     n = int(chips)
     if spec is not None and n > spec.chips_per_host:

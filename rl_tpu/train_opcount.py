@@ -54,7 +54,9 @@ class CountingBackend:
                 self.launches[name] += 1
                 with disable_current_modes():
                     return gm(*args)
+
             return boxed(launch)
+
         return compile_graph
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -65,11 +67,13 @@ def _modes_off(forward: Callable) -> Callable:
     def call(*args, **kwargs):
         with disable_current_modes():  # dynamo runs no frame under a dispatch mode
             return forward(*args, **kwargs)
+
     return call
 
 
-def micro_batch_ops(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], *,
-                    compiled: bool = False) -> Counter[str]:
+def micro_batch_ops(
+    model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], *, compiled: bool = False
+) -> Counter[str]:
     """Aten ops one training micro batch dispatches: ``step(model)`` (forward and loss, returning the scalar loss)
     and ``loss.backward()``, by op name; with ``compiled=True`` each decoder block is compiled in place
     (:class:`rl_tpu.compiled_blocks.CompiledBlocks`) and its forward and backward graphs count one launch each.
@@ -94,8 +98,9 @@ def micro_batch_ops(model: torch.nn.Module, step: Callable[[torch.nn.Module], to
         backend = CountingBackend()
         blocks = CompiledBlocks(model, backend, say=lambda line: None)
         if not blocks.blocks:
-            raise RuntimeError(f"{type(model).__name__} names no decoder block class (_no_split_modules): nothing "
-                               "to compile")
+            raise RuntimeError(
+                f"{type(model).__name__} names no decoder block class (_no_split_modules): nothing to compile"
+            )
         for block in decoder_blocks(model):
             block.forward = _modes_off(block.forward)
     step(model).backward()

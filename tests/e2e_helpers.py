@@ -13,19 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # reward in [0, 1) from the response's length in characters: varies within a GRPO group, so advantages are non-zero
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return (len(solution_str) % 7) / 7.0
-'''
+"""
 
 
 # the same reward in VeRL's dict form, with accuracies apart from it as the project's reward gives them: "acc" (an
 # even length) and "acc_strict" (a length that is a multiple of 4), so that they differ from the reward
-REWARD_WITH_ACCURACY = '''
+REWARD_WITH_ACCURACY = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return {"score": (len(solution_str) % 7) / 7.0, "acc": float(len(solution_str) % 2 == 0),
             "acc_strict": float(len(solution_str) % 4 == 0)}
-'''
+"""
 
 
 def write_reward(folder: Path, accuracy: bool = False) -> list[str]:
@@ -47,8 +47,12 @@ def train_env() -> dict[str, str]:
 
 # The end-to-end tests' own small job, pinned: the default job's recipe (8 samples a prompt at temperature 0.7, 200
 # validation items; docs/recipe.md) is for learning, and would double every test's rollout and validation.
-TEST_JOB = ("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=1.0", "rl_tpu.val_size=32",
-            "rl_tpu.num_threads=1")  # tiny models: one thread, as every e2e test was timed
+TEST_JOB = (
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "rl_tpu.val_size=32",
+    "rl_tpu.num_threads=1",
+)  # tiny models: one thread, as every e2e test was timed
 
 
 def pinned(args: tuple[str, ...] | list[str]) -> list[str]:
@@ -56,17 +60,35 @@ def pinned(args: tuple[str, ...] | list[str]) -> list[str]:
     rollout keys, so with one only ``rl_tpu.val_size`` is pinned)."""
     given = {a.split("=", 1)[0] for a in args if "=" in a and not a.startswith("-")}
     has_config = "--config" in args or any(a.startswith("--config=") for a in args)
-    return [p for p in TEST_JOB if p.split("=", 1)[0] not in given
-            and not (has_config and p.startswith("actor_rollout_ref."))] + list(args)
+    return [
+        p
+        for p in TEST_JOB
+        if p.split("=", 1)[0] not in given and not (has_config and p.startswith("actor_rollout_ref."))
+    ] + list(args)
 
 
-def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = None,
-               backend: str = "cpu", default_console: bool = False) -> subprocess.CompletedProcess:
+def verl_train(
+    out: Path,
+    *args: str,
+    timeout: float = 1500,
+    cwd: Path | None = None,
+    backend: str = "cpu",
+    default_console: bool = False,
+) -> subprocess.CompletedProcess:
     """Run ``verl train --backend BACKEND --output-dir OUT ARGS...`` to the end (``args``: CLI flags and Hydra
     overrides); returns the finished process with text stdout/stderr. ``default_console``: the console a user gets
     (the rest in ``OUT/train.log``), not the whole output the tests' ``VERL_TRAIN_VERBOSE=1`` asks for."""
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", backend, "--output-dir", str(out),
-           *pinned(args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        backend,
+        "--output-dir",
+        str(out),
+        *pinned(args),
+    ]
     env = train_env()
     if default_console:
         env.pop("VERL_TRAIN_VERBOSE", None)
@@ -76,8 +98,7 @@ def verl_train(out: Path, *args: str, timeout: float = 1500, cwd: Path | None = 
 def train_rows(out: Path, key: str = "actor/pg_loss") -> list[dict]:
     """The metric rows (dicts of name -> float) of the training steps in ``out/metrics.jsonl``, in step order:
     those that hold ``key``."""
-    rows = [json.loads(line)["data"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = [json.loads(line)["data"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if key in r]
 
 

@@ -14,22 +14,49 @@ from pathlib import Path
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM",  # sliding window on the second layer only
-                      {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",  # sliding window on the second layer only
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),  # query/key norm
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5, "head_dim": 16}),  # every layer windowed
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # sliding and global layers, embedding scale, tied
-               {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                "head_dim": 16, "num_hidden_layers": 3, "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",  # sliding and global layers, embedding scale, tied
+        {
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
 }
 
 
 #: the shape every tiny model shares unless a test overrides it: 2 layers, 64 wide, 4 query heads over 2 key/value heads
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 
 def tiny_config(family: str, vocab_size: int = 128, attn_implementation: str | None = None, **overrides):
@@ -45,8 +72,15 @@ def tiny_config(family: str, vocab_size: int = 128, attn_implementation: str | N
     return config
 
 
-def build_tiny_model(family: str, tokenizer_dir: Path, out: Path, attn_implementation: str = "sdpa", seed: int = 0,
-                     weight_std: float = 0.2, **overrides) -> Path:
+def build_tiny_model(
+    family: str,
+    tokenizer_dir: Path,
+    out: Path,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    weight_std: float = 0.2,
+    **overrides,
+) -> Path:
     """Write a 2-3 layer, 64-wide random ``family`` model with the tokenizer of ``tokenizer_dir`` into ``out``
     (``overrides``: config keys, e.g. a larger shape; matrices drawn with ``weight_std``)."""
     import torch

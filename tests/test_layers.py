@@ -40,8 +40,18 @@ PACKAGES = ("verl_backend", "rl_tpu", "ray_cluster", "edge_export")
 
 # top to bottom; a folder (package) of the repository → its layer. A folder missing here is an error: give it a
 # layer and a row in the README's layout table.
-LAYERS = ("driver", "workers", "rollout", "weight_sync", "host_memory", "patches", "data", "shared", "ray_cluster",
-          "rl_tpu")
+LAYERS = (
+    "driver",
+    "workers",
+    "rollout",
+    "weight_sync",
+    "host_memory",
+    "patches",
+    "data",
+    "shared",
+    "ray_cluster",
+    "rl_tpu",
+)
 FOLDERS = {
     "verl_backend.driver": "driver",
     "verl_backend.driver.aot": "driver",  # the aot circle with the driver is issue #46's other part
@@ -90,7 +100,7 @@ def import_graph(root: Path, packages) -> dict[str, set[str]]:
                 targets.update(known(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module
@@ -252,30 +262,43 @@ def test_an_upward_import_inside_a_function_is_reported(tmp_path):
 def test_an_upward_import_without_a_circle_is_reported(tmp_path):
     _fake_tree(tmp_path, {**GOOD, "fake/high/side.py": "", "fake/low/other.py": "import fake.high.side\n"})
     assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
-        "fake.low.other imports fake.high.side: up from 'low' to 'high'"]
+        "fake.low.other imports fake.high.side: up from 'low' to 'high'"
+    ]
 
 
 def test_a_circle_within_one_layer_is_reported(tmp_path):
     _fake_tree(tmp_path, {**GOOD, "fake/low/base.py": "from . import other\n"})
     assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
-        "import circle: fake.low.base ↔ fake.low.other"]
+        "import circle: fake.low.base ↔ fake.low.other"
+    ]
 
 
 def test_imports_into_and_out_of_the_layer_apart_and_a_folder_without_a_layer_are_reported(tmp_path):
-    _fake_tree(tmp_path, {**GOOD, "fake/low/other.py": "from fake.apart import *\n", "fake/new/__init__.py": "",
-                          "fake/apart/__init__.py": "from fake.high import top\n"})
+    _fake_tree(
+        tmp_path,
+        {
+            **GOOD,
+            "fake/low/other.py": "from fake.apart import *\n",
+            "fake/new/__init__.py": "",
+            "fake/apart/__init__.py": "from fake.high import top\n",
+        },
+    )
     assert problems(tmp_path, ["fake"], FAKE_FOLDERS, FAKE_LAYERS, {"apart": {"low"}}) == [
         "folder fake.new has no layer (add it to FOLDERS and to the README's layout table)",
         "fake.apart imports fake.high.top: out of 'apart', which stands apart, to 'high'",
-        "fake.low.other imports fake.apart: into 'apart', which stands apart"]
+        "fake.low.other imports fake.apart: into 'apart', which stands apart",
+    ]
 
 
-@pytest.mark.parametrize("module, target, folders", [
-    ("verl_backend.weight_sync.gloo_engine", "verl_backend.rollout.inworker", ("weight_sync", "rollout")),
-    ("verl_backend.patches.verl", "verl_backend.workers.preemption", ("patches", "workers")),
-    ("verl_backend.host_memory.plain_module", "verl_backend.workers.lora_checkpoint", ("host_memory", "workers")),
-    ("verl_backend.weight_sync.route", "verl_backend.rollout.native_kwargs", ("weight_sync", "rollout")),
-])
+@pytest.mark.parametrize(
+    "module, target, folders",
+    [
+        ("verl_backend.weight_sync.gloo_engine", "verl_backend.rollout.inworker", ("weight_sync", "rollout")),
+        ("verl_backend.patches.verl", "verl_backend.workers.preemption", ("patches", "workers")),
+        ("verl_backend.host_memory.plain_module", "verl_backend.workers.lora_checkpoint", ("host_memory", "workers")),
+        ("verl_backend.weight_sync.route", "verl_backend.rollout.native_kwargs", ("weight_sync", "rollout")),
+    ],
+)
 def test_each_folder_is_a_floor_of_its_own(tmp_path, module, target, folders):
     """The three arrows that ran back up between folders once in one layer (issue #46), put back one at a time into
     a copy of the tree: each is reported as an import up from one folder's floor to another's."""

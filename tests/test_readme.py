@@ -34,8 +34,9 @@ def check(text: str, root: Path = ROOT) -> list[str]:
     words = len(text.split())
     if words > 1500:
         problems.append(f"{words} words (at most 1500)")
-    problems += [f"line {i}: {len(line)} characters of prose (at most 120)" for i, line in prose_lines(text)
-                 if len(line) > 120]
+    problems += [
+        f"line {i}: {len(line)} characters of prose (at most 120)" for i, line in prose_lines(text) if len(line) > 120
+    ]
     for link in re.findall(r"\]\(([^)#]+)\)", text):
         if not link.startswith("http") and not (root / link).exists():
             problems.append(f"link to {link}: no such file")
@@ -61,8 +62,13 @@ def test_the_commands_it_shows_exist() -> None:
     scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
     for module in re.findall(r"python -m ([\w.]+)", text):
         assert find_spec(module) is not None, f"README runs python -m {module}: no such module"
-    shown = set(re.findall(r"^(?:\$ )?([a-z][\w-]*) ", "\n".join(
-        line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()), re.M))
+    shown = set(
+        re.findall(
+            r"^(?:\$ )?([a-z][\w-]*) ",
+            "\n".join(line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()),
+            re.M,
+        )
+    )
     ours = {"verl", "litert", "rl-tpu"}
     assert ours & shown, shown  # the README shows the project's own commands
     assert ours & shown <= scripts, f"README shows {sorted(ours & shown)}, pyproject declares {sorted(scripts)}"

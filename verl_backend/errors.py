@@ -56,8 +56,11 @@ def recorded_bad_input() -> str | None:
         return None
 
 
-def in_cause_chain(exc: BaseException | None, kinds: type[BaseException] | tuple[type[BaseException], ...],
-                   exclude: type[BaseException] | tuple[type[BaseException], ...] = ()) -> BaseException | None:
+def in_cause_chain(
+    exc: BaseException | None,
+    kinds: type[BaseException] | tuple[type[BaseException], ...],
+    exclude: type[BaseException] | tuple[type[BaseException], ...] = (),
+) -> BaseException | None:
     """The outermost exception in ``exc``'s cause chain that is one of ``kinds`` and none of ``exclude``, or ``None``.
 
     The chain is Ray's ``RayTaskError`` chain (driver -> TaskRunner -> worker: its ``cause``) where there is one, else

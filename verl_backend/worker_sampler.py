@@ -38,8 +38,9 @@ class InWorkerGenerate:
     (``native``, hybrid) or a standalone rollout worker's (``gloo``, VeRL's ``CheckpointEngineWorker`` on a rollout
     slice). The rollout server reaches it through the worker's ``execute_checkpoint_engine`` actor method."""
 
-    def native_generate(self, prompts: list[list[int]], key,
-                        seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
+    def native_generate(
+        self, prompts: list[list[int]], key, seeds: list[int] | None = None
+    ) -> list[tuple[list[int], list[float] | None]]:
         """Sample one response per prompt with ``key`` (:class:`rl_tpu.sampler.SamplingParams`, built from VeRL's
         request by :func:`verl_backend.rollout.sampling.sampling_params_from_request`), each from its stream
         ``seeds`` (the rollout server's per-sample seeds). Returns ``(token ids, log-probs or None)`` per prompt.
@@ -54,6 +55,7 @@ class InWorkerGenerate:
             )
         if not getattr(self, "_said_where", False):
             self._said_where = True
-            print(f"[rl-tpu] rollout samples in {type(self).__name__}'s worker process, on {_SAMPLER.device}",
-                  flush=True)
+            print(
+                f"[rl-tpu] rollout samples in {type(self).__name__}'s worker process, on {_SAMPLER.device}", flush=True
+            )
         return _GENERATE(prompts, key, seeds)

@@ -44,24 +44,37 @@ def _unwraps(module: ModuleType) -> bool:
 
 
 ACTOR_TABLE = Patch(
-    target="ray._private.state.actors", module="ray._private.state", library="ray", versions=VERSIONS,
+    target="ray._private.state.actors",
+    module="ray._private.state",
+    library="ray",
+    versions=VERSIONS,
     why="verl train tells a dead actor from a bug by the GCS actor table; the public state API needs the dashboard",
     upstream="https://github.com/ray-project/ray/pull/56733 (keeps the private call where no dashboard runs)",
-    apply=None, applied=names_check("actors"))
+    apply=None,
+    applied=names_check("actors"),
+)
 
 INTERNAL_KV = Patch(
     target="ray.experimental.internal_kv._internal_kv_{initialized,get,put,del}",
-    module="ray.experimental.internal_kv", library="ray", versions=VERSIONS,
+    module="ray.experimental.internal_kv",
+    library="ray",
+    versions=VERSIONS,
     why="a worker's bad input reaches the driver on another host through the GCS key-value store; none is public",
     upstream="https://github.com/ray-project/ray/issues/18688 (make internal_kv public; closed as stale)",
-    apply=None, applied=names_check(*_KV))
+    apply=None,
+    applied=names_check(*_KV),
+)
 
 ACTOR_CLASS = Patch(
-    target="ray.actor.ActorClass.__ray_metadata__.modified_class.__ray_actor_class__", module="ray.actor",
-    library="ray", versions=VERSIONS,
+    target="ray.actor.ActorClass.__ray_metadata__.modified_class.__ray_actor_class__",
+    module="ray.actor",
+    library="ray",
+    versions=VERSIONS,
     why="verl train runs VeRL's @ray.remote TaskRunnerV1 in its own process; Ray gives the class back privately only",
     upstream="https://github.com/ray-project/ray/issues/42474 (a decorated actor class loses its class)",
-    apply=None, applied=_unwraps)
+    apply=None,
+    applied=_unwraps,
+)
 
 RECORDS: tuple[Patch, ...] = (ACTOR_TABLE, INTERNAL_KV, ACTOR_CLASS)
 

@@ -76,8 +76,10 @@ class Patch:
         """The one line that refuses ``version`` of :attr:`library`, with the install command that fixes it."""
         spec = str(self.versions)
         pin = f"{self.library}{spec}" if spec.startswith("==") and "," not in spec else f'"{self.library}{spec}"'
-        return (f"{self.library} {version} is outside the tested range {spec} of rl-tpu's patch {self.target}; "
-                f"install {pin}")
+        return (
+            f"{self.library} {version} is outside the tested range {spec} of rl-tpu's patch {self.target}; "
+            f"install {pin}"
+        )
 
     def check(self) -> None:
         """Refuse the installed :attr:`library` outside :attr:`versions` (checked once per process; a library that
@@ -120,8 +122,9 @@ def problems(patch: Patch) -> list[str]:
     if not upstream.strip():
         found.append("no upstream: give the upstream issue or pull request, or the search that found none")
     elif not (_UPSTREAM_LINK.match(upstream) or _SEARCH.match(upstream)):
-        found.append(f"upstream {upstream!r} is neither a GitHub issue/PR link nor \"{NONE_FOUND}OWNER/REPO issues "
-                     "for 'QUERY'\"")
+        found.append(
+            f"upstream {upstream!r} is neither a GitHub issue/PR link nor \"{NONE_FOUND}OWNER/REPO issues for 'QUERY'\""
+        )
     if not callable(patch.applied) or (patch.apply is not None and not callable(patch.apply)):
         found.append("applied (and apply, when set) must be callable")
     return found
@@ -151,8 +154,9 @@ def check_versions(patches: Iterable[Patch], installed: Mapping[str, str | None]
     seen: dict[str, str | None] = {}
     for patch in patches:
         if patch.library not in seen:
-            seen[patch.library] = (installed.get(patch.library) if installed is not None
-                                   else installed_version(patch.library))
+            seen[patch.library] = (
+                installed.get(patch.library) if installed is not None else installed_version(patch.library)
+            )
         version = seen[patch.library]
         if version is not None and not patch.supports(version):
             raise UnsupportedVersionError(patch.refusal(version))

@@ -36,39 +36,62 @@ from rl_tpu.patches.record import Patch, names_check, searched
 VERSIONS = ">=2.13,<2.14"  # the torch versions these names were checked with (pyproject pins torch==2.13.0)
 
 MKLDNN_LINEAR = Patch(
-    target="torch.ops.mkldnn._reorder_linear_weight + _linear_pointwise", module="torch", library="torch",
+    target="torch.ops.mkldnn._reorder_linear_weight + _linear_pointwise",
+    module="torch",
+    library="torch",
     versions=VERSIONS,
     why="oneDNN's packed linear (the sampler's fallback where its AVX-512 kernel cannot run) has no public op",
     upstream="https://github.com/pytorch/pytorch/pull/139387 (proposed a public pack_linear_weight; closed)",
-    apply=None, applied=names_check("ops.mkldnn._reorder_linear_weight", "ops.mkldnn._linear_pointwise"))
+    apply=None,
+    applied=names_check("ops.mkldnn._reorder_linear_weight", "ops.mkldnn._linear_pointwise"),
+)
 
 DISPATCH_MODES = Patch(
     target="torch.utils._python_dispatch.{TorchDispatchMode,_disable_current_modes}",
-    module="torch.utils._python_dispatch", library="torch", versions=VERSIONS,
+    module="torch.utils._python_dispatch",
+    library="torch",
+    versions=VERSIONS,
     why="the op counters are a TorchDispatchMode and run a compiled graph outside it; neither is a public name",
     upstream="https://github.com/pytorch/pytorch/issues/105878 (no convenient API to disable a mode; "
-             "_disable_current_modes named as the tool)",
-    apply=None, applied=names_check("TorchDispatchMode", "_disable_current_modes"))
+    "_disable_current_modes named as the tool)",
+    apply=None,
+    applied=names_check("TorchDispatchMode", "_disable_current_modes"),
+)
 
 DYNAMO = Patch(
     target="torch._dynamo.{config.recompile_limit, exc.*, lookup_backend, utils.guard_failures}",
     module="torch._dynamo",
-    library="torch", versions=VERSIONS,
+    library="torch",
+    versions=VERSIONS,
     why="compiled sampling/training bound recompiles, catch Dynamo's errors and name why a graph recompiled; the "
-        "CPU fork server preloads the module by name (verl_backend.host_memory.fork_server.PRELOAD)",
-    upstream=searched("pytorch/pytorch", "public API torch.compiler recompile_limit guard_failures "
-                                         "TorchDynamoException"),
-    apply=None, applied=names_check("config.recompile_limit", "config.accumulated_recompile_limit",
-                                    "exc.RecompileError", "exc.TorchDynamoException", "exc.FailOnRecompileLimitHit",
-                                    "lookup_backend", "utils.guard_failures"))
+    "CPU fork server preloads the module by name (verl_backend.host_memory.fork_server.PRELOAD)",
+    upstream=searched(
+        "pytorch/pytorch", "public API torch.compiler recompile_limit guard_failures TorchDynamoException"
+    ),
+    apply=None,
+    applied=names_check(
+        "config.recompile_limit",
+        "config.accumulated_recompile_limit",
+        "exc.RecompileError",
+        "exc.TorchDynamoException",
+        "exc.FailOnRecompileLimitHit",
+        "lookup_backend",
+        "utils.guard_failures",
+    ),
+)
 
 AOT_AUTOGRAD = Patch(
-    target="torch._dynamo.backends.common.aot_autograd + _boxed_call", module="torch._dynamo.backends.common",
-    library="torch", versions=VERSIONS,
+    target="torch._dynamo.backends.common.aot_autograd + _boxed_call",
+    module="torch._dynamo.backends.common",
+    library="torch",
+    versions=VERSIONS,
     why="the op-counting backend and the TPU lowering compile through AOT autograd, which torch exports privately",
-    upstream=searched("pytorch/pytorch", "aot_autograd public API custom backend torch._dynamo.backends.common "
-                                         "_boxed_call"),
-    apply=None, applied=names_check("aot_autograd"))
+    upstream=searched(
+        "pytorch/pytorch", "aot_autograd public API custom backend torch._dynamo.backends.common _boxed_call"
+    ),
+    apply=None,
+    applied=names_check("aot_autograd"),
+)
 
 
 def _inductor_names(module) -> bool:
@@ -77,42 +100,72 @@ def _inductor_names(module) -> bool:
 
     for sub in ("compile_fx", "config", "exc"):
         importlib.import_module(f"{module.__name__}.{sub}")
-    return names_check("compile_fx.compile_fx", "compile_fx.compile_fx_inner", "config.force_disable_caches",
-                       "exc.InductorError")(module)
+    return names_check(
+        "compile_fx.compile_fx", "compile_fx.compile_fx_inner", "config.force_disable_caches", "exc.InductorError"
+    )(module)
 
 
 INDUCTOR = Patch(
     target="torch._inductor.{compile_fx.compile_fx, compile_fx.compile_fx_inner, config.force_disable_caches, "
-           "exc.InductorError}", module="torch._inductor", library="torch", versions=VERSIONS,
+    "exc.InductorError}",
+    module="torch._inductor",
+    library="torch",
+    versions=VERSIONS,
     why="the benchmarks count inductor's graphs, measure a fresh compile and report its errors; all private names",
-    upstream=searched("pytorch/pytorch", "public API compile_fx inner_compile count graphs inductor "
-                                         "force_disable_caches"),
-    apply=None, applied=lambda module: _inductor_names(module))
+    upstream=searched(
+        "pytorch/pytorch", "public API compile_fx inner_compile count graphs inductor force_disable_caches"
+    ),
+    apply=None,
+    applied=lambda module: _inductor_names(module),
+)
 
 PYTREE = Patch(
-    target="torch.utils._pytree.{tree_leaves,tree_flatten}", module="torch.utils._pytree", library="torch",
-    versions=VERSIONS, why="nested outputs and arguments are flattened with torch's own pytree, which is private",
+    target="torch.utils._pytree.{tree_leaves,tree_flatten}",
+    module="torch.utils._pytree",
+    library="torch",
+    versions=VERSIONS,
+    why="nested outputs and arguments are flattened with torch's own pytree, which is private",
     upstream="https://github.com/pytorch/pytorch/issues/65761 (torch.utils._pytree -> stable; open, "
-             "https://github.com/pytorch/pytorch/pull/175082 proposes torch.utils.pytree)",
-    apply=None, applied=names_check("tree_leaves", "tree_flatten"))
+    "https://github.com/pytorch/pytorch/pull/175082 proposes torch.utils.pytree)",
+    apply=None,
+    applied=names_check("tree_leaves", "tree_flatten"),
+)
 
 TENSOR_IDENTITY = Patch(
-    target="torch.Tensor._version + UntypedStorage._cdata", module="torch", library="torch", versions=VERSIONS,
+    target="torch.Tensor._version + UntypedStorage._cdata",
+    module="torch",
+    library="torch",
+    versions=VERSIONS,
     why="packed-weight caches tell an in-place update (version counter) and a moved storage (its C pointer) apart",
     upstream=searched("pytorch/pytorch", "public API tensor version counter _version in-place modification"),
-    apply=None, applied=lambda module: hasattr(module.zeros(1), "_version") and
-    hasattr(module.zeros(1).untyped_storage(), "_cdata"))
+    apply=None,
+    applied=lambda module: (
+        hasattr(module.zeros(1), "_version") and hasattr(module.zeros(1).untyped_storage(), "_cdata")
+    ),
+)
 
 FSDP1_WRAPPED = Patch(
     target="torch.distributed.fsdp.FullyShardedDataParallel._fsdp_wrapped_module",
-    module="torch.distributed.fsdp._common_utils", library="torch", versions=VERSIONS,
+    module="torch.distributed.fsdp._common_utils",
+    library="torch",
+    versions=VERSIONS,
     why="under VeRL's fsdp (FSDP1) strategy the trained module sits under this attribute; VeRL reads it the same way",
     upstream="https://github.com/pytorch/pytorch/issues/78607 (FSDP.module is public but also unwraps activation "
-             "checkpointing; VeRL reads _fsdp_wrapped_module)",
-    apply=None, applied=lambda module: getattr(module, "FSDP_WRAPPED_MODULE", None) == "_fsdp_wrapped_module")
+    "checkpointing; VeRL reads _fsdp_wrapped_module)",
+    apply=None,
+    applied=lambda module: getattr(module, "FSDP_WRAPPED_MODULE", None) == "_fsdp_wrapped_module",
+)
 
-RECORDS: tuple[Patch, ...] = (MKLDNN_LINEAR, DISPATCH_MODES, DYNAMO, AOT_AUTOGRAD, INDUCTOR, PYTREE, TENSOR_IDENTITY,
-                              FSDP1_WRAPPED)
+RECORDS: tuple[Patch, ...] = (
+    MKLDNN_LINEAR,
+    DISPATCH_MODES,
+    DYNAMO,
+    AOT_AUTOGRAD,
+    INDUCTOR,
+    PYTREE,
+    TENSOR_IDENTITY,
+    FSDP1_WRAPPED,
+)
 
 
 def packed_linear_available() -> bool:

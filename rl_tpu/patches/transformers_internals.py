@@ -30,19 +30,28 @@ VERSIONS = ">=5.5.3,<5.11,!=5.6.0"  # pyproject's transformers range, the versio
 
 ROTARY = Patch(
     target="transformers.models.<family>.modeling_<family>.apply_rotary_pos_emb",
-    module="transformers.models.llama.modeling_llama", library="transformers", versions=VERSIONS,
+    module="transformers.models.llama.modeling_llama",
+    library="transformers",
+    versions=VERSIONS,
     why="the lean decode step applies the model's own RoPE function, a module-level name of each modeling file",
-    upstream=searched("huggingface/transformers",
-                      "apply_rotary_pos_emb module level function public API rotary embedding per model"),
-    apply=None, applied=names_check("apply_rotary_pos_emb"))
+    upstream=searched(
+        "huggingface/transformers", "apply_rotary_pos_emb module level function public API rotary embedding per model"
+    ),
+    apply=None,
+    applied=names_check("apply_rotary_pos_emb"),
+)
 
 ATTN_IMPL = Patch(
-    target="transformers.PretrainedConfig._attn_implementation", module="transformers", library="transformers",
+    target="transformers.PretrainedConfig._attn_implementation",
+    module="transformers",
+    library="transformers",
     versions=VERSIONS,
     why="the sampler swaps in its own attention for a while and reads which one a model runs; no public accessor",
     upstream="https://github.com/huggingface/transformers/pull/32383 (reads config._attn_implementation; "
-             "attn_implementation= at load time is the public way to set it)",
-    apply=None, applied=lambda module: hasattr(module.PretrainedConfig(), "_attn_implementation"))
+    "attn_implementation= at load time is the public way to set it)",
+    apply=None,
+    applied=lambda module: hasattr(module.PretrainedConfig(), "_attn_implementation"),
+)
 
 RECORDS: tuple[Patch, ...] = (ROTARY, ATTN_IMPL)
 
@@ -76,12 +85,16 @@ def rotary_function(attention: object) -> Callable | None:
 #: token's experts instead (no cumsum). A config's ``_experts_implementation`` is what the experts' forward reads per
 #: call; VeRL's ``override_config`` sets config attributes, so the TPU profile sets the experts through this name.
 EXPERTS_IMPL = Patch(
-    target="transformers.PretrainedConfig._experts_implementation", module="transformers", library="transformers",
+    target="transformers.PretrainedConfig._experts_implementation",
+    module="transformers",
+    library="transformers",
     versions=VERSIONS,
     why="the TPU job runs MoE experts as batched_mm (no cumsum); VeRL's override_config can set only attributes",
     upstream="https://github.com/huggingface/transformers/pull/42697 (the experts implementations; "
-             "experts_implementation= at load time is the public way to set it)",
-    apply=None, applied=lambda module: hasattr(module.PretrainedConfig(), "_experts_implementation"))
+    "experts_implementation= at load time is the public way to set it)",
+    apply=None,
+    applied=lambda module: hasattr(module.PretrainedConfig(), "_experts_implementation"),
+)
 
 RECORDS = RECORDS + (EXPERTS_IMPL,)
 
@@ -94,11 +107,15 @@ def experts_implementation(config) -> str | None:
 
 
 NO_SPLIT_MODULES = Patch(
-    target="transformers.PreTrainedModel._no_split_modules", module="transformers", library="transformers",
+    target="transformers.PreTrainedModel._no_split_modules",
+    module="transformers",
+    library="transformers",
     versions=VERSIONS,
     why="the CPU trainer's heap trim hooks each block a model names there (its decoder layers); no public accessor",
     upstream=searched("huggingface/transformers", "_no_split_modules public accessor decoder layer classes of a model"),
-    apply=None, applied=lambda module: hasattr(module.PreTrainedModel, "_no_split_modules"))
+    apply=None,
+    applied=lambda module: hasattr(module.PreTrainedModel, "_no_split_modules"),
+)
 
 RECORDS = RECORDS + (NO_SPLIT_MODULES,)
 
@@ -115,12 +132,16 @@ def no_split_modules(model) -> set[str]:
 
 
 SUPPORTS_SDPA = Patch(
-    target="transformers.PreTrainedModel._supports_sdpa", module="transformers", library="transformers",
+    target="transformers.PreTrainedModel._supports_sdpa",
+    module="transformers",
+    library="transformers",
     versions=VERSIONS,
     why="the driver refuses, before Ray starts, a family whose attention has no sdpa implementation (the trainer and "
-        "the sampler compute attention through sdpa); transformers says so only in this class attribute",
+    "the sampler compute attention through sdpa); transformers says so only in this class attribute",
     upstream=searched("huggingface/transformers", "_supports_sdpa public accessor model class supports sdpa attention"),
-    apply=None, applied=lambda module: hasattr(module.PreTrainedModel, "_supports_sdpa"))
+    apply=None,
+    applied=lambda module: hasattr(module.PreTrainedModel, "_supports_sdpa"),
+)
 
 RECORDS = RECORDS + (SUPPORTS_SDPA,)
 

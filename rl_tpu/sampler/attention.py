@@ -73,14 +73,24 @@ def sdpa_gqa_attention(
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
 
 
 def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
     kernel: bool = False,
 ) -> torch.Tensor:
     """One query token: ``query (batch, heads, 1, dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, dim)``,
@@ -95,8 +105,12 @@ def decode_attention(
     if kernel and _kernel_applies(query, key, value, mask):
         flat = None if mask is None else mask.expand(batch, 1, 1, key.shape[2])[:, 0, 0]  # (batch, kv_len) view
         out = torch.ops.rl_tpu_kernels.decode_attention(
-            query.reshape(batch, heads, dim).contiguous(), key, value, flat,
-            scaling if scaling is not None else dim**-0.5)
+            query.reshape(batch, heads, dim).contiguous(),
+            key,
+            value,
+            flat,
+            scaling if scaling is not None else dim**-0.5,
+        )
         return out.view(batch, 1, heads, dim)
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads that share a key/value head
     scores = torch.matmul(q, key.transpose(-1, -2))  # (batch, kv_heads, group, kv_len)
@@ -112,11 +126,19 @@ def decode_attention(
 
 def _kernel_applies(query, key, value, mask) -> bool:
     dim = query.shape[-1]
-    return (query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and dim in (64, 128, 256) and key.shape[-1] == value.shape[-1] == dim and key.shape[1] * key.shape[2] > 0
-            and key.stride(-1) == 1 and value.stride(-1) == 1
-            and (mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
-                                  and mask.dtype in (torch.bool, torch.float32))))
+    return (
+        query.dtype == key.dtype == value.dtype == torch.float32
+        and query.device.type == "cpu"
+        and dim in (64, 128, 256)
+        and key.shape[-1] == value.shape[-1] == dim
+        and key.shape[1] * key.shape[2] > 0
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and (
+            mask is None
+            or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1 and mask.dtype in (torch.bool, torch.float32))
+        )
+    )
 
 
 AttentionInterface.register(ATTN_NAME, sdpa_gqa_attention)

@@ -60,8 +60,15 @@ def model_logits(
     """The model's forward over the static ``cache``: ``ids``/``pos`` ``(batch, q)`` int64, ``mask`` ``(batch,
     cache_len)`` int64 (1 = a real token) -> last-position logits ``(batch, vocab)`` in the model's dtype. Writes the
     ``q`` tokens' keys and values at the cache's next slots (its ``cumulative_length``)."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1, **extra)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **extra,
+    )
     return out.logits[:, -1, :]
 
 
@@ -96,7 +103,9 @@ class CompiledSteps:
             ``packed_weights``).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str | Callable = "inductor", packed_weights: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, backend: str | Callable = "inductor", packed_weights: bool = False
+    ) -> None:
         self.model = model
         self.backend = backend
         self.packs = PackCache() if packed_weights else None
@@ -115,15 +124,18 @@ class CompiledSteps:
             if self.packs is not None:
                 self.packed_linears[kind] = pack_linears(gm, self.packs)
             ops = _attention_ops()
-            self.attention_kernels[kind] = sum(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
+            self.attention_kernels[kind] = sum(
+                node.op == "call_function" and node.target in ops for node in gm.graph.nodes
+            )
             inner = torch_internals.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
             return inner(gm, example_inputs)
 
         model = self.model
 
         # with packed weights (the CPU fast paths) the decode's attention is rl-tpu's kernel, an opaque op in the graph
-        extra = {"rl_tpu_attention_kernel": True} if self.packs is not None and panel_kernel.backend() == "panel" \
-            else {}
+        extra = (
+            {"rl_tpu_attention_kernel": True} if self.packs is not None and panel_kernel.backend() == "panel" else {}
+        )
 
         def step(ids, mask, pos, cache):
             return model_logits(model, ids, mask, pos, cache, **extra)
@@ -163,10 +175,15 @@ class CompiledSteps:
             if self.graphs[kind] > len(self._shapes[kind]):  # compiled again for a shape it had: the graph depends
                 # on a Python value that changes between calls (transformers' sliding-window static cache counts
                 # its length in a Python int), so it would compile at every step
-                failed = [r for r in (torch_internals.guard_failures(self._codes[kind]) or ["?"])
-                          if "mismatch" not in r.splitlines()[0]] or ["?"]  # not another shape's graph
-                self._off(f"its {kind} step compiled again for the same shape, on a guard that changes each call: "
-                          f"{failed[-1].splitlines()[0]}")
+                failed = [
+                    r
+                    for r in (torch_internals.guard_failures(self._codes[kind]) or ["?"])
+                    if "mismatch" not in r.splitlines()[0]
+                ] or ["?"]  # not another shape's graph
+                self._off(
+                    f"its {kind} step compiled again for the same shape, on a guard that changes each call: "
+                    f"{failed[-1].splitlines()[0]}"
+                )
         return logits
 
     def weights_changed(self) -> None:
@@ -177,5 +194,7 @@ class CompiledSteps:
     def _off(self, reason: str) -> None:
         self.active = False
         self.weights_changed()  # the eager steps do not read the packed copies: free them
-        say_once(f"compiled steps off for {type(self.model).__name__} ({' '.join(reason.split())[:300]}): prefill "
-                 "and decode run eagerly")
+        say_once(
+            f"compiled steps off for {type(self.model).__name__} ({' '.join(reason.split())[:300]}): prefill "
+            "and decode run eagerly"
+        )

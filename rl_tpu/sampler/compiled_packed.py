@@ -98,8 +98,12 @@ class PackCache:
         key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
         version = torch_internals.version_counter(weight)
         entry = self._packed.get(key)
-        if entry is None or entry[0] != version or entry[2].expired() \
-                or entry[2].cdata != torch_internals.storage_key(weight):
+        if (
+            entry is None
+            or entry[0] != version
+            or entry[2].expired()
+            or entry[2].cdata != torch_internals.storage_key(weight)
+        ):
             for stale in [k for k, (_, _, ref) in self._packed.items() if ref.expired()]:
                 del self._packed[stale]  # weights freed or rebound: their copies go with them
             packed = panel_kernel.pack(weight, self.batch_hint)
@@ -156,8 +160,13 @@ def pack_linears(gm: torch.fx.GraphModule, cache: PackCache | None = None) -> in
         x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])
         bias = node.kwargs.get("bias", args[2])
         value = getattr(weight, "meta", {}).get("example_value")
-        if getattr(weight, "op", None) != "placeholder" or not isinstance(value, torch.nn.Parameter) \
-                or value.dtype != torch.float32 or value.device.type != "cpu" or value.dim() != 2:
+        if (
+            getattr(weight, "op", None) != "placeholder"
+            or not isinstance(value, torch.nn.Parameter)
+            or value.dtype != torch.float32
+            or value.device.type != "cpu"
+            or value.dim() != 2
+        ):
             continue  # only a model's own float32 weights: an input that changes each call is not worth packing
         node.target, node.args, node.kwargs = target, (x, weight, bias, *([cache.id] if native else [])), {}
         count += 1

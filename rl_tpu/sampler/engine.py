@@ -145,15 +145,20 @@ class Sampler:
         if compile:
             asked = [k for k, v in (("packed_prefill", packed_prefill), ("lean_decode", lean_decode)) if v]
             if asked:
-                raise SamplerError(f"compile=True with {', '.join(asked)}=True: compiled steps run the bucketed "
-                                   "static shapes through the model's forward; leave those unset")
+                raise SamplerError(
+                    f"compile=True with {', '.join(asked)}=True: compiled steps run the bucketed "
+                    "static shapes through the model's forward; leave those unset"
+                )
             if packed_weights is None:  # inside the graphs, on copies kept outside them (see compiled_packed)
                 packed_weights = self.device.type == "cpu" and packed_linear_supported()
             elif packed_weights and not (self.device.type == "cpu" and packed_linear_supported()):
-                raise SamplerError(f"packed_weights=True on {self.device.type}: packed weights are oneDNN's, on a "
-                                   "CPU whose torch has mkldnn; leave it unset")
-            self.compiled = CompiledSteps(model, compile_backend or compile_backend_for(self.device),
-                                          packed_weights=bool(packed_weights))
+                raise SamplerError(
+                    f"packed_weights=True on {self.device.type}: packed weights are oneDNN's, on a "
+                    "CPU whose torch has mkldnn; leave it unset"
+                )
+            self.compiled = CompiledSteps(
+                model, compile_backend or compile_backend_for(self.device), packed_weights=bool(packed_weights)
+            )
             packed_weights = packed_prefill = lean_decode = False
         if packed_weights is None:
             packed_weights = self.device.type == "cpu" and packed_linear_supported()
@@ -205,8 +210,9 @@ class Sampler:
         self.weights_changed()
 
     # ------------------------------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[SampleOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[SampleOutput]:
         """Sample ``params.n`` completions for each prompt.
 
         Each sampled completion draws from a random stream of its own (:mod:`rl_tpu.sampler.seeds`): sample ``j`` of
@@ -241,8 +247,11 @@ class Sampler:
             raise SamplerError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
         row_seeds: list[int] | None = None  # prompt-major, as rows
         if not params.greedy and (seeds is not None or params.seed is not None):
-            row_seeds = [sample_seed(seeds[i], j) if seeds is not None else sample_seed(params.seed, i, j)
-                         for i in range(len(prompts)) for j in range(params.n)]
+            row_seeds = [
+                sample_seed(seeds[i], j) if seeds is not None else sample_seed(params.seed, i, j)
+                for i in range(len(prompts))
+                for j in range(params.n)
+            ]
         outputs: list[SampleOutput | None] = [None] * len(rows)
         # enable_gqa is only measured on CPU here; other devices keep transformers' sdpa
         fast_gqa = gqa_attention(self.model) if self.device.type == "cpu" else contextlib.nullcontext()
@@ -300,8 +309,9 @@ class Sampler:
         real_len = mask[:, :prompt_len].sum(-1)  # (batch,) prompt tokens per row
         pos = (mask[:, :prompt_len].cumsum(-1) - 1).clamp(min=0)  # (batch, prompt) positions from 0 per row
 
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long,
-                                device=dev)
+        stop_ids = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=dev
+        )
         out_tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)  # (rows, new)
         out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new); 0 unless asked
         out_len = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens generated per row
@@ -313,12 +323,18 @@ class Sampler:
         cache = StaticCache(config=self.config, max_cache_len=cache_len)
         logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
         lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
-        procs = LogitsProcessors.build(params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len],
-                                       stop_ids, logits.shape[-1])  # None unless requested: nothing to pay
+        procs = LogitsProcessors.build(
+            params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len], stop_ids, logits.shape[-1]
+        )  # None unless requested: nothing to pay
         fast = self.packed is not None or (self.compiled is not None and self.compiled.packs is not None)
-        sample = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                  "generator": None, "logprobs": params.logprobs and procs is None,
-                  "kernel": fast}  # rl-tpu's greedy token kernel: a CPU fast path, as the packed weights are
+        sample = {
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "generator": None,
+            "logprobs": params.logprobs and procs is None,
+            "kernel": fast,
+        }  # rl-tpu's greedy token kernel: a CPU fast path, as the packed weights are
         uniforms = None  # (batch, new): each output row's own draws (rl_tpu.sampler.seeds); None: global generator
         if row_seeds is not None:
             acc = torch.float64 if dev.type == "cpu" else torch.float32  # as processing._draw sums
@@ -358,8 +374,10 @@ class Sampler:
             else:
                 logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
 
-        return [self._output(out_tokens[i], out_logp[i] if params.logprobs else None, int(out_len[i]), bool(stopped[i]))
-                for i in range(n_real)]
+        return [
+            self._output(out_tokens[i], out_logp[i] if params.logprobs else None, int(out_len[i]), bool(stopped[i]))
+            for i in range(n_real)
+        ]
 
     def _prefill(
         self, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: StaticCache
@@ -375,9 +393,17 @@ class Sampler:
         if self.packed_prefill and self.fast_paths.packed_prefill(cache):  # else said once, and padded
             if not self.share_prefix:
                 src, uniq = list(range(len(rows))), list(range(len(rows)))
-            return packed_prefill(self.model, rows, src, uniq, ids.shape[1], cache,
-                                  max_tokens=self.packed_prefill_tokens, shapes_seen=self.shapes_seen,
-                                  device=self.device)
+            return packed_prefill(
+                self.model,
+                rows,
+                src,
+                uniq,
+                ids.shape[1],
+                cache,
+                max_tokens=self.packed_prefill_tokens,
+                shapes_seen=self.shapes_seen,
+                device=self.device,
+            )
         if not self.share_prefix or len(uniq) == len(rows):
             return self._forward(ids, mask, pos, cache)
         sub = uniq + [uniq[0]] * (_next_pow2(len(uniq)) - len(uniq))  # pad to a power of two

@@ -103,7 +103,9 @@ def lean_blocker(model: torch.nn.Module) -> str | None:
         attn = layer.self_attn
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention"
-        if not all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        if not all(
+            isinstance(getattr(attn, p, None), torch.nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ):
             return "attention without q/k/v/o linear projections"
         if not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
             return "attention without head_dim and scaling"
@@ -129,8 +131,10 @@ class LeanDecoder:
         self.head_dim = int(first.head_dim)
         self.qkv: list = [None] * len(self.layers)  # per layer: fused q/k/v function, or None
         self.norms = [(_norm_fn(l.input_layernorm), _norm_fn(l.post_attention_layernorm)) for l in self.layers]
-        self.qk_norms = [tuple(_norm_fn(getattr(l.self_attn, n)) if hasattr(l.self_attn, n) else None
-                               for n in ("q_norm", "k_norm")) for l in self.layers]
+        self.qk_norms = [
+            tuple(_norm_fn(getattr(l.self_attn, n)) if hasattr(l.self_attn, n) else None for n in ("q_norm", "k_norm"))
+            for l in self.layers
+        ]
         self.mlps = [self._mlp_fn(l.mlp) for l in self.layers]
 
     @staticmethod
@@ -139,8 +143,11 @@ class LeanDecoder:
         (its three linear layers and a SiLU ``act_fn``), else the module (a mixture of experts, another MLP)."""
         linears = all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
         act = getattr(mlp, "act_fn", None)
-        if linears and isinstance(act, torch.nn.SiLU) and {n for n, _ in mlp.named_children()} <= \
-                {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        if (
+            linears
+            and isinstance(act, torch.nn.SiLU)
+            and {n for n, _ in mlp.named_children()} <= {"gate_proj", "up_proj", "down_proj", "act_fn"}
+        ):
             return lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
         return mlp
 
@@ -180,7 +187,8 @@ class LeanDecoder:
         cos, sin = self.rotary(h, position_ids=positions[:, None])  # (batch, 1, head_dim) each
         hd = self.head_dim
         for layer, cached, qkv, (norm1, norm2), (q_norm, k_norm), mlp in zip(
-                self.layers, cache.layers, self.qkv, self.norms, self.qk_norms, self.mlps):
+            self.layers, cache.layers, self.qkv, self.norms, self.qk_norms, self.mlps
+        ):
             attn = layer.self_attn
             x = norm1(h)
             q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
@@ -195,8 +203,14 @@ class LeanDecoder:
             cached.keys.index_copy_(2, where, k)
             cached.values.index_copy_(2, where, v)
             cached.cumulative_length.fill_(kv_len)
-            out = decode_attention(q, cached.keys[:, :, :kv_len], cached.values[:, :, :kv_len], mask, attn.scaling,
-                                   kernel=self.attention_kernel)
+            out = decode_attention(
+                q,
+                cached.keys[:, :, :kv_len],
+                cached.values[:, :, :kv_len],
+                mask,
+                attn.scaling,
+                kernel=self.attention_kernel,
+            )
             h = h + attn.o_proj(out.reshape(batch, 1, -1))
             h = h + mlp(norm2(h))
         return self.head(self.norm(h)[:, 0])  # (batch, vocab)

@@ -43,11 +43,13 @@ def _one_launch(fn, counter: OpCounter):
         counter.counts[GRAPH] += 1
         with disable_current_modes():
             return fn(*args)
+
     return call
 
 
-def decode_step_ops(sampler, prompts: Sequence[Sequence[int]], steps: tuple[int, int] = (4, 12),
-                    **params) -> Counter[str]:
+def decode_step_ops(
+    sampler, prompts: Sequence[Sequence[int]], steps: tuple[int, int] = (4, 12), **params
+) -> Counter[str]:
     """Aten ops per decode step of ``sampler.generate(prompts, ...)``, by op name (a float per op: a mean).
 
     Two generations that differ only in ``max_new_tokens`` (``steps``: both within one generation bucket, so the
@@ -82,5 +84,10 @@ def decode_step_ops(sampler, prompts: Sequence[Sequence[int]], steps: tuple[int,
                 if compiled is not None:
                     compiled._fns.update(fns)
         totals.append(counter.counts)
-    return Counter({op: (totals[1][op] - totals[0][op]) / (hi - lo) for op in totals[1] | totals[0]
-                    if totals[1][op] != totals[0][op]})
+    return Counter(
+        {
+            op: (totals[1][op] - totals[0][op]) / (hi - lo)
+            for op in totals[1] | totals[0]
+            if totals[1][op] != totals[0][op]
+        }
+    )

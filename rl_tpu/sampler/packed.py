@@ -47,6 +47,7 @@ def packed_linear_supported() -> bool:
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in_features) -> (..., out_features), float32
         return panel_kernel.linear(x, packed, bias, out_features)
+
     return forward
 
 
@@ -70,8 +71,11 @@ class PackedLinears:
 
     def _eligible(self) -> list[torch.nn.Linear]:
         # looked up again at each pack: the model may have been cast (bfloat16 has no packed path here) or moved
-        return [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)
-                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+        return [
+            m
+            for m in self.model.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +132,7 @@ class PackedLinears:
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return panel_kernel.linear(x, packed, bias, sum(splits)).split(splits, dim=-1)
+
         return forward
 
     @contextmanager

@@ -63,10 +63,25 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [get_cxx_compiler(), "-O3", "-std=gnu++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           *[f"-I{p}" for p in include_paths()], *map(str, _SOURCES), "-o", tmp,
-           f"-L{TORCH_LIB_PATH}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{TORCH_LIB_PATH}"]
+    cmd = [
+        get_cxx_compiler(),
+        "-O3",
+        "-std=gnu++20",
+        "-shared",
+        "-fPIC",
+        "-mavx512f",
+        "-mfma",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        *[f"-I{p}" for p in include_paths()],
+        *map(str, _SOURCES),
+        "-o",
+        tmp,
+        f"-L{TORCH_LIB_PATH}",
+        "-ltorch_cpu",
+        "-lc10",
+        f"-Wl,-rpath,{TORCH_LIB_PATH}",
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
@@ -100,14 +115,17 @@ def _self_check() -> str | None:
     logits = torch.randn(3, 1000, generator=g) * 4
     tokens, logprobs = torch.ops.rl_tpu_kernels.greedy_choice(logits)
     want = torch.log_softmax(logits.double(), -1)
-    if not torch.equal(tokens, logits.argmax(-1)) or \
-            not (logprobs.double() - want.gather(-1, tokens[:, None])[:, 0]).abs().max().item() <= 1e-5:
+    if (
+        not torch.equal(tokens, logits.argmax(-1))
+        or not (logprobs.double() - want.gather(-1, tokens[:, None])[:, 0]).abs().max().item() <= 1e-5
+    ):
         return "self-check of the greedy token choice: tokens or log-probs differ from argmax and log_softmax"
     return None
 
 
 def _register_fakes() -> None:
     """Shapes of the kernels' outputs for tracing (``torch.compile``): the attention kernel runs in compiled graphs."""
+
     def attention(q, k, v, mask, scale):
         return q.new_empty(q.shape)
 
@@ -120,8 +138,12 @@ def _register_fakes() -> None:
     def greedy(logits):
         return logits.new_empty(logits.shape[:1], dtype=torch.long), logits.new_empty(logits.shape[:1])
 
-    for name, fn in (("decode_attention", attention), ("panel_linear", panels), ("packed_linear", packed),
-                     ("greedy_choice", greedy)):
+    for name, fn in (
+        ("decode_attention", attention),
+        ("panel_linear", panels),
+        ("packed_linear", packed),
+        ("greedy_choice", greedy),
+    ):
         if name not in _FAKES:  # once per process (the library itself loads once)
             torch.library.register_fake(f"rl_tpu_kernels::{name}", fn)
             _FAKES.add(name)
@@ -133,8 +155,11 @@ def _choose() -> tuple[str, str]:
     try:
         path = _library_path()
         if not path.exists():
-            print(f"[rl-tpu] sampler: building rl-tpu's CPU kernels into {path} (once per machine, ~20-60 s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[rl-tpu] sampler: building rl-tpu's CPU kernels into {path} (once per machine, ~20-60 s)",
+                file=sys.stderr,
+                flush=True,
+            )
             _build(path)
         torch.ops.load_library(str(path))
         _register_fakes()
@@ -163,8 +188,12 @@ def _decide() -> str:
         name, reason = _choose()
         _STATE["name"] = name
         if reason:
-            print(f"[rl-tpu] sampler: rl-tpu's CPU kernels off ({reason}): packed linear layers on oneDNN, decode "
-                  "attention as batched products", file=sys.stderr, flush=True)
+            print(
+                f"[rl-tpu] sampler: rl-tpu's CPU kernels off ({reason}): packed linear layers on oneDNN, decode "
+                "attention as batched products",
+                file=sys.stderr,
+                flush=True,
+            )
     return _STATE["name"]
 
 

@@ -170,8 +170,11 @@ def request_params(request: Mapping[str, Any], *, max_tokens: int) -> SamplingPa
         if kind in (HONOURED, NO_EFFECT) or _at_default(value, neutral):
             continue
         honoured = ", ".join(k for k, (how, _) in REQUEST_KEYS.items() if how == HONOURED)
-        what = ("is not a sampling key the native rollout knows" if kind is None else
-                f"is not supported by the native rollout (it passes only at {', '.join(map(repr, neutral))})")
+        what = (
+            "is not a sampling key the native rollout knows"
+            if kind is None
+            else f"is not supported by the native rollout (it passes only at {', '.join(map(repr, neutral))})"
+        )
         raise SamplerError(
             f"sampling request {key}={value!r} {what}; supported keys: {honoured}; "
             "drop the key or use rollout.name=vllm"
@@ -211,15 +214,22 @@ def longrope_switch_length(config) -> int | None:
             continue
         for d in [spec, *(v for v in spec.values() if isinstance(v, dict))]:
             if d.get("rope_type", d.get("type")) == "longrope":
-                orig = d.get("original_max_position_embeddings",
-                             getattr(config, "original_max_position_embeddings", None))
+                orig = d.get(
+                    "original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
+                )
                 if orig is not None:
                     found.append(int(orig))
     return min(found) if found else None
 
 
-def check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, largest_prompt: int, largest_gen: int,
-                  vocab_size: int, config) -> None:
+def check_request(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    largest_prompt: int,
+    largest_gen: int,
+    vocab_size: int,
+    config,
+) -> None:
     """Refuse what the sampler cannot run, in one line (:class:`SamplerError`): ``params`` not a
     :class:`SamplingParams`, an empty prompt or one longer than ``largest_prompt`` tokens, a token id outside
     ``[0, vocab_size)``, ``max_new_tokens`` above ``largest_gen``, or prompt + new tokens past the model ``config``'s

@@ -22,8 +22,16 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 
 def packed_prefill(
-    model: torch.nn.Module, rows: list[list[int]], src: list[int], uniq: list[int], prompt_len: int,
-    cache: StaticCache, *, max_tokens: int, shapes_seen: set | None = None, device: torch.device | None = None,
+    model: torch.nn.Module,
+    rows: list[list[int]],
+    src: list[int],
+    uniq: list[int],
+    prompt_len: int,
+    cache: StaticCache,
+    *,
+    max_tokens: int,
+    shapes_seen: set | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Prefill the distinct prompts ``rows[j]`` for ``j`` in ``uniq`` unpadded and write the batch's ``cache``.
 
@@ -81,8 +89,11 @@ def packed_prefill(
         shapes_seen.add((1, n, n))
         kv = DynamicCache(config=model.config)
         out = model(
-            input_ids=torch.tensor([tokens], device=dev), attention_mask=allowed[None, None],
-            position_ids=torch.tensor([pos], device=dev), past_key_values=kv, use_cache=True,
+            input_ids=torch.tensor([tokens], device=dev),
+            attention_mask=allowed[None, None],
+            position_ids=torch.tensor([pos], device=dev),
+            past_key_values=kv,
+            use_cache=True,
             logits_to_keep=torch.tensor(ends, device=dev),
         )
         last.update(zip(members, out.logits[0]))
@@ -92,15 +103,19 @@ def packed_prefill(
     # row i's cache slot s <- place of its prompt token s - (prompt_len - len_i); left-padding slots take the
     # row's first token (finite values, hidden by the attention mask)
     index = torch.tensor(
-        [[token_index[src[i]][max(0, s - (prompt_len - len(r)))] for s in range(prompt_len)] for i, r in enumerate(rows)],
+        [
+            [token_index[src[i]][max(0, s - (prompt_len - len(r)))] for s in range(prompt_len)]
+            for i, r in enumerate(rows)
+        ],
         device=dev,
     )  # (batch, prompt_len)
     for li, layer in enumerate(cache.layers):
         keys = torch.cat([kvs[li][0] for kvs in keys_values], dim=1)  # (kv_heads, all tokens, dim)
         values = torch.cat([kvs[li][1] for kvs in keys_values], dim=1)
         if not layer.is_initialized:
-            layer.lazy_initialization(keys[None, :, :1].expand(len(rows), -1, -1, -1),
-                                      values[None, :, :1].expand(len(rows), -1, -1, -1))
+            layer.lazy_initialization(
+                keys[None, :, :1].expand(len(rows), -1, -1, -1), values[None, :, :1].expand(len(rows), -1, -1, -1)
+            )
         layer.keys[:, :, :prompt_len] = keys[:, index].transpose(0, 1)  # (batch, kv_heads, prompt_len, dim)
         layer.values[:, :, :prompt_len] = values[:, index].transpose(0, 1)
         layer.cumulative_length.fill_(prompt_len)

@@ -63,8 +63,15 @@ def choose_tokens(
     """
     logits = logits.float()  # (batch, vocab)
     vocab = logits.shape[-1]
-    if temperature == 0 and kernel and logits.device.type == "cpu" and logits.dim() == 2 and vocab > 0 \
-            and logits.stride(-1) == 1 and panel_kernel.ready():
+    if (
+        temperature == 0
+        and kernel
+        and logits.device.type == "cpu"
+        and logits.dim() == 2
+        and vocab > 0
+        and logits.stride(-1) == 1
+        and panel_kernel.ready()
+    ):
         tokens, logp = torch.ops.rl_tpu_kernels.greedy_choice(logits)  # (batch,) int64, (batch,) float32
         return tokens, logp if logprobs else None
     if temperature == 0:
@@ -122,8 +129,13 @@ class LogitsProcessors:
 
     @classmethod
     def build(
-        cls, repetition_penalty: float, min_tokens: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-        stop_ids: torch.Tensor, vocab: int,
+        cls,
+        repetition_penalty: float,
+        min_tokens: int,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        stop_ids: torch.Tensor,
+        vocab: int,
     ) -> LogitsProcessors | None:
         """``prompt_ids``/``prompt_mask`` ``(batch, prompt)`` (left-padded ids, 1 = real token); ``stop_ids``
         ``(stops,)`` the EOS and stop tokens; ``vocab`` the logits' width. ``None`` when neither is requested."""

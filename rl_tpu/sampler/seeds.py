@@ -36,8 +36,9 @@ def sample_seed(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little") >> (64 - SEED_BITS)
 
 
-def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def row_uniforms(
+    seeds: Sequence[int], steps: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """``(len(seeds), steps)`` uniforms in ``[0, 1)``: row ``r`` is the first ``steps`` float64 draws of a CPU
     ``torch.Generator`` seeded with ``seeds[r]`` (so a row's first ``k`` draws do not depend on ``steps``), moved to
     ``device`` as ``dtype`` (float32 where the device has no fast float64)."""

@@ -23,8 +23,9 @@ def llama_dir(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = tiny_config("llama", vocab_size=256, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)  # tied embeddings, as SmolLM2
+    config = tiny_config(
+        "llama", vocab_size=256, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )  # tied embeddings, as SmolLM2
     model = LlamaForCausalLM(config).eval()
     return save_like_verl_checkpoint(model, word_tokenizer(256), str(tmp_path_factory.mktemp("llama")))
 
@@ -35,16 +36,22 @@ def qwen_dir(tmp_path_factory):
 
     torch.manual_seed(1)
     config = Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         tie_word_embeddings=False,
     )
     model = Qwen2ForCausalLM(config).eval()
     tokenizer = word_tokenizer(256)
     tokenizer.chat_template = WORD_CHAT_TEMPLATE  # a .litertlm bundle needs one
-    return save_like_verl_checkpoint(
-        model, tokenizer, str(tmp_path_factory.mktemp("qwen2")), leftover_gguf_config=True
-    )
+    return save_like_verl_checkpoint(model, tokenizer, str(tmp_path_factory.mktemp("qwen2")), leftover_gguf_config=True)
 
 
 @pytest.fixture(scope="session")
@@ -100,8 +107,13 @@ def tiny_llama_with(tokenizer, out_dir: str, seed: int) -> str:
     from families import tiny_config
     from transformers import LlamaForCausalLM
 
-    config = tiny_config("llama", vocab_size=len(tokenizer), initializer_range=0.3,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # tied
+    config = tiny_config(
+        "llama",
+        vocab_size=len(tokenizer),
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # tied
     torch.manual_seed(seed)
     return save_like_verl_checkpoint(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
@@ -111,8 +123,9 @@ def chatml_dir(smollm2_tokenizer, tmp_path_factory):
     """Tiny random Llama with SmolLM2's tokenizer: ChatML, BOS = <|im_start|>, which plain text never gets."""
     from transformers import AutoTokenizer
 
-    return tiny_llama_with(AutoTokenizer.from_pretrained(smollm2_tokenizer),
-                           str(tmp_path_factory.mktemp("chatml_llama")), seed=0)
+    return tiny_llama_with(
+        AutoTokenizer.from_pretrained(smollm2_tokenizer), str(tmp_path_factory.mktemp("chatml_llama")), seed=0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -122,8 +135,9 @@ def gemma_style_dir(smollm2_tokenizer, tmp_path_factory):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer)
-    tokenizer.add_special_tokens({"bos_token": "<bos>", "eos_token": "<eos>",
-                                  "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.add_special_tokens(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]}
+    )
     tokenizer.add_bos_token = True
     tokenizer.update_post_processor()  # writes the BOS into tokenizer.json's post-processor
     tokenizer.chat_template = GEMMA_STYLE_TEMPLATE

@@ -22,8 +22,22 @@ def llama_tflite(llama_dir, tmp_path_factory):
     from edge_export.cli import main
 
     out = tmp_path_factory.mktemp("llama_out") / "model.tflite"
-    code = main(["export", llama_dir, "-o", str(out), "--prompt", PROMPT, "--prefill-lengths", "8,16",
-                 "--cache-length", "64", "--verify-steps", "8"])
+    code = main(
+        [
+            "export",
+            llama_dir,
+            "-o",
+            str(out),
+            "--prompt",
+            PROMPT,
+            "--prefill-lengths",
+            "8,16",
+            "--cache-length",
+            "64",
+            "--verify-steps",
+            "8",
+        ]
+    )
     assert code == 0
     return str(out)
 
@@ -66,7 +80,7 @@ def test_llama_runtime_matches_pytorch_with_chunked_prefill(llama_tflite, llama_
     lm = LiteRTCausalLM(llama_tflite)
     ids = (prompt_ids(llama_dir) * 5)[:40]
     tokens, logits = lm.greedy(ids, 12)
-    ref = llama_model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1:].detach().numpy()
+    ref = llama_model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :].detach().numpy()
     assert np.abs(logits - ref).max() < 1e-4 * np.abs(ref).max()
     assert list(ref.argmax(-1)) == tokens
 
@@ -89,7 +103,8 @@ def test_bench_causal_lm_reports_both_runtimes(llama_tflite, llama_model, llama_
     for key in ("litert_prefill_ms", "litert_decode_ms_per_token", "torch_decode_ms_per_token"):
         assert result[key] > 0
     assert result["decode_litert_over_torch"] == pytest.approx(
-        result["litert_decode_ms_per_token"] / result["torch_decode_ms_per_token"])
+        result["litert_decode_ms_per_token"] / result["torch_decode_ms_per_token"]
+    )
 
 
 def test_qwen2_litertlm_bundle_from_leftover_gguf_config(qwen_dir, tmp_path):
@@ -100,8 +115,17 @@ def test_qwen2_litertlm_bundle_from_leftover_gguf_config(qwen_dir, tmp_path):
     `litert export` verifies bundles there by default. Written here with verify=False to inspect it.
     """
     out = tmp_path / "qwen.litertlm"
-    result = export_checkpoint(qwen_dir, str(out), quantize="dynamic-int8", prefill_lengths=(8,),
-                               cache_length=32, prompt=PROMPT, verify=False, benchmark=True, quiet=True)
+    result = export_checkpoint(
+        qwen_dir,
+        str(out),
+        quantize="dynamic-int8",
+        prefill_lengths=(8,),
+        cache_length=32,
+        prompt=PROMPT,
+        verify=False,
+        benchmark=True,
+        quiet=True,
+    )
     assert result.output == str(out) and out.is_file()
     assert any("quant_method=gguf" in note for note in result.report["notes"])
     speed = result.report["benchmark"]
@@ -118,7 +142,15 @@ def test_qwen2_litertlm_bundle_from_leftover_gguf_config(qwen_dir, tmp_path):
     from edge_export.runtime_chat import verify_bundle
 
     model = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).eval()
-    check = verify_bundle(str(out), model, AutoTokenizer.from_pretrained(qwen_dir), quantization="dynamic-int8",
-                          stop_ids=(2,), chats=WORD_CHATS, steps=6, cache_length=32)
+    check = verify_bundle(
+        str(out),
+        model,
+        AutoTokenizer.from_pretrained(qwen_dir),
+        quantization="dynamic-int8",
+        stop_ids=(2,),
+        chats=WORD_CHATS,
+        steps=6,
+        cache_length=32,
+    )
     assert not check["passed"]
     assert "TensorBuffer must have all static dimensions" in check["failures"][0]

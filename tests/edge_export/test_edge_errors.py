@@ -100,10 +100,13 @@ def test_factory_needing_arguments_is_a_bad_source(tmp_path, capsys):
     assert not (tmp_path / "m.tflite").exists()
 
 
-@pytest.mark.parametrize("inputs, expected", [
-    (["1x3:float32"], "--input 1x3:float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x2)"),
-    (["1x4:float32", "1x4:float32"], "TypeError: Linear.forward() takes 2 positional arguments but 3 were given"),
-])
+@pytest.mark.parametrize(
+    "inputs, expected",
+    [
+        (["1x3:float32"], "--input 1x3:float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x2)"),
+        (["1x4:float32", "1x4:float32"], "TypeError: Linear.forward() takes 2 positional arguments but 3 were given"),
+    ],
+)
 def test_inputs_the_module_rejects_are_named_before_conversion(tmp_path, capsys, inputs, expected):
     code, out, err = export_factory(capsys, tmp_path, "linear_4_to_2", *inputs)
     line = one_line_error(err)
@@ -180,14 +183,19 @@ def test_tensorflow_is_aliased_not_installed():
 def test_console_script_prints_one_line_without_traceback(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "litert")
     command = [script] if os.path.exists(script) else [sys.executable, "-m", "edge_export.cli"]
-    proc = subprocess.run([*command, "export", "no/such/folder", "-o", str(tmp_path / "m.tflite")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*command, "export", "no/such/folder", "-o", str(tmp_path / "m.tflite")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("litert export: error: SOURCE 'no/such/folder'")
 
 
 def test_help_lists_usage():
-    proc = subprocess.run([sys.executable, "-m", "edge_export.cli", "export", "--help"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_export.cli", "export", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "--prefill-lengths" in proc.stdout and "--quantize" in proc.stdout

@@ -51,8 +51,13 @@ def test_cache_patch_is_still_needed_and_applies():
         "    layers = [Layer(64), Layer(256)]\n"
         "print(c.LiteRTLMCacheMixin.get_max_length(Cache()))\n"
     )
-    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"}).stdout.split("\n")
+    lines = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"},
+    ).stdout.split("\n")
     assert lines[0] == "False"  # litert-torch 0.10.0 with transformers 5: missing, so sliding-window export fails
     assert lines[1] == "True True"
     assert lines[2] == "256"
@@ -76,9 +81,13 @@ def test_litert_export_leaves_transformers_modeling_classes_alone(patched):
     """Importing litert-torch's export swaps transformers' kernel hook for the process, so modeling classes imported
     after it are litert-torch's (their ``mark_tensor`` op breaks ``torch.compile`` of a training model in the same
     process); ``keep_transformers_kernel_hook`` puts the hook back before any of them is imported."""
-    out = subprocess.run([sys.executable, "-c", _RMSNORM_CLASSES, "patched" if patched else "plain"],
-                         capture_output=True, text=True, check=True,
-                         env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"}).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _RMSNORM_CLASSES, "patched" if patched else "plain"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"},
+    ).stdout.split("\n")
     classes = out[-2].split()
     if patched:
         assert out[0] == "True"

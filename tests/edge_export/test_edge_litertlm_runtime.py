@@ -23,13 +23,22 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 PROMPT_CASES = {
     "system+user": [SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
     "user only": [{"role": "user", "content": "What is the capital of France?"}],
-    "two turns": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?"},
-                  {"role": "user", "content": "Tell me a joke."}],
-    "system + two turns": [SYSTEM, {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."},
-                           {"role": "user", "content": "Bye."}],
+    "two turns": [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ],
+    "system + two turns": [
+        SYSTEM,
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye."},
+    ],
     "parts": [{"role": "user", "content": [{"type": "text", "text": "Translate: "}, {"type": "text", "text": "cat"}]}],
-    "system as parts": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                        {"role": "user", "content": "Why is the sky blue?"}],
+    "system as parts": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
 }
 
 
@@ -38,8 +47,9 @@ def chatml_bundle(chatml_dir, tmp_path_factory):
     from edge_export.cli import main
 
     out = tmp_path_factory.mktemp("chatml_out") / "model.litertlm"
-    assert main(["export", chatml_dir, "-o", str(out), "--prefill-lengths", "32", "--cache-length", "256",
-                 "--quiet"]) == 0
+    assert (
+        main(["export", chatml_dir, "-o", str(out), "--prefill-lengths", "32", "--cache-length", "256", "--quiet"]) == 0
+    )
     return str(out)
 
 
@@ -48,16 +58,20 @@ def gemma_style_bundle(gemma_style_dir, tmp_path_factory):
     from edge_export.cli import main
 
     out = tmp_path_factory.mktemp("gemma_out") / "model.litertlm"
-    assert main(["export", gemma_style_dir, "-o", str(out), "--prefill-lengths", "32", "--cache-length", "256",
-                 "--quiet"]) == 0
+    assert (
+        main(["export", gemma_style_dir, "-o", str(out), "--prefill-lengths", "32", "--cache-length", "256", "--quiet"])
+        == 0
+    )
     return str(out)
 
 
 def load(checkpoint):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(checkpoint))
+    return (
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(checkpoint),
+    )
 
 
 def assert_runtime_prefills_hf_prompts(bundle, tokenizer):
@@ -114,8 +128,13 @@ def chatml_int8_bundle(chatml_bundle, chatml_dir, tmp_path_factory):
     """The fp32 bundle's model quantized with dynamic-int8, as `litert export --quantize dynamic-int8` does."""
     model, tokenizer = load(chatml_dir)
     out = tmp_path_factory.mktemp("chatml_int8")
-    finish_bundle(chatml_bundle, str(out / "int8.litertlm"), chat_format_for(tokenizer, model.generation_config),
-                  str(out / "work"), "dynamic-int8")
+    finish_bundle(
+        chatml_bundle,
+        str(out / "int8.litertlm"),
+        chat_format_for(tokenizer, model.generation_config),
+        str(out / "work"),
+        "dynamic-int8",
+    )
     return str(out / "int8.litertlm")
 
 
@@ -129,15 +148,27 @@ def test_int8_bundle_agreement_is_measured_and_bounded(chatml_int8_bundle, chatm
     assert code == 3 and "top-1 agreement" in line and "is below 90% by" in line and "--min-agreement" in line
     share = float(line.split("top-1 agreement ")[1].split("%")[0]) / 100
     assert 0.6 < share < 0.9
-    code, stdout, _ = run_cli(capsys, "verify", chatml_int8_bundle, "--source", chatml_dir, "--quantize",
-                              "dynamic-int8", "--min-agreement", str(share - 0.05))
+    code, stdout, _ = run_cli(
+        capsys,
+        "verify",
+        chatml_int8_bundle,
+        "--source",
+        chatml_dir,
+        "--quantize",
+        "dynamic-int8",
+        "--min-agreement",
+        str(share - 0.05),
+    )
     assert code == 0 and f"top-1 agreement {share:.1%} of 256 greedy steps" in stdout
 
 
 def rewritten(bundle, tmp_path, **changes):
     stored = read_chat_format(bundle, str(tmp_path / "read"))
-    good = ChatFormat(template=stored["template"], start_token=stored["start_token"],
-                      stop_token_ids=tuple(t[0] for t in stored["stop_tokens"]))
+    good = ChatFormat(
+        template=stored["template"],
+        start_token=stored["start_token"],
+        stop_token_ids=tuple(t[0] for t in stored["stop_tokens"]),
+    )
     out = str(tmp_path / "bad.litertlm")
     finish_bundle(bundle, out, ChatFormat(**{**good.__dict__, **changes}), str(tmp_path / "work"))
     return out
@@ -189,17 +220,45 @@ def eval_items(chatml_dir, tmp_path_factory):
 
 
 def test_eval_scores_runtime_beside_pytorch(chatml_bundle, chatml_dir, eval_items, capsys):
-    code, stdout, _ = run_cli(capsys, "verify", chatml_bundle, "--source", chatml_dir, "--verify-steps", "4",
-                              "--eval", eval_items, "--scorer", "edge_export.evaluate:score_exact",
-                              "--eval-max-tokens", "8")
+    code, stdout, _ = run_cli(
+        capsys,
+        "verify",
+        chatml_bundle,
+        "--source",
+        chatml_dir,
+        "--verify-steps",
+        "4",
+        "--eval",
+        eval_items,
+        "--scorer",
+        "edge_export.evaluate:score_exact",
+        "--eval-max-tokens",
+        "8",
+    )
     assert code == 0
     assert "task accuracy through LiteRT-LM 100.0%, PyTorch 100.0% on 4 items" in stdout
 
 
 def test_eval_fails_when_int8_loses_accuracy(chatml_int8_bundle, chatml_dir, eval_items, capsys):
-    code, _, err = run_cli(capsys, "verify", chatml_int8_bundle, "--source", chatml_dir, "--verify-steps", "4",
-                           "--min-agreement", "0", "--eval", eval_items, "--scorer", "exact",
-                           "--eval-max-tokens", "8", "--max-drop", "0")
+    code, _, err = run_cli(
+        capsys,
+        "verify",
+        chatml_int8_bundle,
+        "--source",
+        chatml_dir,
+        "--verify-steps",
+        "4",
+        "--min-agreement",
+        "0",
+        "--eval",
+        eval_items,
+        "--scorer",
+        "exact",
+        "--eval-max-tokens",
+        "8",
+        "--max-drop",
+        "0",
+    )
     line = one_line_error(err)
     assert code == 3 and "PyTorch 100.0% on 4 items" in line and "points lost, 0 allowed" in line
 
@@ -217,8 +276,12 @@ def test_bench_litertlm_through_the_runtime_benchmark_api(chatml_bundle, chatml_
     code, stdout, _ = run_cli(capsys, "bench", chatml_bundle, "--source", chatml_dir, "--steps", "16")
     assert code == 0 and "this CPU, XNNPACK: not a phone" in stdout
     rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in stdout.splitlines()[1:])
-    for label in ("LiteRT-LM prefill tokens/s", "LiteRT-LM decode tokens/s", "PyTorch decode tokens/s",
-                  "LiteRT-LM peak RSS GiB"):
+    for label in (
+        "LiteRT-LM prefill tokens/s",
+        "LiteRT-LM decode tokens/s",
+        "PyTorch decode tokens/s",
+        "LiteRT-LM peak RSS GiB",
+    ):
         assert float(rows[label].strip()) > 0, label
 
 

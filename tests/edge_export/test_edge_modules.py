@@ -44,8 +44,18 @@ def test_cnn_via_cli_fp32_and_int8(tmp_path, capsys):
     sizes = {}
     for quantization in ("none", "dynamic-int8"):
         out = tmp_path / f"cnn_{quantization}.tflite"
-        code, stdout, _ = run_cli(capsys, "export", "edge_export_factories:small_cnn", "-o", out,
-                                  "--input", "2x3x32x32:float32", "--quantize", quantization, "--benchmark")
+        code, stdout, _ = run_cli(
+            capsys,
+            "export",
+            "edge_export_factories:small_cnn",
+            "-o",
+            out,
+            "--input",
+            "2x3x32x32:float32",
+            "--quantize",
+            quantization,
+            "--benchmark",
+        )
         assert code == 0
         assert stdout.strip().splitlines()[-1].startswith(f"{out}: module tflite, {quantization}")
         report = json.loads((tmp_path / f"cnn_{quantization}.tflite.report.json").read_text())
@@ -71,8 +81,19 @@ def test_bench_module_and_cli_bench(capsys, mlp_fp32):
 def test_failed_verification_keeps_existing_output(tmp_path, capsys):
     out = tmp_path / "mlp.tflite"
     out.write_bytes(b"previous good file")
-    code, _, err = run_cli(capsys, "export", "edge_export_factories:mlp", "-o", out, "--input", "4x16:float32",
-                           "--quantize", "dynamic-int4", "--tolerance", "1e-9")
+    code, _, err = run_cli(
+        capsys,
+        "export",
+        "edge_export_factories:mlp",
+        "-o",
+        out,
+        "--input",
+        "4x16:float32",
+        "--quantize",
+        "dynamic-int4",
+        "--tolerance",
+        "1e-9",
+    )
     assert code == 3
     assert "verification failed" in err and "exceeds 1e-09 by" in err
     assert out.read_bytes() == b"previous good file"
@@ -83,7 +104,8 @@ def test_failed_verification_keeps_existing_output(tmp_path, capsys):
 
 def test_no_verify_skips_runtime_check(tmp_path, capsys):
     out = tmp_path / "mlp.tflite"
-    code, stdout, _ = run_cli(capsys, "export", "edge_export_factories:mlp", "-o", out, "--input", "4x16:float32",
-                              "--no-verify", "--quiet")
+    code, stdout, _ = run_cli(
+        capsys, "export", "edge_export_factories:mlp", "-o", out, "--input", "4x16:float32", "--no-verify", "--quiet"
+    )
     assert code == 0 and "not verified" in stdout
     assert json.loads((tmp_path / "mlp.tflite.report.json").read_text())["verification"] is None

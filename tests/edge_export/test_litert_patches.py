@@ -26,9 +26,11 @@ def test_untested_litert_torch_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ExportError) as info:
         litert_patches.install()
     assert info.value.kind == UNSUPPORTED_LIBRARY
-    assert str(info.value) == ("litert-torch 0.11.0 is outside the tested range ==0.10.0 of rl-tpu's patch "
-                               "tensorflow.lite.python.schema_py_generated (a sys.modules alias); install "
-                               "litert-torch==0.10.0")
+    assert str(info.value) == (
+        "litert-torch 0.11.0 is outside the tested range ==0.10.0 of rl-tpu's patch "
+        "tensorflow.lite.python.schema_py_generated (a sys.modules alias); install "
+        "litert-torch==0.10.0"
+    )
     for apply in (litert_patches.patch_cache_get_max_length, litert_patches.keep_transformers_kernel_hook):
         with pytest.raises(UnsupportedVersionError):
             apply()

@@ -15,8 +15,7 @@ def fake_cluster(tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns token auth on if ~/.ray/auth_token exists
     state = tmp_path_factory.mktemp("cluster") / "state.json"
     # Default logical CPUs (8 head, 8 per chip on slice hosts, as real TPU VMs have).
-    cluster = fake_slice.start(SLICES, object_store_mb=256,
-                               state_file=state, timeout_s=240)
+    cluster = fake_slice.start(SLICES, object_store_mb=256, state_file=state, timeout_s=240)
     cluster.state_file = state
     yield cluster
     fake_slice.stop(state_file=state)

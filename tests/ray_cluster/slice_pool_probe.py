@@ -21,11 +21,16 @@ class ProbeWorker(Worker):
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def where(self):
         ctx = ray.get_runtime_context()
-        return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
-                "master_addr": os.environ["MASTER_ADDR"], "node_id": ctx.get_node_id(),
-                "tpu_worker_id": os.environ.get("TPU_WORKER_ID"), "tpu_name": os.environ.get("TPU_NAME"),
-                "chips": ctx.get_accelerator_ids().get("TPU", []),
-                "visible_chips": os.environ.get("TPU_VISIBLE_CHIPS")}
+        return {
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "master_addr": os.environ["MASTER_ADDR"],
+            "node_id": ctx.get_node_id(),
+            "tpu_worker_id": os.environ.get("TPU_WORKER_ID"),
+            "tpu_name": os.environ.get("TPU_NAME"),
+            "chips": ctx.get_accelerator_ids().get("TPU", []),
+            "visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
+        }
 
 
 def main() -> None:
@@ -37,8 +42,11 @@ def main() -> None:
     out = {"pool": type(pool).__name__}
     if out["pool"] == "SliceResourcePool" or os.environ.get("PROBE_WORKERS") == "1":
         try:
-            wg = RayWorkerGroup(resource_pool=pool, device_name="tpu",
-                                ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ProbeWorker)))
+            wg = RayWorkerGroup(
+                resource_pool=pool,
+                device_name="tpu",
+                ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ProbeWorker)),
+            )
             out["workers"] = wg.where()
             out["bundle_hosts"] = pool.placement.bundle_hosts()
         except Exception as e:  # noqa: BLE001 - reported to the test

@@ -16,8 +16,9 @@ RL_TPU = str(Path(sys.executable).parent / "rl-tpu")
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([RL_TPU, *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    return subprocess.run(
+        [RL_TPU, *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ, RAY_AUTH_MODE="disabled")
+    )
 
 
 def test_cli_up_status_down_stops_exactly_its_processes(fake_cluster, tmp_path):
@@ -25,8 +26,20 @@ def test_cli_up_status_down_stops_exactly_its_processes(fake_cluster, tmp_path):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     other_before = [r.pid for r in fake_cluster.nodes if ray_nodes.alive(r)]
     try:
-        up = _run("cluster", "up", "--fake-slice", "v6e-4", "--hosts-cpus", "1", "--head-cpus", "1",
-                  "--object-store-mb", "100", "--state-file", str(state))
+        up = _run(
+            "cluster",
+            "up",
+            "--fake-slice",
+            "v6e-4",
+            "--hosts-cpus",
+            "1",
+            "--head-cpus",
+            "1",
+            "--object-store-mb",
+            "100",
+            "--state-file",
+            str(state),
+        )
         assert up.returncode == 0, up.stdout + up.stderr
         assert "fake cluster ready" in up.stdout and "export RAY_ADDRESS=http://127.0.0.1:" in up.stdout
         rec = json.loads(state.read_text())

@@ -79,9 +79,23 @@ def test_rays_own_cli_with_working_dir(fake_cluster, tmp_path):
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / "big.bin").write_bytes(b"0" * 1024)
     out = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", fake_cluster.dashboard_url,
-         "--working-dir", str(tmp_path), "--", sys.executable, "hello.py"],
-        capture_output=True, text=True, env=ENV, timeout=180)
+        [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            fake_cluster.dashboard_url,
+            "--working-dir",
+            str(tmp_path),
+            "--",
+            sys.executable,
+            "hello.py",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"hello from {sys.executable}" in out.stdout
     assert "succeeded" in out.stdout.lower()
@@ -89,15 +103,43 @@ def test_rays_own_cli_with_working_dir(fake_cluster, tmp_path):
 
 def test_rl_tpu_cli_submit_ok_and_failing(fake_cluster):
     ok = subprocess.run(
-        [str(BIN / "rl-tpu"), "job", "submit", "--address", fake_cluster.dashboard_url,
-         "--env", "GREETING=hi-there", "--", "python", "-c", "import os; print(os.environ['GREETING'])"],
-        capture_output=True, text=True, env=ENV, timeout=180)
+        [
+            str(BIN / "rl-tpu"),
+            "job",
+            "submit",
+            "--address",
+            fake_cluster.dashboard_url,
+            "--env",
+            "GREETING=hi-there",
+            "--",
+            "python",
+            "-c",
+            "import os; print(os.environ['GREETING'])",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "hi-there" in ok.stdout and "SUCCEEDED" in ok.stdout
     bad = subprocess.run(
-        [str(BIN / "rl-tpu"), "job", "submit", "--address", fake_cluster.dashboard_url,
-         "--", "python", "-c", "import sys; sys.exit('driver gave up: boom-42')"],
-        capture_output=True, text=True, env=ENV, timeout=180)
+        [
+            str(BIN / "rl-tpu"),
+            "job",
+            "submit",
+            "--address",
+            fake_cluster.dashboard_url,
+            "--",
+            "python",
+            "-c",
+            "import sys; sys.exit('driver gave up: boom-42')",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     assert bad.returncode == 1
     assert "FAILED" in bad.stdout and "boom-42" in bad.stdout
 
@@ -106,8 +148,13 @@ def test_address_that_does_not_answer():
     with pytest.raises(ClusterError, match="no Ray dashboard answers at http://127.0.0.1:9") as err:
         check_answers("http://127.0.0.1:9", timeout_s=2)
     assert "\n" not in str(err.value)
-    out = subprocess.run([str(BIN / "rl-tpu"), "job", "status", "x", "--address", "127.0.0.1:9"],
-                         capture_output=True, text=True, env=ENV, timeout=60)
+    out = subprocess.run(
+        [str(BIN / "rl-tpu"), "job", "status", "x", "--address", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     assert "rl-tpu cluster up" in out.stderr
@@ -134,8 +181,13 @@ def tiny_model(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_llama")
     tok = AutoTokenizer.from_pretrained(ensure_default_model())
-    cfg = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)  # tied embeddings, as SmolLM2
+    cfg = tiny_config(
+        "llama",
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )  # tied embeddings, as SmolLM2
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
@@ -150,22 +202,43 @@ def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
     working_console_script("verl", "train")
     out = tmp_path / "run"
     n = 2  # prompts x samples = 4 sequences = 1 per worker
-    job_id = jobs.submit([
-        "verl", "train", "--backend", "cpu", "--slice", "v6e-4", "--output-dir", str(out),
-        f"actor_rollout_ref.model.path={tiny_model}", "trainer.total_training_steps=1",
-        "rl_tpu.train_size=8", "rl_tpu.val_size=4", f"data.train_batch_size={n}", f"actor_rollout_ref.rollout.n={n}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={n}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.num_threads=1",
-        "rl_tpu.slice_timeout_s=180",  # a slice that cannot be placed fails the job, not the CI clock
-    ])
+    job_id = jobs.submit(
+        [
+            "verl",
+            "train",
+            "--backend",
+            "cpu",
+            "--slice",
+            "v6e-4",
+            "--output-dir",
+            str(out),
+            f"actor_rollout_ref.model.path={tiny_model}",
+            "trainer.total_training_steps=1",
+            "rl_tpu.train_size=8",
+            "rl_tpu.val_size=4",
+            f"data.train_batch_size={n}",
+            f"actor_rollout_ref.rollout.n={n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+            "data.max_response_length=16",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "rl_tpu.num_threads=1",
+            "rl_tpu.slice_timeout_s=180",  # a slice that cannot be placed fails the job, not the CI clock
+        ]
+    )
     r = jobs.wait(job_id, timeout_s=1500, poll_s=1.0)
     assert r.status == "SUCCEEDED", r.message[-3000:]
     assert "run finished" in r.logs
     logs = r.logs + (out / "train.log").read_text()  # the console shows less; train.log has every line
-    assert re.search(r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
-                     r"4 workers, host of each: \[0, 0, 0, 0\]", logs), logs[-3000:]
+    assert re.search(
+        r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
+        r"4 workers, host of each: \[0, 0, 0, 0\]",
+        logs,
+    ), logs[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step1 = [row["data"] for row in rows if row.get("step") == 1]
     assert step1 and math.isfinite(step1[-1]["actor/pg_loss"])

@@ -11,18 +11,27 @@ import yaml
 
 from rl_tpu.topology import TopologyError
 from ray_cluster.errors import ClusterError
-from ray_cluster.kuberay import (crd_schema, load_manifests, ray_cluster_manifest, ray_job_manifest,
-                                 unknown_fields, validate)
+from ray_cluster.kuberay import (
+    crd_schema,
+    load_manifests,
+    ray_cluster_manifest,
+    ray_job_manifest,
+    unknown_fields,
+    validate,
+)
 
 
-@pytest.mark.parametrize("atype,hosts,chips,accel,topo", [
-    ("v6e-16", 4, "4", "tpu-v6e-slice", "4x4"),
-    ("v6e-8", 1, "8", "tpu-v6e-slice", "2x4"),
-    ("v4-16", 2, "4", "tpu-v4-podslice", "2x2x2"),
-    ("v5p-16", 2, "4", "tpu-v5p-slice", "2x2x2"),
-    ("v5litepod-16", 4, "4", "tpu-v5-lite-podslice", "4x4"),
-    ("tpu7x-16", 2, "4", "tpu7x", "2x2x2"),
-])
+@pytest.mark.parametrize(
+    "atype,hosts,chips,accel,topo",
+    [
+        ("v6e-16", 4, "4", "tpu-v6e-slice", "4x4"),
+        ("v6e-8", 1, "8", "tpu-v6e-slice", "2x4"),
+        ("v4-16", 2, "4", "tpu-v4-podslice", "2x2x2"),
+        ("v5p-16", 2, "4", "tpu-v5p-slice", "2x2x2"),
+        ("v5litepod-16", 4, "4", "tpu-v5-lite-podslice", "4x4"),
+        ("tpu7x-16", 2, "4", "tpu7x", "2x2x2"),
+    ],
+)
 def test_cluster_manifest_per_slice(atype, hosts, chips, accel, topo):
     m = ray_cluster_manifest("rl-tpu", [atype])
     validate(m)
@@ -31,13 +40,19 @@ def test_cluster_manifest_per_slice(atype, hosts, chips, accel, topo):
     pod = g["template"]["spec"]
     res = pod["containers"][0]["resources"]
     assert res["limits"]["google.com/tpu"] == chips == res["requests"]["google.com/tpu"]
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accel,
-                                   "cloud.google.com/gke-tpu-topology": topo}
-    assert "google.com/tpu" not in m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": accel,
+        "cloud.google.com/gke-tpu-topology": topo,
+    }
+    assert (
+        "google.com/tpu" not in m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    )
 
 
 def test_job_manifest_separate_slices_and_entrypoint():
-    j = ray_job_manifest("grpo-run", ["v6e-16", "v6e-8"], ["--config", "my run.yaml", "trainer.total_training_steps=10"])
+    j = ray_job_manifest(
+        "grpo-run", ["v6e-16", "v6e-8"], ["--config", "my run.yaml", "trainer.total_training_steps=10"]
+    )
     validate(j)
     assert j["spec"]["entrypoint"] == "verl train --backend tpu --config 'my run.yaml' trainer.total_training_steps=10"
     groups = j["spec"]["rayClusterSpec"]["workerGroupSpecs"]
@@ -65,8 +80,11 @@ def test_misspelled_field_the_schema_alone_allows_is_caught():
 
 
 def test_preserve_unknown_fields_objects_are_still_checked():
-    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-              "properties": {"replicas": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"replicas": {"type": "integer"}},
+    }
     assert unknown_fields({"replicas": 1}, schema) == []
     assert unknown_fields({"replica": 1}, schema) == ["replica (did you mean 'replicas'?)"]
 
@@ -86,8 +104,12 @@ def test_cli_writes_and_validates(tmp_path):
     rl_tpu = str(Path(sys.executable).parent / "rl-tpu")
     out = tmp_path / "job.yaml"
     config = "verl_backend/configs/grpo_cpu.yaml"  # the CPU default job
-    r = subprocess.run([rl_tpu, "kuberay", "job", "--slice", "v5p-16", "--name", "grpo", "-o", str(out),
-                        "--", "--config", config], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [rl_tpu, "kuberay", "job", "--slice", "v5p-16", "--name", "grpo", "-o", str(out), "--", "--config", config],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
     assert doc["kind"] == "RayJob" and doc["spec"]["entrypoint"].endswith(f"--config {config}")
@@ -99,12 +121,15 @@ def test_cli_writes_and_validates(tmp_path):
     assert r.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("text, expect", [
-    ("a: [1, 2\n", "is not valid YAML at line 2, column 1: expected ',' or ']'"),
-    ("- a\n- b\n", "is a YAML list at the top level, not a mapping"),
-    ("42\n", "is a YAML int at the top level, not a mapping"),
-    ("", "holds no YAML document"),
-])
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("a: [1, 2\n", "is not valid YAML at line 2, column 1: expected ',' or ']'"),
+        ("- a\n- b\n", "is a YAML list at the top level, not a mapping"),
+        ("42\n", "is a YAML int at the top level, not a mapping"),
+        ("", "holds no YAML document"),
+    ],
+)
 def test_cli_validate_bad_yaml_is_one_line(tmp_path, text, expect):
     rl_tpu = str(Path(sys.executable).parent / "rl-tpu")
     f = tmp_path / "m.yaml"

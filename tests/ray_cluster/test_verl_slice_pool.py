@@ -20,8 +20,9 @@ def probe(fake_cluster, slice_env: str | None, hosts: int, chips: int) -> dict:
     record = settings.record(settings.RlTpuSettings(slice=slice_env or "", slice_timeout_s=60.0))
     env = dict(os.environ, RAY_ADDRESS=fake_cluster.address, VERL_PLATFORM="tpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     env[settings.RECORD_ENV] = record
-    proc = subprocess.run([sys.executable, str(PROBE), str(hosts), str(chips)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), str(hosts), str(chips)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -130,4 +130,3 @@ def test_init_process_group_names_missing_variables(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(CollectiveError, match="RANK=2"):
         init_process_group_from_env("cpu")
-

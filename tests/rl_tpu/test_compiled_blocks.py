@@ -22,9 +22,17 @@ VOCAB = 512
 
 def tiny(family: str) -> torch.nn.Module:
     config_name, model_name, extra = FAMILIES[family]
-    keys = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-            "pad_token_id": 0, **extra}
+    keys = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "pad_token_id": 0,
+        **extra,
+    }
     config = getattr(transformers, config_name)(**keys)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -40,7 +48,7 @@ def padded_batch(seed: int, batch: int = 3, length: int = 24):
         left = int(torch.randint(0, 6, (1,), generator=g))
         right = int(torch.randint(0, 6, (1,), generator=g))
         mask[row, :left] = 0
-        mask[row, length - right:] = 0
+        mask[row, length - right :] = 0
     ids = ids * mask
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, pos
@@ -54,9 +62,16 @@ def loss_of(model, batch) -> torch.Tensor:
     return -(logp * keep).sum() / keep.sum()
 
 
-@pytest.mark.parametrize(("family", "backend", "checkpointing"),
-                         [("llama", "inductor", False), ("llama", "aot_eager", True), ("qwen3", "aot_eager", False),
-                          ("gemma3", "aot_eager", False), ("qwen3_moe", "aot_eager", False)])
+@pytest.mark.parametrize(
+    ("family", "backend", "checkpointing"),
+    [
+        ("llama", "inductor", False),
+        ("llama", "aot_eager", True),
+        ("qwen3", "aot_eager", False),
+        ("gemma3", "aot_eager", False),
+        ("qwen3_moe", "aot_eager", False),
+    ],
+)
 def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend, checkpointing):
     """Also under gradient checkpointing (VeRL's default off the CPU, non-reentrant as VeRL asks): the block is
     recomputed in the backward through its compiled forward."""
@@ -91,8 +106,9 @@ def test_compiled_blocks_train_like_eager_with_bounded_graphs(family, backend, c
         # update and no-grad forward of one shape (with checkpointing the no-grad forward also sees a block input
         # that requires grad, and a KV cache object): no new graph after the first step
         assert blocks.graphs == warm <= (3 if checkpointing else 2), blocks.signatures
-        assert [line.split(" (")[0] for line in lines] == [f"[rl-tpu] compiled trainer blocks: graph {n} of at most 16"
-                                                           for n in range(1, warm + 1)]
+        assert [line.split(" (")[0] for line in lines] == [
+            f"[rl-tpu] compiled trainer blocks: graph {n} of at most 16" for n in range(1, warm + 1)
+        ]
     else:  # what cannot compile says so once and trains eagerly: the same numbers as above
         assert len([line for line in lines if "runs eagerly" in line]) == 1
 

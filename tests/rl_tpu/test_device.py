@@ -36,9 +36,19 @@ needs_torch_tpu = pytest.mark.skipif(
 def test_backend_table() -> None:
     assert set(BACKENDS) == {"tpu", "cpu", "cuda"}
     tpu, cpu, cuda = BACKENDS["tpu"], BACKENDS["cpu"], BACKENDS["cuda"]
-    assert (tpu.torch_device, tpu.dist_backend, tpu.compile_backend, tpu.ray_resource) == ("tpu", "tpu_dist", "tpu", "TPU")
+    assert (tpu.torch_device, tpu.dist_backend, tpu.compile_backend, tpu.ray_resource) == (
+        "tpu",
+        "tpu_dist",
+        "tpu",
+        "TPU",
+    )
     assert tpu.visible_devices_env == "TPU_VISIBLE_CHIPS"
-    assert (cpu.torch_device, cpu.dist_backend, cpu.compile_backend, cpu.ray_resource) == ("cpu", "gloo", "inductor", None)
+    assert (cpu.torch_device, cpu.dist_backend, cpu.compile_backend, cpu.ray_resource) == (
+        "cpu",
+        "gloo",
+        "inductor",
+        None,
+    )
     assert cpu.visible_devices_env is None
     assert (cuda.torch_device, cuda.dist_backend, cuda.ray_resource) == ("cuda", "nccl", "GPU")
     assert cuda.visible_devices_env == "CUDA_VISIBLE_DEVICES"
@@ -172,6 +182,8 @@ def test_starting_the_runtime_without_a_chip_fails_in_the_child_only() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", "import torch; torch.ones(1, device='tpu')"],
         env={**os.environ, "TPU_SKIP_MDS_QUERY": "1", "PYTHONWARNINGS": "ignore"},
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode != 0

@@ -20,10 +20,24 @@ VOCAB = 128
 def tiny_moe(seed: int) -> Qwen3MoeForCausalLM:
     """2 layers of 4 experts; each expert's gate/up/down matrix is (1088, 256) float32 = 1.06 MiB, the fused
     ``gate_up_proj`` 8.5 MiB: both larger than a bucket."""
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=1088,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                         max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=1088,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()

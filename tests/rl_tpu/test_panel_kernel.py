@@ -14,10 +14,14 @@ from torch.utils.cpp_extension import get_cxx_compiler
 from rl_tpu.sampler import panel_kernel
 
 pytestmark = [
-    pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                       reason="the panel kernel needs an AVX-512 CPU (oneDNN runs elsewhere)"),
-    pytest.mark.skipif(shutil.which(get_cxx_compiler()) is None,
-                       reason="no C++ compiler to build the panel kernel (the sampler then runs oneDNN's)"),
+    pytest.mark.skipif(
+        torch.backends.cpu.get_cpu_capability() != "AVX512",
+        reason="the panel kernel needs an AVX-512 CPU (oneDNN runs elsewhere)",
+    ),
+    pytest.mark.skipif(
+        shutil.which(get_cxx_compiler()) is None,
+        reason="no C++ compiler to build the panel kernel (the sampler then runs oneDNN's)",
+    ),
 ]
 
 
@@ -70,11 +74,13 @@ def test_the_compiled_graphs_packed_linear_op_follows_its_weights() -> None:
     assert cache.nbytes == 16 * 8 * 4  # one panel: 6 rows padded to 16
     with torch.no_grad():
         w.mul_(2)  # in place: the version counter moves
-    torch.testing.assert_close(op(x.transpose(0, 1), w, None, cache.id), x.transpose(0, 1) @ w.T, rtol=1e-5,
-                               atol=1e-5)  # a non-contiguous input too
+    torch.testing.assert_close(
+        op(x.transpose(0, 1), w, None, cache.id), x.transpose(0, 1) @ w.T, rtol=1e-5, atol=1e-5
+    )  # a non-contiguous input too
     assert cache.nbytes == 16 * 8 * 4  # the stale copy was replaced, not kept beside the new one
-    assert torch.equal(op(x.bfloat16(), w.bfloat16(), None, cache.id),
-                       torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
+    assert torch.equal(
+        op(x.bfloat16(), w.bfloat16(), None, cache.id), torch.nn.functional.linear(x.bfloat16(), w.bfloat16())
+    )  # not float32: plain
     # a weight freed and another made at its address, with the same shape and version counter (0): the old copy
     # must not be used
     x2, addresses = torch.randn(4, 64), set()
@@ -135,10 +141,18 @@ def test_decode_attention_kernel_equals_the_batched_products(heads, kv_heads, di
     keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
     for row in range(batch):
         keep[row, ..., : 3 * row] = False  # left padding
-    mask = {"bool": keep, "float": torch.where(keep, 0.0, -1e4) - 0.1 * torch.rand(batch, 1, 1, kv_len, generator=g),
-            "none": None}[mask_kind]
-    want = decode_attention(query.double(), key.double(), value.double(),
-                            None if mask is None else (mask if mask.dtype == torch.bool else mask.double()), 0.17)
+    mask = {
+        "bool": keep,
+        "float": torch.where(keep, 0.0, -1e4) - 0.1 * torch.rand(batch, 1, 1, kv_len, generator=g),
+        "none": None,
+    }[mask_kind]
+    want = decode_attention(
+        query.double(),
+        key.double(),
+        value.double(),
+        None if mask is None else (mask if mask.dtype == torch.bool else mask.double()),
+        0.17,
+    )
     got = decode_attention(query, key, value, mask, 0.17, kernel=True)
     plain = decode_attention(query, key, value, mask, 0.17)
     assert got.shape == want.shape == (batch, 1, heads, dim) and got.dtype == torch.float32
@@ -152,12 +166,14 @@ def test_decode_attention_kernel_falls_back_where_it_does_not_apply() -> None:
 
     assert panel_kernel.backend() == "panel"  # built and self-checked (this test may run first)
     query, key = torch.randn(2, 4, 1, 48), torch.randn(2, 2, 7, 48)  # head dim 48: the products
-    assert torch.equal(decode_attention(query, key, key, None, None, kernel=True),
-                       decode_attention(query, key, key, None, None))
+    assert torch.equal(
+        decode_attention(query, key, key, None, None, kernel=True), decode_attention(query, key, key, None, None)
+    )
     query, key = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 7, 64)
     half = (query.bfloat16(), key.bfloat16())  # bfloat16: the products
-    assert torch.equal(decode_attention(*half, half[1], None, None, kernel=True),
-                       decode_attention(*half, half[1], None, None))
+    assert torch.equal(
+        decode_attention(*half, half[1], None, None, kernel=True), decode_attention(*half, half[1], None, None)
+    )
     nothing = torch.zeros(2, 1, 1, 7, dtype=torch.bool)  # every key masked: NaN, as torch's softmax gives
     assert decode_attention(query, key, key, nothing, None, kernel=True).isnan().all()
     assert decode_attention(query, key, key, nothing, None).isnan().all()
@@ -177,8 +193,12 @@ def test_threads_split_the_work_without_changing_a_bit() -> None:
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((panel_kernel.linear(x, packed, bias, 1000),
-                            decode_attention(query, key, value, None, None, kernel=True)))
+            results.append(
+                (
+                    panel_kernel.linear(x, packed, bias, 1000),
+                    decode_attention(query, key, value, None, None, kernel=True),
+                )
+            )
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
@@ -195,7 +215,7 @@ def test_greedy_token_kernel_equals_argmax_and_log_softmax(vocab) -> None:
     assert panel_kernel.backend() == "panel"
     g = torch.Generator().manual_seed(vocab)
     wide = torch.randn(7, vocab + 5, generator=g) * 5
-    logits = wide[:, 2:vocab + 2]  # rows not contiguous with each other: the row stride is read
+    logits = wide[:, 2 : vocab + 2]  # rows not contiguous with each other: the row stride is read
     if vocab > 3:
         logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first wins
         logits[2, vocab - 1] = float("nan")
@@ -215,8 +235,9 @@ def test_greedy_token_kernel_equals_argmax_and_log_softmax(vocab) -> None:
     torch.testing.assert_close(fast[1], plain[1], rtol=0, atol=1e-5, equal_nan=True)
     with pytest.raises(RuntimeError, match="greedy_choice: logits must be"):
         torch.ops.rl_tpu_kernels.greedy_choice(logits.t())
-    transposed = choose_tokens(logits.t().contiguous().t(), temperature=0, top_k=-1, top_p=1.0, generator=None,
-                               kernel=True)  # columns not contiguous: ATen's path, not a refusal
+    transposed = choose_tokens(
+        logits.t().contiguous().t(), temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=True
+    )  # columns not contiguous: ATen's path, not a refusal
     assert torch.equal(transposed[0], plain[0])
 
 
@@ -230,8 +251,9 @@ def test_greedy_tokens_are_the_logits_argmax_on_every_path() -> None:
     logits[:, 20] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     for kernel in (True, False):
         for logprobs in (True, False):
-            tokens, _ = choose_tokens(logits, temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=kernel,
-                                      logprobs=logprobs)
+            tokens, _ = choose_tokens(
+                logits, temperature=0, top_k=-1, top_p=1.0, generator=None, kernel=kernel, logprobs=logprobs
+            )
             assert tokens.tolist() == [20, 20], (kernel, logprobs)
 
 

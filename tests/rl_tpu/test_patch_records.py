@@ -33,9 +33,11 @@ def test_untested_torch_is_refused_in_one_line(monkeypatch, fresh_checks):
     monkeypatch.setattr(record_module, "installed_version", lambda lib: "2.14.0" if lib == "torch" else None)
     with pytest.raises(UnsupportedVersionError) as info:
         torch_internals.reorder_linear_weight(torch.randn(8, 4), 4)
-    assert str(info.value) == ('torch 2.14.0 is outside the tested range <2.14,>=2.13 of rl-tpu\'s patch '
-                               'torch.ops.mkldnn._reorder_linear_weight + _linear_pointwise; install '
-                               '"torch<2.14,>=2.13"')
+    assert str(info.value) == (
+        "torch 2.14.0 is outside the tested range <2.14,>=2.13 of rl-tpu's patch "
+        "torch.ops.mkldnn._reorder_linear_weight + _linear_pointwise; install "
+        '"torch<2.14,>=2.13"'
+    )
     assert isinstance(info.value, BadInputError)
     with pytest.raises(UnsupportedVersionError):
         torch_internals.disable_current_modes()
@@ -67,8 +69,15 @@ def _tiny_llama():
     from families import tiny_config
     from transformers import LlamaForCausalLM
 
-    config = tiny_config("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+    config = tiny_config(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).float().eval()
 
 
@@ -76,8 +85,9 @@ def test_rotary_function_is_the_modeling_modules_own():
     from transformers.models.llama import modeling_llama
 
     model = _tiny_llama()
-    assert transformers_internals.rotary_function(model.model.layers[0].self_attn) is \
-        modeling_llama.apply_rotary_pos_emb
+    assert (
+        transformers_internals.rotary_function(model.model.layers[0].self_attn) is modeling_llama.apply_rotary_pos_emb
+    )
     assert transformers_internals.rotary_function(torch.nn.Linear(2, 2)) is None  # torch's module: no RoPE there
 
 
@@ -86,12 +96,15 @@ def test_lean_step_stands_down_with_the_refusal_line_for_an_untested_transformer
 
     model = _tiny_llama()
     assert lean_blocker(model) is None
-    monkeypatch.setattr(record_module, "installed_version",
-                        lambda lib: "5.11.0" if lib == "transformers" else None)
+    monkeypatch.setattr(record_module, "installed_version", lambda lib: "5.11.0" if lib == "transformers" else None)
     record_module._CHECKED.clear()  # the call above checked the real one
     reason = lean_blocker(model)
-    assert reason is not None and reason.startswith("transformers 5.11.0 is outside the tested range") and \
-        "apply_rotary_pos_emb" in reason and "\n" not in reason
+    assert (
+        reason is not None
+        and reason.startswith("transformers 5.11.0 is outside the tested range")
+        and "apply_rotary_pos_emb" in reason
+        and "\n" not in reason
+    )
 
 
 def test_pytree_and_tensor_identity_accessors():
@@ -149,8 +162,7 @@ def test_no_split_modules_names_a_models_blocks(monkeypatch, fresh_checks):
     model = _tiny_llama()
     assert transformers_internals.no_split_modules(model) == {"LlamaDecoderLayer"}
     assert transformers_internals.no_split_modules(torch.nn.Linear(2, 2)) == set()
-    monkeypatch.setattr(record_module, "installed_version",
-                        lambda lib: "5.11.0" if lib == "transformers" else None)
+    monkeypatch.setattr(record_module, "installed_version", lambda lib: "5.11.0" if lib == "transformers" else None)
     record_module._CHECKED.clear()  # the calls above checked the real one
     with pytest.raises(UnsupportedVersionError, match="transformers 5.11.0 is outside the tested range"):
         transformers_internals.no_split_modules(model)
@@ -181,8 +193,11 @@ def test_inductor_accessors_are_inductors_names():
 
 def test_untested_torch_refuses_the_inductor_accessors(monkeypatch, fresh_checks):
     monkeypatch.setattr(record_module, "installed_version", lambda lib: "2.14.0" if lib == "torch" else None)
-    for accessor in (torch_internals.inductor_compilers, torch_internals.compile_errors,
-                     torch_internals.dispatch_mode_base):
+    for accessor in (
+        torch_internals.inductor_compilers,
+        torch_internals.compile_errors,
+        torch_internals.dispatch_mode_base,
+    ):
         with pytest.raises(UnsupportedVersionError):
             accessor()
 

@@ -12,8 +12,12 @@ from test_sampler import make, random_prompts, tiny_llama
 
 torch.set_num_threads(1)
 
-SETTINGS = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.2, top_k=20),
-            dict(temperature=1.0, top_k=30, top_p=0.8, repetition_penalty=1.3, min_tokens=2)]
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.2, top_k=20),
+    dict(temperature=1.0, top_k=30, top_p=0.8, repetition_penalty=1.3, min_tokens=2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +35,15 @@ def plain(model, **kw):
 
 def test_seeds_are_stable_and_distinct() -> None:
     assert sample_seed(7, "det-3", 2, [5, 6, 7]) == sample_seed(7, "det-3", 2, [5, 6, 7])  # no PYTHONHASHSEED salt
-    seeds = {sample_seed(7, "det-3", 2, [5, 6, 7]), sample_seed(8, "det-3", 2, [5, 6, 7]),
-             sample_seed(7, "det-4", 2, [5, 6, 7]), sample_seed(7, "det-3", 3, [5, 6, 7]),
-             sample_seed(7, "det-3", 2, [5, 6, 8]), sample_seed(1, 23), sample_seed(12, 3)}
+    seeds = {
+        sample_seed(7, "det-3", 2, [5, 6, 7]),
+        sample_seed(8, "det-3", 2, [5, 6, 7]),
+        sample_seed(7, "det-4", 2, [5, 6, 7]),
+        sample_seed(7, "det-3", 3, [5, 6, 7]),
+        sample_seed(7, "det-3", 2, [5, 6, 8]),
+        sample_seed(1, 23),
+        sample_seed(12, 3),
+    }
     assert len(seeds) == 7 and all(0 <= s < 2**63 for s in seeds)
     long, short = row_uniforms([11, 12], 16), row_uniforms([12], 5)
     assert torch.equal(long[1, :5], short[0]) and not torch.equal(long[0], long[1])
@@ -81,5 +91,6 @@ def test_params_seed_without_per_prompt_seeds_is_independent_of_batch_cuts(model
     cut = make(model, max_batch_size=2).generate(prompts, params)
     assert [o.token_ids for o in whole] == [o.token_ids for o in cut]
     greedy = SamplingParams(n=2, temperature=0, max_new_tokens=10)  # greedy: no streams at all
-    assert [o.token_ids for o in make(model).generate(prompts, greedy)] == \
-        [o.token_ids for o in make(model, max_batch_size=2).generate(prompts, greedy)]
+    assert [o.token_ids for o in make(model).generate(prompts, greedy)] == [
+        o.token_ids for o in make(model, max_batch_size=2).generate(prompts, greedy)
+    ]

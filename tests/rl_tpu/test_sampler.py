@@ -16,9 +16,17 @@ VOCAB, PAD, EOS = 97, 0, 1
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa", max_position_embeddings=1024,
-                      initializer_range=0.2,  # peaked logits: no near-ties
-                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+    cfg = tiny_config(
+        "llama",
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # peaked logits: no near-ties
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -157,8 +165,10 @@ def test_packed_prefill_equals_padded_prefill(model, budget: int) -> None:
     sequence within the token budget."""
     prefix = random_prompts([10], seed=7)[0]
     prompts = [prefix + p for p in random_prompts([3, 17, 1, 30, 8], seed=8)] + [prefix[:4]]
-    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=12),
-                   SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=12, seed=3)):
+    for params in (
+        SamplingParams(n=2, temperature=0, max_new_tokens=12),
+        SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=12, seed=3),
+    ):
         packed = make(model, packed_prefill_tokens=budget)
         a = packed.generate(prompts, params)
         b = make(model, packed_prefill=False).generate(prompts, params)
@@ -184,9 +194,20 @@ def _tiny(kind: str, **extra) -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, pad_token_id=PAD,
-        eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False, **extra,
+        kind,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+        **extra,
     )
     cfg._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(cfg).eval()
@@ -194,9 +215,14 @@ def _tiny(kind: str, **extra) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     "kind,extra",
-    [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-     ("qwen2", {}), ("mistral", {"sliding_window": None}), ("qwen3", {}),
-     ("llama", {"hidden_act": "gelu"})],
+    [
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("qwen2", {}),
+        ("mistral", {"sliding_window": None}),
+        ("qwen3", {}),
+        ("llama", {"hidden_act": "gelu"}),
+    ],
     ids=["llama", "llama-bias-rope-scaling", "qwen2-bias", "mistral", "qwen3-qk-norm", "llama-gelu-mlp-as-module"],
 )
 def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
@@ -207,8 +233,10 @@ def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
     model = _tiny(kind, **extra)
     assert LeanDecoder.build(model) is not None
     prompts = random_prompts([5, 19, 40, 11, 2, 27])
-    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=20, stop_token_ids=list(range(3, 12))),
-                   SamplingParams(n=2, temperature=1.0, top_k=30, max_new_tokens=20, seed=6)):
+    for params in (
+        SamplingParams(n=2, temperature=0, max_new_tokens=20, stop_token_ids=list(range(3, 12))),
+        SamplingParams(n=2, temperature=1.0, top_k=30, max_new_tokens=20, seed=6),
+    ):
         lean = make(model)
         a = lean.generate(prompts, params)
         assert lean.lean is not None
@@ -248,8 +276,16 @@ def test_models_that_check_sdpa_by_name_keep_it() -> None:
     from rl_tpu.sampler.attention import dispatches_through_interface
 
     torch.manual_seed(0)
-    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+    )
     cfg._attn_implementation = "sdpa"
     model = FalconForCausalLM(cfg).eval()
     assert not dispatches_through_interface(model) and dispatches_through_interface(tiny_llama())
@@ -268,11 +304,29 @@ def test_value_heads_narrower_than_query_heads() -> None:
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        "deepseek_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-        initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, kv_lora_rank=16, q_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-        first_k_dense_replace=1, n_group=1, topk_group=1,
+        "deepseek_v3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
     )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     prompts = random_prompts([5, 3, 9])
@@ -498,11 +552,26 @@ def _tiny_longrope(switch: int):
     torch.manual_seed(0)
     half = 64 // 4 // 2  # head_dim / 2 factors
     cfg = AutoConfig.for_model(
-        "phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4 * switch, original_max_position_embeddings=switch,
-        initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [4.0] * half,
-                      "original_max_position_embeddings": switch},
+        "phi3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * switch,
+        original_max_position_embeddings=switch,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * half,
+            "long_factor": [4.0] * half,
+            "original_max_position_embeddings": switch,
+        },
     )
     cfg._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(cfg).eval()

@@ -26,10 +26,18 @@ VOCAB, PAD, EOS = 97, 0, 1
 
 def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, head_dim: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa",
-                      head_dim=head_dim or 16,  # 64: a head width rl-tpu's decode attention kernel takes
-                      max_position_embeddings=1024, initializer_range=0.2,  # peaked logits: no near-ties
-                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+    cfg = tiny_config(
+        "llama",
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
+        head_dim=head_dim or 16,  # 64: a head width rl-tpu's decode attention kernel takes
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # peaked logits: no near-ties
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     return cls(cfg).eval()
 
 
@@ -84,11 +92,13 @@ def test_inductor_steps_equal_eager_and_do_not_recompile_after_warm_up() -> None
 
 def test_a_rollout_with_batches_and_shrinking_stays_within_its_shapes_and_sees_new_weights() -> None:
     model = tiny_llama()
-    sampler = Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], max_batch_size=4, compile=True,
-                      compile_backend="aot_eager")
+    sampler = Sampler(
+        model, pad_token_id=PAD, eos_token_ids=[EOS], max_batch_size=4, compile=True, compile_backend="aot_eager"
+    )
     prompts = random_prompts([5, 19, 40, 11, 70, 3])  # two prompt buckets (64, 128), three batches of 4 rows
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=5, logprobs=True,
-                            stop_token_ids=list(range(3, 13)))  # rows end at random steps: batches shrink
+    params = SamplingParams(
+        n=2, temperature=1.0, max_new_tokens=40, seed=5, logprobs=True, stop_token_ids=list(range(3, 13))
+    )  # rows end at random steps: batches shrink
     first = sampler.generate(prompts, params)
     assert sampler.compiled.total_graphs <= len(sampler.shapes_seen)
     assert any(shape[0] < 4 and shape[1] == 1 for shape in sampler.shapes_seen)  # a batch shrank
@@ -130,8 +140,9 @@ def test_packed_linears_in_the_graphs_give_the_plain_graphs_numbers_and_follow_w
     prompts = random_prompts([5, 19, 40])
     params = SamplingParams(n=2, temperature=0, max_new_tokens=12, logprobs=True)
     packed = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
-    plain = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager",
-                    packed_weights=False)
+    plain = Sampler(
+        model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager", packed_weights=False
+    )
 
     def both():
         got, want = packed.generate(prompts, params), plain.generate(prompts, params)
@@ -165,15 +176,18 @@ def test_the_packed_linear_op_is_plain_linear_outside_compiled_steps() -> None:
         with torch.no_grad():
             w.mul_(2)
         torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x, w, None), x @ w.T, rtol=1e-5, atol=1e-6)
-        assert torch.equal(torch.ops.rl_tpu.packed_linear(x.bfloat16(), w.bfloat16(), None),
-                           torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))  # not float32: plain
+        assert torch.equal(
+            torch.ops.rl_tpu.packed_linear(x.bfloat16(), w.bfloat16(), None),
+            torch.nn.functional.linear(x.bfloat16(), w.bfloat16()),
+        )  # not float32: plain
         # a weight freed and another made at its address, with the same shape and version counter (0): the old
         # copy must not be used
         x2, addresses = x[0, :, :8].repeat(1, 8), set()
         for weight in tensors_at_one_address(32, 64, count=4):
             addresses.add(weight.data_ptr())
-            torch.testing.assert_close(torch.ops.rl_tpu.packed_linear(x2, weight, None), x2 @ weight.T, rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(
+                torch.ops.rl_tpu.packed_linear(x2, weight, None), x2 @ weight.T, rtol=1e-5, atol=1e-5
+            )
             del weight
         assert len(addresses) == 1
         kept = [torch.randn(32, 64) for _ in range(2)]  # live weights at their own addresses: a copy each
@@ -275,13 +289,16 @@ def test_the_op_counter_counts_each_dispatched_op() -> None:
 def test_ops_per_decode_step_bucketed_lean_and_compiled() -> None:
     model = tiny_llama()  # 2 layers: 7 linear layers each, and the LM head
     prompts = random_prompts([5, 19, 30, 11])
-    bucketed = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_weights=False, packed_prefill=False,
-                       lean_decode=False)
+    bucketed = Sampler(
+        model, pad_token_id=PAD, eos_token_ids=[], packed_weights=False, packed_prefill=False, lean_decode=False
+    )
     lean = Sampler(model, pad_token_id=PAD, eos_token_ids=[], packed_weights=False)
     compiled = Sampler(model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend="aot_eager")
     compiled.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))  # compile first
-    ops = {name: decode_step_ops(s, prompts, temperature=0)
-           for name, s in (("bucketed", bucketed), ("lean", lean), ("compiled", compiled))}
+    ops = {
+        name: decode_step_ops(s, prompts, temperature=0)
+        for name, s in (("bucketed", bucketed), ("lean", lean), ("compiled", compiled))
+    }
     assert ops["bucketed"]["linear"] == 2 * 7 + 1  # one decode step's forward, counted once
     assert ops["lean"]["linear"] == 2 * 7 + 1
     assert ops["compiled"][GRAPH] == 1 and "linear" not in ops["compiled"]
@@ -317,4 +334,3 @@ def job_settings_here(monkeypatch):
         return settings.current()
 
     return install
-

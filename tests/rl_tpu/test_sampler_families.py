@@ -18,11 +18,18 @@ torch.set_num_threads(1)
 
 # family -> (lean decode taken, packed prefill taken) on CPU
 FAST_PATHS = {
-    "llama": (True, True), "qwen2": (True, True), "qwen3": (True, True), "qwen3_moe": (True, True),
-    "qwen2_sliding": (False, False), "mistral": (False, False), "gemma3": (False, False),
+    "llama": (True, True),
+    "qwen2": (True, True),
+    "qwen3": (True, True),
+    "qwen3_moe": (True, True),
+    "qwen2_sliding": (False, False),
+    "mistral": (False, False),
+    "gemma3": (False, False),
 }
-PARAMS = {"greedy": SamplingParams(n=2, temperature=0, max_new_tokens=12),
-          "sampled": SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=12, seed=1)}
+PARAMS = {
+    "greedy": SamplingParams(n=2, temperature=0, max_new_tokens=12),
+    "sampled": SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=12, seed=1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,9 @@ def fallbacks_said_afresh(monkeypatch):
 def tiny(family: str, tokenizer_dir: Path, tmp_path_factory) -> torch.nn.Module:
     if family not in _MODELS:
         path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(family))
-        _MODELS[family] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        _MODELS[family] = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
     return _MODELS[family]
 
 
@@ -70,9 +79,14 @@ def max_logprob_error(model, sampler: Sampler, params: SamplingParams) -> float:
     ps = prompts()
     outs = sampler.generate(ps, params)
     assert len(outs) == len(ps) * params.n and all(len(o.token_ids) == params.max_new_tokens for o in outs)
-    return max(float((torch.tensor(o.logprobs) - reference_logprobs(model, ps[i // params.n], o.token_ids,
-                                                                      params.temperature)).abs().max())
-               for i, o in enumerate(outs))
+    return max(
+        float(
+            (torch.tensor(o.logprobs) - reference_logprobs(model, ps[i // params.n], o.token_ids, params.temperature))
+            .abs()
+            .max()
+        )
+        for i, o in enumerate(outs)
+    )
 
 
 @pytest.mark.parametrize("family", list(FAST_PATHS))
@@ -110,7 +124,9 @@ def test_a_lean_step_without_qwen3s_query_key_norms_computes_other_numbers(token
     assert max_logprob_error(model, sampler, PARAMS["greedy"]) > 1e-2
 
 
-def test_a_model_whose_forward_differs_from_its_structure_keeps_its_forward(tokenizer_dir, tmp_path_factory, capfd) -> None:
+def test_a_model_whose_forward_differs_from_its_structure_keeps_its_forward(
+    tokenizer_dir, tmp_path_factory, capfd
+) -> None:
     """A Qwen3 whose first decoder layer has a forward hook (the structure is the lean step's, the computation is
     not): the probe step finds the difference, decode runs through the model's forward, the numbers stay exact."""
     from rl_tpu.sampler.lean import lean_blocker, probe_error
@@ -131,12 +147,23 @@ def test_lean_blocker_names_what_it_cannot_compute(tokenizer_dir, tmp_path_facto
     assert "float32" in lean_blocker(tiny("llama", tokenizer_dir, tmp_path_factory).to(torch.bfloat16))
     _MODELS.pop("llama")  # cast in place: rebuilt for any later test
     assert lean_blocker(tiny("gemma3", tokenizer_dir, tmp_path_factory)) == "layer types sliding_attention"
-    path = build_tiny_model("gemma3", tokenizer_dir, tmp_path_factory.mktemp("g_full"),
-                            layer_types=["full_attention"] * 3, sliding_window=None)
+    path = build_tiny_model(
+        "gemma3",
+        tokenizer_dir,
+        tmp_path_factory.mktemp("g_full"),
+        layer_types=["full_attention"] * 3,
+        sliding_window=None,
+    )
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert "post_feedforward_layernorm" in lean_blocker(full)  # Gemma's norms around the MLP
-    path = build_tiny_model("gemma3", tokenizer_dir, tmp_path_factory.mktemp("g_cap"), final_logit_softcapping=30.0,
-                            layer_types=["full_attention"] * 3, sliding_window=None)
+    path = build_tiny_model(
+        "gemma3",
+        tokenizer_dir,
+        tmp_path_factory.mktemp("g_cap"),
+        final_logit_softcapping=30.0,
+        layer_types=["full_attention"] * 3,
+        sliding_window=None,
+    )
     assert "soft-capping" in lean_blocker(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
 
@@ -148,8 +175,10 @@ def test_a_window_wider_than_the_prompt_bucket_fills_then_rolls_during_decode(fa
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     g = torch.Generator().manual_seed(0)
     ps = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (12, 23, 31, 5)]
-    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=30),
-                   SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=1)):
+    for params in (
+        SamplingParams(n=2, temperature=0, max_new_tokens=30),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=1),
+    ):
         sampler = Sampler(model, pad_token_id=0, eos_token_ids=[])
         for i, o in enumerate(sampler.generate(ps, params)):
             ref = reference_logprobs(model, ps[i // 2], o.token_ids, params.temperature)

@@ -38,8 +38,15 @@ def fast(model, **kw) -> Sampler:
 def plain(model, **kw) -> Sampler:
     """What a TPU runs: left-padded bucketed prefill, the model's own forward (batches still shrink in powers of two;
     each row draws from its own stream, so sampled runs compare equal whatever the batch sizes)."""
-    return Sampler(model, pad_token_id=PAD, eos_token_ids=[EOS], packed_prefill=False, lean_decode=False,
-                   packed_weights=False, **kw)
+    return Sampler(
+        model,
+        pad_token_id=PAD,
+        eos_token_ids=[EOS],
+        packed_prefill=False,
+        lean_decode=False,
+        packed_weights=False,
+        **kw,
+    )
 
 
 def hf_processors(prompt_len: int, penalty: float, min_tokens: int, temperature: float) -> LogitsProcessorList:
@@ -64,14 +71,14 @@ def test_processors_equal_hf_logits_processors(penalty: float) -> None:
     ids = torch.full((4, width), PAD)
     mask = torch.zeros((4, width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     procs = LogitsProcessors.build(penalty, 3, ids, mask, torch.tensor(ENDS), VOCAB)
     history = [list(p) for p in prompts]
     for t in range(5):
         logits = torch.randn((4, VOCAB), generator=g) * 3
         ours = procs(logits, t)
         for i, row in enumerate(history):
-            ref = hf_processors(len(prompts[i]), penalty, 3, 0)(torch.tensor([row]), logits[i:i + 1].clone())
+            ref = hf_processors(len(prompts[i]), penalty, 3, 0)(torch.tensor([row]), logits[i : i + 1].clone())
             assert torch.equal(ours[i], ref[0]), f"row {i} step {t}"
         assert torch.isinf(ours[:, ENDS]).all() == (t < 3)
         tok = torch.randint(0, VOCAB, (4,), generator=g)
@@ -85,22 +92,29 @@ def test_processors_equal_hf_logits_processors(penalty: float) -> None:
 @pytest.mark.parametrize("build", [fast, plain], ids=["fast-path", "plain-path"])
 def test_greedy_with_processors_matches_hf_generate(model, build) -> None:
     prompts = random_prompts([4, 11, 23, 7], seed=2)
-    params = SamplingParams(temperature=0, max_new_tokens=14, repetition_penalty=1.6, min_tokens=5,
-                            stop_token_ids=STOPS)
+    params = SamplingParams(
+        temperature=0, max_new_tokens=14, repetition_penalty=1.6, min_tokens=5, stop_token_ids=STOPS
+    )
     sampler = build(model)
     outs = sampler.generate(prompts, params)
     if build is fast:
         assert sampler.lean is not None and sampler.packed is not None, "the fast paths did not engage"
     for prompt, out in zip(prompts, outs):
         hf = model.generate(
-            torch.tensor([prompt]), max_new_tokens=14, do_sample=False, repetition_penalty=1.6, min_new_tokens=5,
-            pad_token_id=PAD, eos_token_id=ENDS,
-        )[0, len(prompt):].tolist()
+            torch.tensor([prompt]),
+            max_new_tokens=14,
+            do_sample=False,
+            repetition_penalty=1.6,
+            min_new_tokens=5,
+            pad_token_id=PAD,
+            eos_token_id=ENDS,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == hf
         assert len(out.token_ids) >= 5 and not set(ENDS) & set(out.token_ids[:4])
         # the log-prob stays the model's, not the penalised distribution's
-        torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, prompt, out.token_ids, 0),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), reference_logprobs(model, prompt, out.token_ids, 0), atol=1e-4, rtol=0
+        )
     # the processors changed something: without them completions are shorter and other tokens are chosen
     off = build(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=14, stop_token_ids=STOPS))
     assert min(len(o.token_ids) for o in off) < 5
@@ -113,8 +127,14 @@ def test_repetition_penalty_alone_matches_hf_generate(model) -> None:
     outs = fast(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, repetition_penalty=1.3))
     base = fast(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=24))
     for prompt, out, b in zip(prompts, outs, base):
-        hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, repetition_penalty=1.3,
-                            pad_token_id=PAD, eos_token_id=EOS)[0, len(prompt):].tolist()
+        hf = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == hf
         assert len(set(out.token_ids)) >= len(set(b.token_ids))  # fewer repeats than without the penalty
     assert [o.token_ids for o in outs] != [b.token_ids for b in base]
@@ -131,8 +151,15 @@ def test_sampled_with_processors_matches_hf_processors_step_by_step(model, build
 
     new, temp, penalty, min_tokens = 12, 0.8, 1.4, 4
     for seed, prompt in enumerate(random_prompts([5, 13, 8], seed=5)):
-        params = SamplingParams(temperature=temp, top_k=top_k, max_new_tokens=new, repetition_penalty=penalty,
-                                min_tokens=min_tokens, stop_token_ids=STOPS, seed=seed)
+        params = SamplingParams(
+            temperature=temp,
+            top_k=top_k,
+            max_new_tokens=new,
+            repetition_penalty=penalty,
+            min_tokens=min_tokens,
+            stop_token_ids=STOPS,
+            seed=seed,
+        )
         out = build(model).generate([prompt], params)[0]
         u, row, want = row_uniforms([sample_seed(seed, 0, 0)], new)[0], list(prompt), []
         procs = hf_processors(len(prompt), penalty, min_tokens, temp)
@@ -140,16 +167,18 @@ def test_sampled_with_processors_matches_hf_processors_step_by_step(model, build
             with torch.no_grad():
                 logits = model(torch.tensor([row])).logits[:, -1].float()  # (1, vocab)
             scores = procs(torch.tensor([row]), logits)
-            tok, _ = choose_tokens(scores, temperature=1.0, top_k=top_k, top_p=1.0, generator=None,
-                                   uniforms=u[t : t + 1])
+            tok, _ = choose_tokens(
+                scores, temperature=1.0, top_k=top_k, top_p=1.0, generator=None, uniforms=u[t : t + 1]
+            )
             want.append(int(tok))
             row.append(int(tok))
             if int(tok) in ENDS:
                 break
         assert out.token_ids == want, f"seed {seed}"
         assert len(out.token_ids) >= min_tokens
-        torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, prompt, want, temp),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), reference_logprobs(model, prompt, want, temp), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -158,8 +187,16 @@ def test_fast_paths_equal_plain_path_with_processors(model, temperature: float) 
     batch): packed prefill + lean decode + packed weights give the bucketed plain path's tokens and log-probs."""
     prefix = random_prompts([8], seed=7)[0]
     prompts = [prefix + p for p in random_prompts([2, 12, 5, 20], seed=8)]
-    params = SamplingParams(n=2, temperature=temperature, top_p=0.95, max_new_tokens=16, repetition_penalty=1.5,
-                            min_tokens=3, stop_token_ids=STOPS, seed=3)
+    params = SamplingParams(
+        n=2,
+        temperature=temperature,
+        top_p=0.95,
+        max_new_tokens=16,
+        repetition_penalty=1.5,
+        min_tokens=3,
+        stop_token_ids=STOPS,
+        seed=3,
+    )
     sampler = fast(model)
     a = sampler.generate(prompts, params)
     b = plain(model, prompt_buckets=(32, 64), gen_buckets=(16,)).generate(prompts, params)
@@ -175,8 +212,9 @@ def test_logprobs_off_returns_none_and_the_same_tokens(model, procs) -> None:
     prompts = random_prompts([5, 9], seed=9)
     for temperature in (0.0, 1.0):
         on = fast(model).generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8, seed=1, **procs))
-        off = fast(model).generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8, seed=1,
-                                                           logprobs=False, **procs))
+        off = fast(model).generate(
+            prompts, SamplingParams(temperature=temperature, max_new_tokens=8, seed=1, logprobs=False, **procs)
+        )
         assert [o.token_ids for o in on] == [o.token_ids for o in off]
         assert all(o.logprobs is None for o in off) and all(len(o.logprobs) == len(o.token_ids) for o in on)
 
@@ -184,13 +222,36 @@ def test_logprobs_off_returns_none_and_the_same_tokens(model, procs) -> None:
 # ------------------------------------------------------------------------------------------- the request table
 def test_request_params_honours_every_sampling_key() -> None:
     got = request_params(
-        {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_tokens": 99, "stop_token_ids": [7, 5, 7],
-         "repetition_penalty": 1.1, "min_tokens": 3, "logprobs": True, "seed": 4, "detokenize": False,
-         "skip_special_tokens": False, "presence_penalty": 0.0, "n": 1, "stop": None, "ignore_eos": False},
+        {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "max_tokens": 99,
+            "stop_token_ids": [7, 5, 7],
+            "repetition_penalty": 1.1,
+            "min_tokens": 3,
+            "logprobs": True,
+            "seed": 4,
+            "detokenize": False,
+            "skip_special_tokens": False,
+            "presence_penalty": 0.0,
+            "n": 1,
+            "stop": None,
+            "ignore_eos": False,
+        },
         max_tokens=64,
     )
-    assert got == SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=64, stop_token_ids=(5, 7),
-                                 repetition_penalty=1.1, min_tokens=3, logprobs=True, seed=4)
+    assert got == SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        max_new_tokens=64,
+        stop_token_ids=(5, 7),
+        repetition_penalty=1.1,
+        min_tokens=3,
+        logprobs=True,
+        seed=4,
+    )
     # VeRL's agent loop request; SGLang's names; vLLM's top_k=0; logprobs as VeRL's vLLM adapter reads it
     verl = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
     assert request_params(verl, max_tokens=32) == SamplingParams(max_new_tokens=32, logprobs=False)
@@ -202,23 +263,42 @@ def test_request_params_honours_every_sampling_key() -> None:
 
 @pytest.mark.parametrize(
     "key,value",
-    [("presence_penalty", 0.5), ("frequency_penalty", -0.2), ("min_p", 0.05), ("ignore_eos", True), ("n", 4),
-     ("stop", ["\n\n"]), ("prompt_logprobs", 0), ("logit_bias", {3: 1.0}), ("bad_words", ["x"]),
-     ("structured_outputs", {"json": {}}), ("typical_p", 0.9)],
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.2),
+        ("min_p", 0.05),
+        ("ignore_eos", True),
+        ("n", 4),
+        ("stop", ["\n\n"]),
+        ("prompt_logprobs", 0),
+        ("logit_bias", {3: 1.0}),
+        ("bad_words", ["x"]),
+        ("structured_outputs", {"json": {}}),
+        ("typical_p", 0.9),
+    ],
 )
 def test_request_params_refuses_what_it_cannot_honour(key, value) -> None:
     with pytest.raises(SamplerError) as err:
         request_params({"temperature": 1.0, key: value}, max_tokens=16)
     msg = str(err.value)
     assert "\n" not in msg and f"{key}={value!r}" in msg and "repetition_penalty, min_tokens" in msg
-    request_params({"temperature": 1.0, key: None if key == "typical_p" else REQUEST_KEYS[key][1][0]},
-                   max_tokens=16)  # at its default it passes
+    request_params(
+        {"temperature": 1.0, key: None if key == "typical_p" else REQUEST_KEYS[key][1][0]}, max_tokens=16
+    )  # at its default it passes
 
 
 def test_request_table_is_complete_and_values_are_checked() -> None:
     kinds = {k: how for k, (how, _) in REQUEST_KEYS.items()}
     assert {k for k, how in kinds.items() if how == HONOURED} >= {
-        "temperature", "top_p", "top_k", "max_tokens", "repetition_penalty", "min_tokens", "logprobs", "stop_token_ids"}
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "repetition_penalty",
+        "min_tokens",
+        "logprobs",
+        "stop_token_ids",
+    }
     assert all(neutral for k, (how, neutral) in REQUEST_KEYS.items() if how == DEFAULT_ONLY)
     assert kinds["detokenize"] == NO_EFFECT
     for bad in ({"repetition_penalty": 0.0}, {"min_tokens": 9, "max_tokens": 4}, {"top_p": 0.0}):

@@ -43,8 +43,7 @@ def test_another_process_writes_the_owners_parameters_in_place():
     shared.release()
     assert float(model.lm_head.weight.abs().sum()) == 0.0  # pages given back: they read as zeros
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_write_from_child,
-                                           args=(shared.handle(), other.state_dict(), child))
+    proc = mp.get_context("spawn").Process(target=_write_from_child, args=(shared.handle(), other.state_dict(), child))
     proc.start()
     written, nbytes = parent.recv()
     proc.join(60)
@@ -57,7 +56,7 @@ def test_another_process_writes_the_owners_parameters_in_place():
 
 def test_a_handle_of_a_process_that_has_gone_cannot_be_opened():
     shared = SharedWeights(_tiny())
-    handle = {**shared.handle(), "pid": 2 ** 22 + 12345}  # no such process
+    handle = {**shared.handle(), "pid": 2**22 + 12345}  # no such process
     with pytest.raises(OSError):
         SharedWeightsWriter(handle)
 

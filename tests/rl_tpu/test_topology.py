@@ -46,7 +46,13 @@ REAL_SLICES = [
 def test_real_slice_shapes(atype, topo, hosts, per_host, chips, cores, mesh):
     s = parse_slice(atype)
     assert (s.topology, s.hosts, s.chips_per_host, s.chips, s.cores_per_chip, s.mesh_shape) == (
-        topo, hosts, per_host, chips, cores, mesh)
+        topo,
+        hosts,
+        per_host,
+        chips,
+        cores,
+        mesh,
+    )
     assert s.accelerator_type == atype
     assert s.hosts * s.chips_per_host == s.chips
     assert math.prod(s.mesh_shape) == s.num_devices

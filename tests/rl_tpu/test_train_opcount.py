@@ -21,8 +21,14 @@ VOCAB = 512
 
 
 def llama(layers: int) -> torch.nn.Module:
-    config = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa", num_hidden_layers=layers,
-                         pad_token_id=0, tie_word_embeddings=False)
+    config = tiny_config(
+        "llama",
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
+        num_hidden_layers=layers,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).train()
 

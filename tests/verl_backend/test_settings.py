@@ -35,16 +35,34 @@ def test_a_flag_is_its_keys_shortcut_and_may_not_disagree_with_it():
         S.resolve({"num_threads": "2"}, {}, {}, flags={"--num-threads": 3})
 
 
-@pytest.mark.parametrize("cli, file, env, message", [
-    ({"plain_module": "maybe"}, {}, {}, "rl_tpu.plain_module=maybe: rl_tpu.plain_module takes true or false"),
-    ({}, {"num_threads": "two"}, {}, "--config job.yaml rl_tpu.num_threads: rl_tpu.num_threads takes a whole number"),
-    ({}, {}, {"RL_TPU_TASK_RUNNER": "gpu"}, "RL_TPU_TASK_RUNNER='gpu': rl_tpu.task_runner takes one of driver, actor"),
-    ({"num_threads": "-1"}, {}, {}, "rl_tpu.num_threads must be >= 0"),
-    ({"plain_modul": "false"}, {}, {}, "rl_tpu.plain_modul is not an rl-tpu setting (did you mean rl_tpu.plain_module?)"),
-    ({}, {"trim": True}, {}, "--config job.yaml: rl_tpu.trim is not an rl-tpu setting"),
-    ({"shared_prefix": "false"}, {}, {}, "set actor_rollout_ref.actor.use_prefix_grouper instead"),
-    ({"task_config": "{oops"}, {}, {}, "rl_tpu.task_config is not JSON"),
-])
+@pytest.mark.parametrize(
+    "cli, file, env, message",
+    [
+        ({"plain_module": "maybe"}, {}, {}, "rl_tpu.plain_module=maybe: rl_tpu.plain_module takes true or false"),
+        (
+            {},
+            {"num_threads": "two"},
+            {},
+            "--config job.yaml rl_tpu.num_threads: rl_tpu.num_threads takes a whole number",
+        ),
+        (
+            {},
+            {},
+            {"RL_TPU_TASK_RUNNER": "gpu"},
+            "RL_TPU_TASK_RUNNER='gpu': rl_tpu.task_runner takes one of driver, actor",
+        ),
+        ({"num_threads": "-1"}, {}, {}, "rl_tpu.num_threads must be >= 0"),
+        (
+            {"plain_modul": "false"},
+            {},
+            {},
+            "rl_tpu.plain_modul is not an rl-tpu setting (did you mean rl_tpu.plain_module?)",
+        ),
+        ({}, {"trim": True}, {}, "--config job.yaml: rl_tpu.trim is not an rl-tpu setting"),
+        ({"shared_prefix": "false"}, {}, {}, "set actor_rollout_ref.actor.use_prefix_grouper instead"),
+        ({"task_config": "{oops"}, {}, {}, "rl_tpu.task_config is not JSON"),
+    ],
+)
 def test_bad_values_are_one_line_naming_where_they_came_from(cli, file, env, message):
     with pytest.raises(BadInputError) as err:
         S.resolve(cli, file, env, file_name="--config job.yaml")
@@ -93,16 +111,44 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     ``--print-config`` prints the ``rl_tpu:`` section with every key."""
     job = tmp_path / "job.yaml"
     job.write_text("rl_tpu:\n  plain_module: true\n  trim_backward: true\n  response_only_logits: false\n")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RL_TPU_TRIM_BACKWARD": "0",
-           "RL_TPU_SHARED_WEIGHTS": "0", "RL_TPU_SHARED_PREFIX": "0"}
+    env = {
+        **os.environ,
+        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        "RL_TPU_TRIM_BACKWARD": "0",
+        "RL_TPU_SHARED_WEIGHTS": "0",
+        "RL_TPU_SHARED_PREFIX": "0",
+    }
     env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--config",
-                           str(job), "--output-dir", str(tmp_path / "o"), "--print-config", "--num-threads", "3",
-                           "rl_tpu.plain_module=false", "data.train_files=x.parquet", "rl_tpu.model_cache=~/.cache/rl-tpu"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_backend.driver.cli",
+            "train",
+            "--backend",
+            "cpu",
+            "--config",
+            str(job),
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--print-config",
+            "--num-threads",
+            "3",
+            "rl_tpu.plain_module=false",
+            "data.train_files=x.parquet",
+            "rl_tpu.model_cache=~/.cache/rl-tpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    config = yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:"):]) if "actor_rollout_ref:" in \
-        proc.stdout.splitlines()[0] else yaml.safe_load(proc.stdout)
+    config = (
+        yaml.safe_load(proc.stdout[proc.stdout.index("actor_rollout_ref:") :])
+        if "actor_rollout_ref:" in proc.stdout.splitlines()[0]
+        else yaml.safe_load(proc.stdout)
+    )
     ours = config["rl_tpu"]
     assert set(ours) == {s.name for s in S.SETTINGS}
     assert ours["plain_module"] is False and ours["trim_backward"] is True and ours["response_only_logits"] is False
@@ -112,8 +158,13 @@ def test_print_config_shows_the_resolved_section_and_help_lists_the_table(tmp_pa
     assert ours["model_cache"] == str(Path.home() / ".cache" / "rl-tpu")
     assert config["actor_rollout_ref"]["model"]["path"] == ours["model_cache"] + "/SmolLM2-135M-Instruct"
     assert "RL_TPU_SHARED_WEIGHTS is deprecated" in proc.stderr and "RL_TPU_TRIM_BACKWARD" not in proc.stderr
-    helped = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--help"], capture_output=True,
-                            text=True, env=env, timeout=120).stdout
+    helped = subprocess.run(
+        [sys.executable, "-m", "verl_backend.driver.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    ).stdout
     for s in S.SETTINGS:
         assert f"rl_tpu.{s.name}=" in helped
 

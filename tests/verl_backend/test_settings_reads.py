@@ -49,8 +49,11 @@ def settings_reads(source: str) -> list[str]:
             if isinstance(child, ast.Call):
                 f = child.func
                 if (isinstance(f, ast.Name) and f.id in direct) or (
-                        isinstance(f, ast.Attribute) and f.attr == "current" and isinstance(f.value, ast.Name)
-                        and f.value.id in modules):
+                    isinstance(f, ast.Attribute)
+                    and f.attr == "current"
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id in modules
+                ):
                     found.append(".".join(scope) or "<module>")
             visit(child, scope)
 
@@ -74,8 +77,11 @@ def unexpected_reads(files: dict[str, str]) -> list[str]:
 
 
 def _tree() -> dict[str, str]:
-    return {str(p.relative_to(ROOT)): p.read_text() for d in ("verl_backend", "rl_tpu")
-            for p in sorted((ROOT / d).rglob("*.py"))}
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for d in ("verl_backend", "rl_tpu")
+        for p in sorted((ROOT / d).rglob("*.py"))
+    }
 
 
 def test_only_the_entry_points_read_the_settings_record_once_each():
@@ -92,15 +98,22 @@ def test_a_read_below_an_entry_point_is_reported():
     server = "verl_backend/rollout/server.py"
     extra = files[server] + "\n\ndef _threads():\n    return current().num_threads\n"
     assert unexpected_reads({**files, server: extra}) == [
-        f"{server}: _threads reads the settings record (take the section as a parameter)"]
+        f"{server}: _threads reads the settings record (take the section as a parameter)"
+    ]
     sampling = "verl_backend/rollout/sampling.py"
-    extra = files[sampling] + ("\n\ndef _seed():\n    from verl_backend import settings as job_settings\n\n"
-                               "    return job_settings.current().job_seed\n")
+    extra = files[sampling] + (
+        "\n\ndef _seed():\n    from verl_backend import settings as job_settings\n\n"
+        "    return job_settings.current().job_seed\n"
+    )
     assert unexpected_reads({**files, sampling: extra}) == [
-        f"{sampling}: _seed reads the settings record (take the section as a parameter)"]
-    twice = files[server].replace("self.rl_tpu = rollout_settings(current()) if settings is None else settings",
-                                  "self.rl_tpu = rollout_settings(current()) if settings is None else settings\n"
-                                  "        self.job_seed = current().job_seed")
+        f"{sampling}: _seed reads the settings record (take the section as a parameter)"
+    ]
+    twice = files[server].replace(
+        "self.rl_tpu = rollout_settings(current()) if settings is None else settings",
+        "self.rl_tpu = rollout_settings(current()) if settings is None else settings\n"
+        "        self.job_seed = current().job_seed",
+    )
     assert twice != files[server]
     assert unexpected_reads({**files, server: twice}) == [
-        f"{server}: NativeRolloutServer.__init__ reads the settings record 2 times (once)"]
+        f"{server}: NativeRolloutServer.__init__ reads the settings record 2 times (once)"
+    ]

@@ -170,9 +170,13 @@ def validate_rl_parquet(path: str | os.PathLike) -> int:
         )
     for i, row in enumerate(df.itertuples(index=False)):
         prompt = row.prompt
-        ok = prompt is not None and len(prompt) > 0 and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt
+        ok = (
+            prompt is not None
+            and len(prompt) > 0
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            )
         )
         if not ok:
             raise BadInputError(f"{p}: row {i}: 'prompt' must be a non-empty list of {{role, content}} messages")

@@ -226,7 +226,6 @@ def _police_score(data_source, solution_str, ground_truth, extra_info, user_fn_p
         ) from None
     if not math.isfinite(value):
         raise BadInputError(
-            f"reward function {where} returned {value} (data_source={data_source}, row {index}); "
-            "return a finite number"
+            f"reward function {where} returned {value} (data_source={data_source}, row {index}); return a finite number"
         )
     return result

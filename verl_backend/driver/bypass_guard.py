@@ -13,8 +13,15 @@ from __future__ import annotations
 from verl_backend.errors import BadInputError
 
 BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16", "half": "float16"}
+_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 def _dtype(name) -> str:
@@ -57,11 +64,15 @@ def guard_bypass(config, user_keys: set[str]) -> str | None:
     if why is None:
         return None
     if BYPASS_KEY in user_keys:
-        raise BadInputError(f"{BYPASS_KEY}=true reuses the rollout's log-probs as the old policy's, but {why}: set "
-                            f"{BYPASS_KEY}=false (the trainer recomputes them) or give both the same dtype")
+        raise BadInputError(
+            f"{BYPASS_KEY}=true reuses the rollout's log-probs as the old policy's, but {why}: set "
+            f"{BYPASS_KEY}=false (the trainer recomputes them) or give both the same dtype"
+        )
     with open_dict(config):
         config.algorithm.rollout_correction.bypass_mode = False
-    line = (f"[rl-tpu] {why}, so the rollout's log-probs are not the old policy's: {BYPASS_KEY} is off and the "
-            "trainer recomputes them")
+    line = (
+        f"[rl-tpu] {why}, so the rollout's log-probs are not the old policy's: {BYPASS_KEY} is off and the "
+        "trainer recomputes them"
+    )
     print(line, flush=True)
     return line

@@ -44,45 +44,83 @@ def _parser() -> argparse.ArgumentParser:
 
     option("--backend", required=True, help="device backend: tpu (TorchTPU), cpu (gloo) or cuda")
     option("--config", help="YAML file of VeRL config keys (nested), applied before command-line overrides")
-    option("--output-dir", help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
-                   "(default: outputs/<trainer.experiment_name>)")
-    option("--num-threads", type=int, help="torch threads per process (rl_tpu.num_threads; default on cpu: 2, "
-           "fewer when the host has fewer cores per trainer worker)")
-    option("--slice", help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
-                   "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
-                   "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
-                   "Shortcut for rl_tpu.slice")
-    option("--rollout-slice", help="TPU slice for the rollout replicas apart from the trainer's --slice, e.g. "
-                   "v6e-8: checked against the Ray cluster before anything waits, then VeRL's separate_async with "
-                   "this slice as its rollout pool and rl-tpu's gloo engine. Shortcut for rl_tpu.rollout_slice")
-    option("--tpu-dry-run", action="store_true", default=None,
-                   help="with --backend cpu: the TPU profile's choices on CPU devices, one gloo rank per chip of a "
-                   "fake slice (--slice, default v6e-4: 4 ranks; needs `rl-tpu cluster up --fake-slice` and "
-                   "$RAY_ADDRESS); shortcut for rl_tpu.tpu_dry_run=true")
-    option("--tpu-eager-mode", choices=["strict", "debug", "fused"],
-                   help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
-                   "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode")
-    option("--export", metavar="OUT.litertlm",
-                   help="after training, export the final checkpoint to OUT (.litertlm or .tflite) with litert "
-                   "export, verified, a .litertlm scored on the held-out items through the LiteRT-LM runtime; exit "
-                   "3 if that fails (the checkpoint stays). Shortcut for rl_tpu.export (needs the export extra)")
-    option("--quantize", choices=list(EXPORT_RECIPES),
-                   help="quantization of --export (litert export --quantize; default none). Shortcut for "
-                   "rl_tpu.export_quantize")
-    option("--max-restarts", type=int, default=1,
-                   help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
-                   "set trainer.save_freq so there is a checkpoint to resume)")
-    option("--verbose", action="store_true",
-                   help="show everything on the console (VeRL's config, Ray's and the workers' lines, progress "
-                   "redraws); by default it shows the settings line, a line per step, rl-tpu's warnings once and the "
-                   "summary, and all the rest goes to <run folder>/train.log; VERL_TRAIN_VERBOSE=1 does the same)")
-    option("--print-config", action="store_true",
-                   help="print the composed VeRL config and exit (a dry run; works for tpu without a chip; "
-                   "batch sizes that do not split over the workers are refused here too)")
-    option("--aot-only", action="store_true",
-                   help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
-                   "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
-                   "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)")
+    option(
+        "--output-dir",
+        help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
+        "(default: outputs/<trainer.experiment_name>)",
+    )
+    option(
+        "--num-threads",
+        type=int,
+        help="torch threads per process (rl_tpu.num_threads; default on cpu: 2, "
+        "fewer when the host has fewer cores per trainer worker)",
+    )
+    option(
+        "--slice",
+        help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
+        "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
+        "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
+        "Shortcut for rl_tpu.slice",
+    )
+    option(
+        "--rollout-slice",
+        help="TPU slice for the rollout replicas apart from the trainer's --slice, e.g. "
+        "v6e-8: checked against the Ray cluster before anything waits, then VeRL's separate_async with "
+        "this slice as its rollout pool and rl-tpu's gloo engine. Shortcut for rl_tpu.rollout_slice",
+    )
+    option(
+        "--tpu-dry-run",
+        action="store_true",
+        default=None,
+        help="with --backend cpu: the TPU profile's choices on CPU devices, one gloo rank per chip of a "
+        "fake slice (--slice, default v6e-4: 4 ranks; needs `rl-tpu cluster up --fake-slice` and "
+        "$RAY_ADDRESS); shortcut for rl_tpu.tpu_dry_run=true",
+    )
+    option(
+        "--tpu-eager-mode",
+        choices=["strict", "debug", "fused"],
+        help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
+        "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode",
+    )
+    option(
+        "--export",
+        metavar="OUT.litertlm",
+        help="after training, export the final checkpoint to OUT (.litertlm or .tflite) with litert "
+        "export, verified, a .litertlm scored on the held-out items through the LiteRT-LM runtime; exit "
+        "3 if that fails (the checkpoint stays). Shortcut for rl_tpu.export (needs the export extra)",
+    )
+    option(
+        "--quantize",
+        choices=list(EXPORT_RECIPES),
+        help="quantization of --export (litert export --quantize; default none). Shortcut for rl_tpu.export_quantize",
+    )
+    option(
+        "--max-restarts",
+        type=int,
+        default=1,
+        help="restart from the last checkpoint this many times after a Ray actor dies (default 1; "
+        "set trainer.save_freq so there is a checkpoint to resume)",
+    )
+    option(
+        "--verbose",
+        action="store_true",
+        help="show everything on the console (VeRL's config, Ray's and the workers' lines, progress "
+        "redraws); by default it shows the settings line, a line per step, rl-tpu's warnings once and the "
+        "summary, and all the rest goes to <run folder>/train.log; VERL_TRAIN_VERBOSE=1 does the same)",
+    )
+    option(
+        "--print-config",
+        action="store_true",
+        help="print the composed VeRL config and exit (a dry run; works for tpu without a chip; "
+        "batch sizes that do not split over the workers are refused here too)",
+    )
+    option(
+        "--aot-only",
+        action="store_true",
+        help="--backend tpu: lower every graph of the job with TorchTPU and compile it with libtpu for "
+        "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
+        "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)",
+    )
     option("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(options)
     return p
@@ -156,15 +194,16 @@ def main(argv: list[str] | None = None) -> int:
 
             if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
                 if args.backend != "tpu":
-                    raise BadInputError(f"--aot-only compiles a TPU job's graphs: use --backend tpu, not "
-                                        f"{args.backend}")
+                    raise BadInputError(
+                        f"--aot-only compiles a TPU job's graphs: use --backend tpu, not {args.backend}"
+                    )
                 args.print_config = True
                 # a folder with only config.json (no weights: graphs are built on meta) is enough here; the job is
                 # composed with the default model and the graphs built from this folder's config
                 key = "actor_rollout_ref.model.path="
                 given = [o for o in args.overrides if o.startswith(key)]
                 if given:
-                    args.aot_model_path = given[-1][len(key):]
+                    args.aot_model_path = given[-1][len(key) :]
                     args.overrides = [o for o in args.overrides if not o.startswith(key)]
 
             return run_train(args)
@@ -197,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("verl: terminated (SIGTERM); checkpoints already written are kept", file=sys.stderr)
             else:
                 how = "checkpoint written" if exc.saved_now else "its checkpoint was already written"
-                print(f"verl: terminated (SIGTERM) after step {step}, {how}; run the same command to resume from "
-                      "it", file=sys.stderr)
+                print(
+                    f"verl: terminated (SIGTERM) after step {step}, {how}; run the same command to resume from it",
+                    file=sys.stderr,
+                )
             return 143
         print("verl: interrupted; checkpoints already written are kept", file=sys.stderr)
         return 130

@@ -79,7 +79,7 @@ class ConsoleFilter:
         if key in self._warned:
             return None
         self._warned.add(key)
-        return text[match.start():]
+        return text[match.start() :]
 
 
 class Console:
@@ -122,8 +122,9 @@ class Console:
             os.set_inheritable(write_fd, False)
             os.dup2(write_fd, fd)  # fd itself stays inheritable: Ray's processes write their odd line here
             self._pipes[fd] = (read_fd, write_fd)
-            thread = threading.Thread(target=_pump, args=(read_fd, self, self._marker), daemon=True,
-                                      name=f"rl-tpu-console-{fd}")
+            thread = threading.Thread(
+                target=_pump, args=(read_fd, self, self._marker), daemon=True, name=f"rl-tpu-console-{fd}"
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -169,8 +170,8 @@ def _pump(read_fd: int, console: Console, stop_marker: bytes) -> None:
             return
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
         if cut >= 0:
-            console._captured(pending[:cut + 1])
-            pending = pending[cut + 1:]
+            console._captured(pending[: cut + 1])
+            pending = pending[cut + 1 :]
 
 
 @contextmanager
@@ -267,8 +268,9 @@ class StepLines:
             if isinstance(data.get("critic/score/mean"), (int, float)):
                 self._rewards[step] = float(data["critic/score/mean"])
             recent = [self._rewards[s] for s in sorted(self._rewards) if s <= step][-RUNNING_MEAN_STEPS:]
-            line = step_line(step, data, self._total, self._accuracy(step),
-                             sum(recent) / len(recent) if len(recent) > 1 else None)
+            line = step_line(
+                step, data, self._total, self._accuracy(step), sum(recent) / len(recent) if len(recent) > 1 else None
+            )
             if line:
                 self._say(line)
 
@@ -291,8 +293,9 @@ class StepLines:
         return None
 
 
-def step_line(step: int, data: dict, total: int, accuracy: tuple[float, float] | None = None,
-              reward_mean: float | None = None) -> str | None:
+def step_line(
+    step: int, data: dict, total: int, accuracy: tuple[float, float] | None = None, reward_mean: float | None = None
+) -> str | None:
     """``[rl-tpu] step 3/12 | reward 0.312 (4-step mean 0.405) | accuracy strict 12.5% lenient 40.6% | response 41
     tokens | 38.2 s/step`` for a training step's metrics: ``accuracy`` is ``(strict, lenient)`` shares of the step's
     samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps. ``None``
@@ -320,6 +323,8 @@ def job_line(config, backend: str, threads: int, out: Path) -> str:
     files = data_files(config.data.get("train_files"))
     task = Path(str(files[0])).stem.removesuffix("_train") if files else "?"  # the built-in data: <task>_train
     prompts, n = int(config.data.train_batch_size), int(config.actor_rollout_ref.rollout.n)
-    return (f"[rl-tpu] {str(config.algorithm.adv_estimator).upper()} on {model}, {task}: "
-            f"{config.trainer.total_training_steps or 'all'} steps of {prompts} prompts x {n} samples, {backend} backend, "
-            f"{threads or 'default'} thread{'' if threads == 1 else 's'}; full log: {out / 'train.log'}")
+    return (
+        f"[rl-tpu] {str(config.algorithm.adv_estimator).upper()} on {model}, {task}: "
+        f"{config.trainer.total_training_steps or 'all'} steps of {prompts} prompts x {n} samples, {backend} backend, "
+        f"{threads or 'default'} thread{'' if threads == 1 else 's'}; full log: {out / 'train.log'}"
+    )

@@ -27,18 +27,32 @@ def prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
                 raise BadInputError(f"rl_tpu.gsm8k_val_fraction={fraction}: give a value between 0 and 0.9")
             n_val = max(1, int(len(df) * fraction))
             if len(df) - n_val < 1:
-                raise BadInputError(f"rl_tpu.gsm8k_jsonl={src}: {len(df)} row(s), too few to hold out "
-                                    f"{n_val} for validation (rl_tpu.gsm8k_val_fraction={fraction}) and train on "
-                                    "the rest; give more rows")
+                raise BadInputError(
+                    f"rl_tpu.gsm8k_jsonl={src}: {len(df)} row(s), too few to hold out "
+                    f"{n_val} for validation (rl_tpu.gsm8k_val_fraction={fraction}) and train on "
+                    "the rest; give more rows"
+                )
             val = data_dir / "gsm8k_val.parquet"
             df.iloc[-n_val:].to_parquet(val, index=False)
             df.iloc[:-n_val].to_parquet(train, index=False)
         else:
             task, seed, task_config = settings.task, settings.seed, settings.task_config or {}
-            train = reasoning_gym_to_parquet(task, data_dir / f"{task}_train.parquet", size=settings.train_size,
-                                             seed=seed, split="train", task_config=task_config)
-            val = reasoning_gym_to_parquet(task, data_dir / f"{task}_val.parquet", size=settings.val_size,
-                                           seed=seed + 1000, split="test", task_config=task_config)
+            train = reasoning_gym_to_parquet(
+                task,
+                data_dir / f"{task}_train.parquet",
+                size=settings.train_size,
+                seed=seed,
+                split="train",
+                task_config=task_config,
+            )
+            val = reasoning_gym_to_parquet(
+                task,
+                data_dir / f"{task}_val.parquet",
+                size=settings.val_size,
+                seed=seed + 1000,
+                split="test",
+                task_config=task_config,
+            )
         extra += [f"data.train_files={train}", f"data.val_files={val}"]
     return extra
 
@@ -49,7 +63,6 @@ def data_files(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-
 
 
 def validate_data_files(config, user_keys) -> None:
@@ -68,10 +81,14 @@ def validate_data_files(config, user_keys) -> None:
     for key in ("train_files", "val_files"):
         files = data_files(config.data.get(key))
         if not files:
-            raise BadInputError(f"data.{key} is empty: give one or more parquet files (or leave data.train_files "
-                                "and data.val_files unset for the built-in rl_tpu.* data)")
+            raise BadInputError(
+                f"data.{key} is empty: give one or more parquet files (or leave data.train_files "
+                "and data.val_files unset for the built-in rl_tpu.* data)"
+            )
         for f in files:
             if not Path(f).is_file() and f"data.{key}" not in user_keys:
-                raise BadInputError(f"data.{key} is VeRL's default {f}, which does not exist: set data.{key} too "
-                                    "when you set data.train_files or data.val_files")
+                raise BadInputError(
+                    f"data.{key} is VeRL's default {f}, which does not exist: set data.{key} too "
+                    "when you set data.train_files or data.val_files"
+                )
             validate_rl_parquet(f)

@@ -42,8 +42,10 @@ def check_export(settings, config) -> None:
     if target is None:
         for key, default in (("export_quantize", "none"), ("export_max_drop", 5.0)):
             if getattr(settings, key) != default:
-                raise BadInputError(f"rl_tpu.{key}={getattr(settings, key)} applies to the export of the final "
-                                    "checkpoint: give rl_tpu.export=OUT.litertlm (--export) too, or drop it")
+                raise BadInputError(
+                    f"rl_tpu.{key}={getattr(settings, key)} applies to the export of the final "
+                    "checkpoint: give rl_tpu.export=OUT.litertlm (--export) too, or drop it"
+                )
         return
     what = f"rl_tpu.export={settings.export} (--export)"
     if target.suffix not in SUFFIXES:
@@ -58,15 +60,21 @@ def check_export(settings, config) -> None:
     needed = ["litert_torch"] + (["litert_lm"] if target.suffix == ".litertlm" else [])
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
-        raise BadInputError(f"{what} needs {', '.join(missing)}, from rl-tpu's export extra: pip install -e "
-                            "'.[export]' (or drop --export and run litert export on the checkpoint later)")
+        raise BadInputError(
+            f"{what} needs {', '.join(missing)}, from rl-tpu's export extra: pip install -e "
+            "'.[export]' (or drop --export and run litert export on the checkpoint later)"
+        )
     if int(config.trainer.save_freq) <= 0:
-        raise BadInputError(f"{what}: trainer.save_freq={config.trainer.save_freq} saves no checkpoint to export; "
-                            "set trainer.save_freq to a positive number (the last step is then always saved)")
+        raise BadInputError(
+            f"{what}: trainer.save_freq={config.trainer.save_freq} saves no checkpoint to export; "
+            "set trainer.save_freq to a positive number (the last step is then always saved)"
+        )
     contents = list(config.actor_rollout_ref.actor.checkpoint.get("save_contents") or [])
     if "hf_model" not in contents:
-        raise BadInputError(f"{what}: actor_rollout_ref.actor.checkpoint.save_contents={contents} has no hf_model, "
-                            "so the checkpoint holds no Hugging Face model to export; add hf_model to it")
+        raise BadInputError(
+            f"{what}: actor_rollout_ref.actor.checkpoint.save_contents={contents} has no hf_model, "
+            "so the checkpoint holds no Hugging Face model to export; add hf_model to it"
+        )
 
 
 def scorer_for(config) -> str:
@@ -80,8 +88,10 @@ def scorer_for(config) -> str:
     if path.startswith("pkg://verl_backend.data.rewards"):
         return "verl_backend.data.rewards:compute_score"
     if path:
-        return f"{path.removeprefix('pkg://').replace('/', '.') if path.startswith('pkg://') else path}:" \
-               f"{custom.get('name') or 'compute_score'}"
+        return (
+            f"{path.removeprefix('pkg://').replace('/', '.') if path.startswith('pkg://') else path}:"
+            f"{custom.get('name') or 'compute_score'}"
+        )
     return "verl.utils.reward_score:default_compute_score"
 
 
@@ -98,9 +108,14 @@ def write_heldout_items(config, path: Path) -> int:
     rows = []
     for f in files:
         for record in pd.read_parquet(f).to_dict("records"):
-            rows.append({"prompt": [dict(m) for m in record["prompt"]],
-                         "answer": str(dict(record["reward_model"])["ground_truth"]),
-                         "data_source": record.get("data_source", ""), "extra_info": record.get("extra_info")})
+            rows.append(
+                {
+                    "prompt": [dict(m) for m in record["prompt"]],
+                    "answer": str(dict(record["reward_model"])["ground_truth"]),
+                    "data_source": record.get("data_source", ""),
+                    "extra_info": record.get("extra_info"),
+                }
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as fh:
@@ -118,11 +133,32 @@ def export_command(checkpoint: Path, target: Path, settings, config, eval_file: 
     """The ``litert export`` command line for the final checkpoint (run with this Python)."""
     prompt_len, response_len = int(config.data.max_prompt_length), int(config.data.max_response_length)
     cache = max(256, -(-(prompt_len + response_len + 64) // 64) * 64)  # chat template tokens on top
-    cmd = [sys.executable, "-m", "edge_export.cli", "export", str(checkpoint), "-o", str(target),
-           "--quantize", settings.export_quantize, "--threads", str(threads), "--cache-length", str(cache)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge_export.cli",
+        "export",
+        str(checkpoint),
+        "-o",
+        str(target),
+        "--quantize",
+        settings.export_quantize,
+        "--threads",
+        str(threads),
+        "--cache-length",
+        str(cache),
+    ]
     if eval_file is not None:
-        cmd += ["--eval", str(eval_file), "--scorer", scorer_for(config), "--eval-max-tokens", str(response_len),
-                "--max-drop", str(settings.export_max_drop)]
+        cmd += [
+            "--eval",
+            str(eval_file),
+            "--scorer",
+            scorer_for(config),
+            "--eval-max-tokens",
+            str(response_len),
+            "--max-drop",
+            str(settings.export_max_drop),
+        ]
     return cmd
 
 
@@ -140,8 +176,10 @@ def export_final_checkpoint(config, out: Path, settings) -> dict:
     entry: dict = {"output": str(target), "quantize": settings.export_quantize, "status": "failed"}
     checkpoint = latest_hf_checkpoint(out)
     if checkpoint is None:
-        entry.update(exit_code=EXPORT_FAILED, error=f"no checkpoint with a Hugging Face model under "
-                                                    f"{out / 'checkpoints'} to export")
+        entry.update(
+            exit_code=EXPORT_FAILED,
+            error=f"no checkpoint with a Hugging Face model under {out / 'checkpoints'} to export",
+        )
         return entry
     entry["checkpoint"] = str(checkpoint)
     folder = out / "export"
@@ -156,9 +194,11 @@ def export_final_checkpoint(config, out: Path, settings) -> dict:
     entry["command"] = " ".join(cmd[2:]).replace("edge_export.cli", "litert", 1)
     log = folder / "export.log"
     entry["log"] = str(log)
-    print(f"[rl-tpu] exporting {checkpoint} to {target} ({settings.export_quantize}): litert export, verified "
-          f"through the LiteRT runtime{' and scored on the held-out items' if eval_file else ''}; its log: {log}",
-          flush=True)
+    print(
+        f"[rl-tpu] exporting {checkpoint} to {target} ({settings.export_quantize}): litert export, verified "
+        f"through the LiteRT runtime{' and scored on the held-out items' if eval_file else ''}; its log: {log}",
+        flush=True,
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)  # the training's one thread per process; litert export sets its own
     with open(log, "w") as fh:
@@ -169,8 +209,11 @@ def export_final_checkpoint(config, out: Path, settings) -> dict:
         entry["status"] = "written"
     else:
         errors = [line for line in lines if line.startswith("litert export: error:")]
-        entry["error"] = (errors[-1].removeprefix("litert export: error: ") if errors
-                          else (lines[-1] if lines else f"litert export exited {code} with no output"))
+        entry["error"] = (
+            errors[-1].removeprefix("litert export: error: ")
+            if errors
+            else (lines[-1] if lines else f"litert export exited {code} with no output")
+        )
     report = Path(f"{target}.report.json")
     if code == 0 and report.is_file():
         found = json.loads(report.read_text())
@@ -179,8 +222,11 @@ def export_final_checkpoint(config, out: Path, settings) -> dict:
         if "top1_agreement" in check:
             entry["top1_agreement"] = check["top1_agreement"]
         if found.get("eval"):
-            entry.update(runtime_accuracy=found["eval"]["runtime_accuracy"],
-                         torch_accuracy=found["eval"]["torch_accuracy"], scorer=found["eval"]["scorer"])
+            entry.update(
+                runtime_accuracy=found["eval"]["runtime_accuracy"],
+                torch_accuracy=found["eval"]["torch_accuracy"],
+                scorer=found["eval"]["scorer"],
+            )
     return entry
 
 
@@ -189,9 +235,15 @@ def export_lines(entry: dict) -> list[str]:
     if entry["status"] == "written":
         text = f"[rl-tpu] exported {entry['output']} ({entry['quantize']})"
         if "runtime_accuracy" in entry:
-            text += (f": held-out accuracy through LiteRT-LM {entry['runtime_accuracy']:.1f}%, PyTorch "
-                     f"{entry['torch_accuracy']:.1f}% on {entry['eval_items']} items")
+            text += (
+                f": held-out accuracy through LiteRT-LM {entry['runtime_accuracy']:.1f}%, PyTorch "
+                f"{entry['torch_accuracy']:.1f}% on {entry['eval_items']} items"
+            )
         return [text]
-    return [(f"export of the final checkpoint failed: {entry['error']}; the checkpoint "
-             f"{entry.get('checkpoint', '')} is as it was; details in {entry.get('log', 'the run folder')}; after a "
-             f"fix run: {entry.get('command', 'litert export CHECKPOINT -o OUT')}")]
+    return [
+        (
+            f"export of the final checkpoint failed: {entry['error']}; the checkpoint "
+            f"{entry.get('checkpoint', '')} is as it was; details in {entry.get('log', 'the run folder')}; after a "
+            f"fix run: {entry.get('command', 'litert export CHECKPOINT -o OUT')}"
+        )
+    ]

@@ -26,7 +26,7 @@ def per_chip_micro_batch(get, key: str, ranks: int) -> int:
     """Sequences a chip runs at once for the VeRL micro batch ``key`` (a ``…_micro_batch_size_per_gpu``), read through
     ``get(key, default)``: its value, else VeRL's global ``…_micro_batch_size`` split over the ``ranks`` that share it
     (as VeRL's workers normalise it); 0 when neither is set."""
-    per_chip = get(key, 0) or int(get(key[:-len("_per_gpu")], 0) or 0) // max(1, ranks)
+    per_chip = get(key, 0) or int(get(key[: -len("_per_gpu")], 0) or 0) // max(1, ranks)
     return int(per_chip or 0)
 
 

@@ -16,8 +16,11 @@ from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
 
 #: how each phase of the CPU job's host peak (MemoryPlan.host_phase) reads in a line
-HOST_PHASES = {"update": "the trainer updates", "generation": "the rollout generates",
-               "sync": "the rollout takes a LoRA adapter"}
+HOST_PHASES = {
+    "update": "the trainer updates",
+    "generation": "the rollout generates",
+    "sync": "the rollout takes a LoRA adapter",
+}
 
 
 def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[str, float] | None) -> str:
@@ -30,10 +33,12 @@ def refusal(plan: MemoryPlan, model_path: str, slice_name: str, bigger: tuple[st
     fixes.append("a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     if "checkpointed" not in next(t.how for t in plan.terms if t.name == "activations"):
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    return (f"memory plan: {plan.model.name} ({model_path}) on {slice_name} needs about {plan.peak / GIB:.1f} GiB per "
-            f"chip, over the {plan.usable_bytes / GIB:.1f} GiB usable ({USABLE_FRACTION:.0%} of {plan.hbm_bytes / GIB:g}"
-            f" GiB HBM); biggest term: {big.name} {big.bytes / GIB:.1f} GiB. Fix: {', '.join(fixes[:-1])} or "
-            f"{fixes[-1]} (`verl train --print-config` shows the table)")
+    return (
+        f"memory plan: {plan.model.name} ({model_path}) on {slice_name} needs about {plan.peak / GIB:.1f} GiB per "
+        f"chip, over the {plan.usable_bytes / GIB:.1f} GiB usable ({USABLE_FRACTION:.0%} of {plan.hbm_bytes / GIB:g}"
+        f" GiB HBM); biggest term: {big.name} {big.bytes / GIB:.1f} GiB. Fix: {', '.join(fixes[:-1])} or "
+        f"{fixes[-1]} (`verl train --print-config` shows the table)"
+    )
 
 
 def _memory_plan(config, slice_name: str | None, backend):
@@ -57,9 +62,11 @@ def show_memory_plan(config, slice_name: str | None, backend) -> None:
         need = plan.host_need
         verdict = "fits" if need <= host * USABLE_FRACTION else "DOES NOT FIT"
         phase = HOST_PHASES[plan.host_phase]
-        text += (f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB at their peak; with the "
-                 f"rollout server and the job's other processes the whole job = {need / GIB:.3f} GiB at its peak "
-                 f"(while {phase}) against {USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}")
+        text += (
+            f"\n  this host: {plan.workers} trainer worker(s) x {plan.peak / GIB:.3f} GiB at their peak; with the "
+            f"rollout server and the job's other processes the whole job = {need / GIB:.3f} GiB at its peak "
+            f"(while {phase}) against {USABLE_FRACTION:.0%} of {host / GIB:.1f} GiB: {verdict}"
+        )
     print("\n".join(f"# {line}" for line in text.splitlines()))
 
 
@@ -94,11 +101,13 @@ def host_refusal(plan: MemoryPlan, model_path: str, host_bytes: float) -> str | 
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     fixes.append("a host with more memory")
     phase = HOST_PHASES[plan.host_phase]
-    return (f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
-            f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB at their peak, the rollout server and the "
-            f"job's other processes; the whole job's peak is while {phase}), over the {usable / GIB:.1f} GiB usable "
-            f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
-            f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)")
+    return (
+        f"memory plan: {plan.model.name} ({model_path}) needs about {need / GIB:.1f} GiB on this host "
+        f"({plan.workers} trainer worker(s) x {plan.peak / GIB:.1f} GiB at their peak, the rollout server and the "
+        f"job's other processes; the whole job's peak is while {phase}), over the {usable / GIB:.1f} GiB usable "
+        f"({USABLE_FRACTION:.0%} of {host_bytes / GIB:.1f} GiB); biggest term: {big.name} {big.bytes / GIB:.1f} "
+        f"GiB. Fix: {'; '.join(fixes)} (`verl train --print-config` shows the table)"
+    )
 
 
 def fit_packed_weights(config, backend, host_bytes: float | None = None) -> str | None:
@@ -130,17 +139,18 @@ def fit_packed_weights(config, backend, host_bytes: float | None = None) -> str 
     from omegaconf import OmegaConf, open_dict
 
     with open_dict(config):
-        OmegaConf.update(config, "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights", False,
-                         force_add=True)
+        OmegaConf.update(config, "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights", False, force_add=True)
     after = plan_memory(config, None, backend, hf_config=plan.model)
     if after.host_need > usable:  # no help: put it back, the refusal names the real fixes
         with open_dict(config):
             del config.actor_rollout_ref.rollout.engine_kwargs.native["packed_weights"]
         return None
-    return (f"[rl-tpu] memory plan: {plan.model.name} would need {plan.host_need / GIB:.1f} GiB of this host's "
-            f"{usable / GIB:.1f} usable with the rollout's packed weights ({packed / GIB:.1f} GiB while it generates): "
-            f"sampling on the plain weights instead ({after.host_need / GIB:.1f} GiB; decode is slower). "
-            "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights=true keeps them")
+    return (
+        f"[rl-tpu] memory plan: {plan.model.name} would need {plan.host_need / GIB:.1f} GiB of this host's "
+        f"{usable / GIB:.1f} usable with the rollout's packed weights ({packed / GIB:.1f} GiB while it generates): "
+        f"sampling on the plain weights instead ({after.host_need / GIB:.1f} GiB; decode is slower). "
+        "actor_rollout_ref.rollout.engine_kwargs.native.packed_weights=true keeps them"
+    )
 
 
 def check_memory_fits(config, slice_name: str | None, backend) -> None:

@@ -130,8 +130,9 @@ class MemoryPlan:
 
     def _host_phases(self) -> dict[str, float]:
         others = sum(t.bytes for t in self.host_terms if t.when == "host")
-        resident = self.resident - sum(t.bytes for t in self.terms if t.when == "resident" and
-                                       t.name.startswith("gradients"))
+        resident = self.resident - sum(
+            t.bytes for t in self.terms if t.when == "resident" and t.name.startswith("gradients")
+        )
         phases = {"update": self.peak * self.workers + others}
         for phase in ("generation", "sync"):
             extra = [t.bytes for t in self.host_terms if t.when == f"host {phase}"]
@@ -194,17 +195,23 @@ class MemoryPlan:
     def format(self) -> str:
         """The plan as one table (GiB), for ``verl train --print-config``."""
         m = self.model
-        head = (f"memory plan per chip: {m.name} ({m.params / 1e9:.3g} B parameters) on {self.where}, "
-                f"{self.workers} trainer worker(s), parameters sharded {self.shards} ways")
+        head = (
+            f"memory plan per chip: {m.name} ({m.params / 1e9:.3g} B parameters) on {self.where}, "
+            f"{self.workers} trainer worker(s), parameters sharded {self.shards} ways"
+        )
         rows = [f"  {'term':<34}{'GiB':>9}  {'held':<12}how"]
         rows += [f"  {t.name:<34}{t.bytes / GIB:>9.3f}  {t.when:<12}{t.how}" for t in self.terms]
         phase, extra = self.peak_phase
-        rows.append(f"  {'peak estimate':<34}{self.peak / GIB:>9.3f}  {'':<12}resident {self.resident / GIB:.3f} + "
-                    f"largest phase ({phase}) {extra / GIB:.3f}")
+        rows.append(
+            f"  {'peak estimate':<34}{self.peak / GIB:>9.3f}  {'':<12}resident {self.resident / GIB:.3f} + "
+            f"largest phase ({phase}) {extra / GIB:.3f}"
+        )
         if self.hbm_bytes is not None:
             verdict = "fits" if self.fits else "DOES NOT FIT"
-            rows.append(f"  {'usable HBM':<34}{self.usable_bytes / GIB:>9.3f}  {'':<12}{USABLE_FRACTION:.0%} of "
-                        f"{self.hbm_bytes / GIB:g} GiB per chip: {verdict}")
+            rows.append(
+                f"  {'usable HBM':<34}{self.usable_bytes / GIB:>9.3f}  {'':<12}{USABLE_FRACTION:.0%} of "
+                f"{self.hbm_bytes / GIB:g} GiB per chip: {verdict}"
+            )
         if self.host_terms:
             rows += [f"  {t.name:<34}{t.bytes / GIB:>9.3f}  {t.when:<12}{t.how}" for t in self.host_terms]
         return "\n".join([head, *rows, *(f"  note: {n}" for n in self.notes)])
@@ -276,8 +283,9 @@ def _files_refilled(config, lora: int, model_bytes: float) -> float:
     return float(sum(os.path.getsize(f) for f in files)) if files else float(model_bytes)
 
 
-def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None,
-                settings=None) -> MemoryPlan:
+def plan_memory(
+    config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None, settings=None
+) -> MemoryPlan:
     """Estimate per-chip memory of the job ``config`` (a composed VeRL config) on ``slice_spec``.
 
     Args:
@@ -319,25 +327,45 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     notes: list[str] = []
     add = lambda *a: terms.append(Term(*a))
     dt = {4: "fp32", 2: "bf16"}
-    add(f"parameters ({dt[b_model]})", 0 if p_off else p * b_model / shards, "resident",
-        "offloaded" if p_off else f"{p:.3e} x {b_model} B / {shards}")
-    add(f"gradients ({dt[b_model]})", 0 if p_off else p_t * b_model / shards, "resident",
-        "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""))
-    add("optimizer (AdamW, 2 moments)", 0 if o_off else 2 * p_t * b_model / shards, "resident",
-        "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}")
+    add(
+        f"parameters ({dt[b_model]})",
+        0 if p_off else p * b_model / shards,
+        "resident",
+        "offloaded" if p_off else f"{p:.3e} x {b_model} B / {shards}",
+    )
+    add(
+        f"gradients ({dt[b_model]})",
+        0 if p_off else p_t * b_model / shards,
+        "resident",
+        "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""),
+    )
+    add(
+        "optimizer (AdamW, 2 moments)",
+        0 if o_off else 2 * p_t * b_model / shards,
+        "resident",
+        "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}",
+    )
     use_kl = bool(get(f"{aro}.actor.use_kl_loss", False)) or bool(get("algorithm.use_kl_in_reward", False))
     if use_kl and not lora:
         b_ref = _bytes(get(f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
         off = bool(get(f"{aro}.ref.fsdp_config.param_offload", False))
-        add(f"reference policy ({dt[b_ref]})", 0 if off else p * b_ref / shards, "resident",
-            "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}")
+        add(
+            f"reference policy ({dt[b_ref]})",
+            0 if off else p * b_ref / shards,
+            "resident",
+            "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}",
+        )
     placement = native_engine_kwargs(get(f"{aro}.rollout", {})).sampler_placement
     b_roll = _bytes(get(f"{aro}.rollout.dtype", "bfloat16"), hf_config)
     in_worker = placement == "worker"
     tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms
     weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
-    add(f"sampler weights ({dt[b_roll]}, unsharded)", weights if in_worker else 0, "resident",
-        (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else "")) if in_worker else "in the rollout server process")
+    add(
+        f"sampler weights ({dt[b_roll]}, unsharded)",
+        weights if in_worker else 0,
+        "resident",
+        (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else "")) if in_worker else "in the rollout server process",
+    )
 
     # the actor update: FSDP2 gather buffers, activations at the micro batch, the LM head's logits
     single_plain = shards == 1 and bool(settings.plain_module) and not backend_profile.tpu_runtime
@@ -345,8 +373,9 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         # VeRL's apply_fsdp2 shards each block, and embedding and LM head apart when untied; the root stays gathered
         def units(itemsize):  # (root or LM head, one block) in a dtype, as the TPU lays them out, else dense
             if not tpu:
-                return (shape.root_params if shape.tied else shape.vocab * shape.hidden) * itemsize, \
-                    shape.layer_params * itemsize
+                return (
+                    shape.root_params if shape.tied else shape.vocab * shape.hidden
+                ) * itemsize, shape.layer_params * itemsize
             head = shape._params(shape.head_shapes, shape.vocab * shape.hidden, itemsize, "")
             block = shape._params(shape.block_shapes, shape.layer_params, itemsize, "")
             return arrays_bytes(head if shape.tied else head[-1:]), arrays_bytes(block)
@@ -368,16 +397,18 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         from rl_tpu.compiled_blocks import bucket_length
 
         seq = bucket_length(seq)
-    sp = max(int(get(f"{actor}.ulysses_sequence_parallel_size", 1)),
-             int(get(f"{fc}.ulysses_sequence_parallel_size", 1)))
+    sp = max(
+        int(get(f"{actor}.ulysses_sequence_parallel_size", 1)), int(get(f"{fc}.ulysses_sequence_parallel_size", 1))
+    )
     dp = max(1, w // sp)
     if bool(get(f"{actor}.use_dynamic_bsz", False)):
         tokens = int(get(f"{actor}.ppo_max_token_len_per_gpu", 16384))
         micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
         logit_tokens = tokens
     else:
-        micro = per_chip_micro_batch(get, f"{actor}.ppo_micro_batch_size_per_gpu", dp) or \
-            max(1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp)
+        micro = per_chip_micro_batch(get, f"{actor}.ppo_micro_batch_size_per_gpu", dp) or max(
+            1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp
+        )
         prompts = math.ceil(micro / n) if packed and bool(get(f"{actor}.use_prefix_grouper", False)) else micro
         tokens = prompts * prompt_len + micro * resp_len
         micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
@@ -397,38 +428,62 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
         shared = arrays_bytes(g["arguments"][-3:])  # cos, sin, mask: made once a forward, read by every block
         if checkpointed:
             acts = shape.layers * x + fwd_out + shared
-            how = (f"checkpointed: {shape.layers} x block input + one block's forward outputs "
-                   f"({len(g['saved'])} saved tensors, its inputs and parameters returned) + rotary and mask")
+            how = (
+                f"checkpointed: {shape.layers} x block input + one block's forward outputs "
+                f"({len(g['saved'])} saved tensors, its inputs and parameters returned) + rotary and mask"
+            )
         else:
             acts = shape.layers * fwd_out + shared
             how = f"{shape.layers} x one block's forward outputs + rotary and mask"
         add("activations", acts, "update", f"{micro_how}, padded to {rows}x{length}; {how}; TPU tiles")
         head = sum(arrays_bytes(hg[k]) for k in ("saved", "returned", "temporaries"))
-        add("LM head logits", head, "update", f"{rows * length} tokens x {shape.vocab}: logits ({b_param} B) + "
-            f"fp32 log-softmax, the head's input and weight returned for the backward; TPU tiles")
+        add(
+            "LM head logits",
+            head,
+            "update",
+            f"{rows * length} tokens x {shape.vocab}: logits ({b_param} B) + "
+            f"fp32 log-softmax, the head's input and weight returned for the backward; TPU tiles",
+        )
         temps = arrays_bytes(shape.block_temporaries(rows, length, b_param))
-        add("update temporaries", temps, "update", "one block graph's: 2 fp32 score-sized arrays + MLP and q/k/v "
+        add(
+            "update temporaries",
+            temps,
+            "update",
+            "one block graph's: 2 fp32 score-sized arrays + MLP and q/k/v "
             "gradients (an upper bound: XLA fuses them away at small widths)"
-            + (" + the experts' weights gathered per token and their gradients (batched_mm)" if shape.experts else ""))
+            + (" + the experts' weights gathered per token and their gradients (batched_mm)" if shape.experts else ""),
+        )
         if shape.experts:
-            notes.append(f"MoE on TPU: experts run as transformers' batched_mm (grouped_mm's torch.cumsum lowers to "
-                         f"chlo.scan, which libtpu 0.0.52 refuses); each of {rows * length} tokens x "
-                         f"{shape.experts_active} experts gathers its expert's weights: "
-                         f"{rows * length * shape.experts_active * 3 * shape.intermediate * shape.hidden * b_param / GIB:.2f}"
-                         f" GiB a block graph (docs/tpu.md, MoE on TPU)")
-        graphs.update({
-            "block forward arguments": arrays_bytes(g["arguments"]), "activations": acts,
-            "block backward outputs": arrays_bytes(g["gradients"]), "update temporaries": temps,
-            "LM head forward arguments": arrays_bytes(hg["arguments"]), "LM head logits": head,
-            "LM head backward outputs": arrays_bytes(hg["gradients"])})
+            notes.append(
+                f"MoE on TPU: experts run as transformers' batched_mm (grouped_mm's torch.cumsum lowers to "
+                f"chlo.scan, which libtpu 0.0.52 refuses); each of {rows * length} tokens x "
+                f"{shape.experts_active} experts gathers its expert's weights: "
+                f"{rows * length * shape.experts_active * 3 * shape.intermediate * shape.hidden * b_param / GIB:.2f}"
+                f" GiB a block graph (docs/tpu.md, MoE on TPU)"
+            )
+        graphs.update(
+            {
+                "block forward arguments": arrays_bytes(g["arguments"]),
+                "activations": acts,
+                "block backward outputs": arrays_bytes(g["gradients"]),
+                "update temporaries": temps,
+                "LM head forward arguments": arrays_bytes(hg["arguments"]),
+                "LM head logits": head,
+                "LM head backward outputs": arrays_bytes(hg["gradients"]),
+            }
+        )
     else:
         if checkpointed:
             elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
         else:
             elems, how = shape.layers * block, f"L x {block} elements/token"
         add("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}")
-        add("LM head logits", logit_tokens * shape.vocab * (b_param + 8), "update",
-            f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B")
+        add(
+            "LM head logits",
+            logit_tokens * shape.vocab * (b_param + 8),
+            "update",
+            f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B",
+        )
 
     # forward-only log-probs (reference policy, old policy unless bypassed)
     lp = max(per_chip_micro_batch(get, f"{aro}.{r}.log_prob_micro_batch_size_per_gpu", w) for r in ("rollout", "ref"))
@@ -446,12 +501,19 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             try:
                 cshape = shape_of_path(str(cpath), trust)
             except (OSError, ValueError):
-                notes.append(f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor")
+                notes.append(
+                    f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor"
+                )
         cb = _bytes(get("critic.fsdp.model_dtype", get("critic.model_config.model_dtype", "fp32")))
-        add(f"critic params+grads+AdamW ({dt[cb]})", 4 * cshape.params * cb / shards, "resident",
-            f"4 x {cshape.params:.3e} x {cb} B / {shards}")
-        cmicro = per_chip_micro_batch(get, "critic.ppo_micro_batch_size_per_gpu", dp) or \
-            max(1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp)
+        add(
+            f"critic params+grads+AdamW ({dt[cb]})",
+            4 * cshape.params * cb / shards,
+            "resident",
+            f"4 x {cshape.params:.3e} x {cb} B / {shards}",
+        )
+        cmicro = per_chip_micro_batch(get, "critic.ppo_micro_batch_size_per_gpu", dp) or max(
+            1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp
+        )
         cblock = cshape.block_elements(seq, fused)
         ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
         if graphs:  # the compiled block graph's arrays at the critic's micro batch, as the actor's above, + value head
@@ -463,12 +525,22 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             head = 2 * x + 2 * tpu_bytes((rows, length), 4)  # its norm's output, the hidden states, rsqrt, values
             cacts = kept + arrays_bytes(cg["arguments"][-3:]) + head
             graphs["critic activations"] = cacts
-            add("critic activations", cacts, "critic", f"{cmicro} seqs, padded to {rows}x{length}"
-                + (", checkpointed" if ckpt else "") + "; as the actor's + the value head's outputs; TPU tiles")
+            add(
+                "critic activations",
+                cacts,
+                "critic",
+                f"{cmicro} seqs, padded to {rows}x{length}"
+                + (", checkpointed" if ckpt else "")
+                + "; as the actor's + the value head's outputs; TPU tiles",
+            )
         else:
             celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
-            add("critic activations", cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param, "critic",
-                f"{cmicro} seqs" + (", checkpointed" if ckpt else ""))
+            add(
+                "critic activations",
+                cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param,
+                "critic",
+                f"{cmicro} seqs" + (", checkpointed" if ckpt else ""),
+            )
 
     # generation: the sampler's static KV cache (in the worker only)
     if in_worker:
@@ -483,16 +555,33 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
             prefill = arrays_bytes(shape.sampler_temporaries(batch, rp, rp + rr, b_roll))
             decode = arrays_bytes(shape.sampler_temporaries(batch, 1, rp + rr, b_roll))
             add("sampler KV cache", kv, "generation", kv_how + ", TPU tiles")
-            add("sampler step outputs", steps, "generation", f"a step's logits ({batch} x {shape.vocab} x {b_roll} B) "
-                "and the KV cache rewritten into new arrays (its arguments are not donated)")
-            add("sampler temporaries", max(prefill, decode), "generation",
-                f"the {'prefill' if prefill >= decode else 'decode step'}'s: " + (
+            add(
+                "sampler step outputs",
+                steps,
+                "generation",
+                f"a step's logits ({batch} x {shape.vocab} x {b_roll} B) "
+                "and the KV cache rewritten into new arrays (its arguments are not donated)",
+            )
+            add(
+                "sampler temporaries",
+                max(prefill, decode),
+                "generation",
+                f"the {'prefill' if prefill >= decode else 'decode step'}'s: "
+                + (
                     f"2 fp32 score-sized arrays {batch}x{shape.heads}x{rp}x{rp + rr} + keys/values repeated in fp32"
-                    if prefill >= decode else "a copy of each layer's key or value + keys/values repeated in fp32"))
+                    if prefill >= decode
+                    else "a copy of each layer's key or value + keys/values repeated in fp32"
+                ),
+            )
             if graphs:
-                inputs = arrays_bytes(sg["arguments"][len(sg["weights"]):])  # the cache, ids, mask, positions
-                graphs.update({"sampler weights + KV cache": weights + inputs, "sampler step outputs": steps,
-                               "sampler temporaries": max(prefill, decode)})
+                inputs = arrays_bytes(sg["arguments"][len(sg["weights"]) :])  # the cache, ids, mask, positions
+                graphs.update(
+                    {
+                        "sampler weights + KV cache": weights + inputs,
+                        "sampler step outputs": steps,
+                        "sampler temporaries": max(prefill, decode),
+                    }
+                )
         else:
             kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll
             add("sampler KV cache", kv, "generation", kv_how)
@@ -502,34 +591,72 @@ def plan_memory(config, slice_spec, backend_profile, *, hf_config=None, workers:
     host_terms: list[Term] = []
     if backend_profile.host_memory:  # every process of the CPU job on one host
         if not in_worker:
-            host_terms.append(Term(f"rollout server weights ({dt[b_roll]})", p * b_roll, "host",
-                                   f"{p:.3e} x {b_roll} B, the server's own copy"))
+            host_terms.append(
+                Term(
+                    f"rollout server weights ({dt[b_roll]})",
+                    p * b_roll,
+                    "host",
+                    f"{p:.3e} x {b_roll} B, the server's own copy",
+                )
+            )
             r = get(f"{aro}.rollout", {})
             if b_roll == 4 and native_engine_kwargs(r).packed_weights is not False:
                 # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
                 # the query/key/value projections once more as one fused matrix
                 linear = shape.layers * shape.layer_params + shape.vocab * shape.hidden
                 fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-                host_terms.append(Term("rollout server packed weights", (linear + fused) * 4, "host generation",
-                                       f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates"))
+                host_terms.append(
+                    Term(
+                        "rollout server packed weights",
+                        (linear + fused) * 4,
+                        "host generation",
+                        f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates",
+                    )
+                )
             rp = int(get(f"{aro}.rollout.prompt_length", prompt_len))
             rr = int(get(f"{aro}.rollout.response_length", resp_len))
-            batch = min(_pow2(int(get("data.train_batch_size", 1)) * n),
-                        _pow2(int(get(f"{aro}.rollout.max_num_seqs", 64))))
-            host_terms.append(Term("rollout server KV cache", 2 * shape.layers * shape.kv_heads * shape.head_dim *
-                                   (rp + rr) * batch * b_roll, "host generation",
-                                   f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} "
-                                   f"x {b_roll} B"))
+            batch = min(
+                _pow2(int(get("data.train_batch_size", 1)) * n), _pow2(int(get(f"{aro}.rollout.max_num_seqs", 64)))
+            )
+            host_terms.append(
+                Term(
+                    "rollout server KV cache",
+                    2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll,
+                    "host generation",
+                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B",
+                )
+            )
             refill = _files_refilled(config, lora, p * b_model)
             if refill:  # the third phase: the rollout wakes and takes the adapter (LoRA, adapter-only sync)
-                host_terms.append(Term("rollout server files (mapped)", refill, "host sync",
-                                       "the model's safetensors, mapped while the server refills its released weights "
-                                       "from them and merges the adapter (file pages, counted in its PSS)"))
-        host_terms.append(Term("trainer worker runtime", w * TRAINER_RUNTIME_BYTES, "host",
-                               f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)"))
-        host_terms.append(Term("driver and Ray processes", JOB_RUNTIME_BYTES, "host",
-                               "driver, Ray's daemons, VeRL's loop and queue actors (measured)"))
+                host_terms.append(
+                    Term(
+                        "rollout server files (mapped)",
+                        refill,
+                        "host sync",
+                        "the model's safetensors, mapped while the server refills its released weights "
+                        "from them and merges the adapter (file pages, counted in its PSS)",
+                    )
+                )
+        host_terms.append(
+            Term(
+                "trainer worker runtime",
+                w * TRAINER_RUNTIME_BYTES,
+                "host",
+                f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)",
+            )
+        )
+        host_terms.append(
+            Term(
+                "driver and Ray processes",
+                JOB_RUNTIME_BYTES,
+                "host",
+                "driver, Ray's daemons, VeRL's loop and queue actors (measured)",
+            )
+        )
     hbm = spec.hbm_gib * GIB if spec is not None else None
-    where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else \
-        str(get("trainer.device", "cpu"))
+    where = (
+        f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)"
+        if spec
+        else str(get("trainer.device", "cpu"))
+    )
     return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs, host_terms)

@@ -125,25 +125,43 @@ class ModelShape:
         b, h, H, kvh, d, i = itemsize, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
         t, q, kv = batch * seq, H * d, kvh * d
         params = self._params(self.block_shapes, self.layer_params, b, "block parameter")
-        inputs = [("hidden states", (batch, seq, h), b), ("rotary cos", (batch, seq, d), b),
-                  ("rotary sin", (batch, seq, d), b)]
-        saved = [("block output", (batch, seq, h), b), ("input norm rsqrt", (batch, seq, 1), 4),
-                 ("input norm output", (t, h), b), ("attention output", (t, q), b), ("o_proj output", (t, h), b),
-                 ("post-attention norm rsqrt", (batch, seq, 1), 4), ("post-attention norm output", (t, h), b),
-                 ("softmax probabilities (fp32)", (batch, H, seq, seq), 4),
-                 ("query (fp32)", (batch * H, d, seq), 4), ("key, repeated (fp32)", (batch * H, d, seq), 4),
-                 ("value, repeated (fp32)", (batch * H, seq, d), 4)]
+        inputs = [
+            ("hidden states", (batch, seq, h), b),
+            ("rotary cos", (batch, seq, d), b),
+            ("rotary sin", (batch, seq, d), b),
+        ]
+        saved = [
+            ("block output", (batch, seq, h), b),
+            ("input norm rsqrt", (batch, seq, 1), 4),
+            ("input norm output", (t, h), b),
+            ("attention output", (t, q), b),
+            ("o_proj output", (t, h), b),
+            ("post-attention norm rsqrt", (batch, seq, 1), 4),
+            ("post-attention norm output", (t, h), b),
+            ("softmax probabilities (fp32)", (batch, H, seq, seq), 4),
+            ("query (fp32)", (batch * H, d, seq), 4),
+            ("key, repeated (fp32)", (batch * H, d, seq), 4),
+            ("value, repeated (fp32)", (batch * H, seq, d), 4),
+        ]
         if self.qk_norm:
-            saved += [("q_proj output", (t, q), b), ("q_norm rsqrt", (batch, seq, H, 1), 4),
-                      ("k_proj output", (t, kv), b), ("k_norm rsqrt", (batch, seq, kvh, 1), 4)]
+            saved += [
+                ("q_proj output", (t, q), b),
+                ("q_norm rsqrt", (batch, seq, H, 1), 4),
+                ("k_proj output", (t, kv), b),
+                ("k_norm rsqrt", (batch, seq, kvh, 1), 4),
+            ]
         if self.experts:
-            saved.append(("MoE router and expert inputs (estimate)",
-                          (t, self.experts + self.experts_active * (h + 4 * i)), b))
+            saved.append(
+                ("MoE router and expert inputs (estimate)", (t, self.experts + self.experts_active * (h + 4 * i)), b)
+            )
         else:
             saved += [("MLP gate", (t, i), b), ("MLP up", (t, i), b), ("MLP act(gate)*up", (t, i), b)]
-        return {"arguments": params + inputs + [("attention mask", (batch, 1, seq, seq), b)], "saved": saved,
-                "returned": inputs + params,
-                "gradients": params + [("input gradient", (batch, seq, h), b)]}
+        return {
+            "arguments": params + inputs + [("attention mask", (batch, 1, seq, seq), b)],
+            "saved": saved,
+            "returned": inputs + params,
+            "gradients": params + [("input gradient", (batch, seq, h), b)],
+        }
 
     def head_graph(self, batch: int, seq: int, itemsize: int) -> dict[str, list[tuple[str, tuple, int]]]:
         """What the compiled LM head graphs hold on TPU (final norm, LM head, log-softmax in fp32 and the labels'
@@ -155,12 +173,19 @@ class ModelShape:
         t = batch * seq
         params = self._params(self.head_shapes, v * h + h, b, "LM head parameter")
         hidden = [("hidden states", (batch, seq, h), b)]
-        return {"arguments": params + hidden + [("labels", (batch, seq), 8)],
-                "saved": [("log-probs (fp32)", (batch, seq), 4), ("norm rsqrt", (batch, seq, 1), 4),
-                          ("norm output", (t, h), b), ("labels", (batch, seq, 1), 8),
-                          ("log-softmax (fp32)", (batch, seq, v), 4)],
-                "returned": hidden + params, "temporaries": [("logits", (batch, seq, v), b)],
-                "gradients": params + [("input gradient", (batch, seq, h), b)]}
+        return {
+            "arguments": params + hidden + [("labels", (batch, seq), 8)],
+            "saved": [
+                ("log-probs (fp32)", (batch, seq), 4),
+                ("norm rsqrt", (batch, seq, 1), 4),
+                ("norm output", (t, h), b),
+                ("labels", (batch, seq, 1), 8),
+                ("log-softmax (fp32)", (batch, seq, v), 4),
+            ],
+            "returned": hidden + params,
+            "temporaries": [("logits", (batch, seq, v), b)],
+            "gradients": params + [("input gradient", (batch, seq, h), b)],
+        }
 
     def sampler_graph(self, batch: int, tokens: int, cache: int, itemsize: int) -> dict[str, list]:
         """What the sampler's compiled prefill (``tokens`` = the prompt bucket) or decode step (``tokens`` = 1) holds
@@ -169,12 +194,19 @@ class ModelShape:
         (the last position's logits in ``itemsize``, and the cache again: the step writes its new keys and values
         into a copy, the cache arguments not being donated)."""
         b, kvh, d = itemsize, self.kv_heads, self.head_dim
-        weights = ([("weight", tuple(s), b) for s, n in self.param_shapes for _ in range(n)] if self.param_shapes
-                   else [("weights", (self.params,), b)])
+        weights = (
+            [("weight", tuple(s), b) for s, n in self.param_shapes for _ in range(n)]
+            if self.param_shapes
+            else [("weights", (self.params,), b)]
+        )
         kv = [("KV cache", (batch, kvh, cache, d), b)] * (2 * self.layers)
         steps = [("token ids", (batch, tokens), 8), ("mask", (batch, cache), 8), ("positions", (batch, tokens), 8)]
-        return {"weights": weights, "cache": kv, "arguments": weights + kv + steps,
-                "outputs": [("logits", (batch, self.vocab), b)] + kv}
+        return {
+            "weights": weights,
+            "cache": kv,
+            "arguments": weights + kv + steps,
+            "outputs": [("logits", (batch, self.vocab), b)] + kv,
+        }
 
     def block_temporaries(self, batch: int, seq: int, itemsize: int) -> list[tuple[str, tuple, int]]:
         """An upper bound on the temporaries of one block's compiled graphs on TPU (the larger of forward and
@@ -192,11 +224,16 @@ class ModelShape:
         experts = []
         if self.experts:
             pairs = t * max(1, self.experts_active)
-            experts = [("experts' gate_up weights gathered per token (batched_mm)", (pairs, 2 * i, self.hidden), b),
-                       ("experts' down weights gathered per token (batched_mm)", (pairs, self.hidden, i), b)] * 2
-        return ([("attention scores-sized (fp32)", (batch, H, seq, seq), 4)] * 2
-                + [("MLP gradient", (t, i), b)] * 3 + [("query/key/value gradient (fp32)", (batch * H, seq, d), 4)] * 3
-                + experts)
+            experts = [
+                ("experts' gate_up weights gathered per token (batched_mm)", (pairs, 2 * i, self.hidden), b),
+                ("experts' down weights gathered per token (batched_mm)", (pairs, self.hidden, i), b),
+            ] * 2
+        return (
+            [("attention scores-sized (fp32)", (batch, H, seq, seq), 4)] * 2
+            + [("MLP gradient", (t, i), b)] * 3
+            + [("query/key/value gradient (fp32)", (batch * H, seq, d), 4)] * 3
+            + experts
+        )
 
     def sampler_temporaries(self, batch: int, tokens: int, cache: int, itemsize: int) -> list[tuple[str, tuple, int]]:
         """An estimate of the temporaries of the sampler's compiled prefill (``tokens`` > 1) or decode step on TPU:
@@ -213,7 +250,11 @@ class ModelShape:
     def block_elements(self, seq_len: int, fused_attention: bool) -> int:
         """Activation elements one block keeps for its backward, per token (Korthikanti et al. 2022, §4.1)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        mlp = (self.experts + self.experts_active * (h + 4 * self.intermediate)) if self.experts else 4 * self.intermediate
+        mlp = (
+            (self.experts + self.experts_active * (h + 4 * self.intermediate))
+            if self.experts
+            else 4 * self.intermediate
+        )
         n = 4 * h + 2 * q + 2 * kv + mlp + ((q + kv) if self.qk_norm else 0)
         return n + (0 if fused_attention else self.heads * seq_len)
 
@@ -227,8 +268,10 @@ def model_shape(hf_config, trust_remote_code: bool = False) -> ModelShape:
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     layers = int(text.num_hidden_layers)
-    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers),
-                 key=lambda m: sum(p.numel() for p in m.parameters()))
+    blocks = max(
+        (m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers),
+        key=lambda m: sum(p.numel() for p in m.parameters()),
+    )
     per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
     largest = blocks[per_block.index(max(per_block))]
     in_blocks = {id(p) for p in blocks.parameters()}
@@ -243,12 +286,20 @@ def model_shape(hf_config, trust_remote_code: bool = False) -> ModelShape:
     heads = int(text.num_attention_heads)
     experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
     return ModelShape(
-        name=type(model).__name__, params=params, layer_params=max(per_block), root_params=params - sum(per_block),
-        lora_linear=lora, hidden=int(text.hidden_size), layers=layers, heads=heads,
+        name=type(model).__name__,
+        params=params,
+        layer_params=max(per_block),
+        root_params=params - sum(per_block),
+        lora_linear=lora,
+        hidden=int(text.hidden_size),
+        layers=layers,
+        heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads), vocab=int(text.vocab_size),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        vocab=int(text.vocab_size),
         intermediate=int((getattr(text, "moe_intermediate_size", None) if experts else None) or text.intermediate_size),
-        experts=experts, experts_active=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+        experts=experts,
+        experts_active=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
         qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
         tied=bool(getattr(text, "tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", True))),
         block_shapes=tuple(tuple(p.shape) for p in largest.parameters()),

@@ -147,8 +147,10 @@ def split_rl_tpu(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         key = o.split("=", 1)[0].lstrip("+")
         if key.startswith("rl_tpu."):
             if "=" not in o:
-                raise BadInputError(f"{o!r}: give rl_tpu settings as rl_tpu.<key>=<value>; `verl train --help` lists them")
-            ours[key[len("rl_tpu."):]] = o.split("=", 1)[1].strip()
+                raise BadInputError(
+                    f"{o!r}: give rl_tpu settings as rl_tpu.<key>=<value>; `verl train --help` lists them"
+                )
+            ours[key[len("rl_tpu.") :]] = o.split("=", 1)[1].strip()
         else:
             verl.append(o)
     return verl, ours
@@ -165,7 +167,11 @@ def guard_user_reward(overrides: list[str]) -> list[str]:
     for o in overrides:
         key, _, value = o.partition("=")
         bare = key.lstrip("+").removeprefix("reward.")  # VeRL's old top-level custom_reward_function.* too
-        if bare == "custom_reward_function.path" and value.strip("\"'") not in ("", "null", "pkg://verl_backend.data.rewards"):
+        if bare == "custom_reward_function.path" and value.strip("\"'") not in (
+            "",
+            "null",
+            "pkg://verl_backend.data.rewards",
+        ):
             out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_path={value}")
         elif bare == "custom_reward_function.name":
             out.append(f"+reward.custom_reward_function.reward_kwargs.user_fn_name={value}")
@@ -174,8 +180,12 @@ def guard_user_reward(overrides: list[str]) -> list[str]:
     return out
 
 
-PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "actor_rollout_ref.model.tokenizer_path",
-             "critic.model.tokenizer_path")
+PATH_KEYS = (
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "critic.model.tokenizer_path",
+)
 
 
 DATA_FILE_KEYS = ("data.train_files", "data.val_files")
@@ -247,8 +257,7 @@ def slice_defaults(slice_arg: str | None, given_as: str = "rl_tpu.slice") -> tup
     try:
         spec = parse_slice(acc, topo or None)
     except TopologyError as exc:
-        raise BadInputError(f"{given_as if slice_arg else '$TPU_ACCELERATOR_TYPE'}={slice_arg or acc}: {exc}") \
-            from None
+        raise BadInputError(f"{given_as if slice_arg else '$TPU_ACCELERATOR_TYPE'}={slice_arg or acc}: {exc}") from None
     keys = {"trainer.nnodes": str(spec.hosts), "trainer.n_gpus_per_node": str(spec.chips_per_host)}
     return keys, f"{spec.accelerator_type}:{spec.topology}"
 
@@ -260,14 +269,19 @@ def drop_replaced_micro_batches(defaults: dict[str, str], user: dict[str, str]) 
     meant."""
     suffix = "_per_gpu"
     given = {k for k, v in user.items() if str(v).strip().lower() not in ("null", "none", "~", "")}
-    return {k: v for k, v in defaults.items()
-            if not (k.endswith("_micro_batch_size" + suffix) and k[:-len(suffix)] in given)}
+    return {
+        k: v
+        for k, v in defaults.items()
+        if not (k.endswith("_micro_batch_size" + suffix) and k[: -len(suffix)] in given)
+    }
 
 
-DEFAULT_MICRO_KEYS = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                      "critic.ppo_micro_batch_size_per_gpu")
+DEFAULT_MICRO_KEYS = (
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu",
+)
 
 
 def fit_default_micro_batches(config, user_keys: set[str], source: str = "the embedded default") -> None:
@@ -292,17 +306,22 @@ def fit_default_micro_batches(config, user_keys: set[str], source: str = "the em
     critic = runs_critic(lambda key, default: OmegaConf.select(config, key, default=default))
     for key in DEFAULT_MICRO_KEYS:
         section = key.rsplit(".", 1)[0]
-        if key in user_keys or key[:-len("_per_gpu")] in user_keys or (section == "critic" and not critic):
+        if key in user_keys or key[: -len("_per_gpu")] in user_keys or (section == "critic" and not critic):
             continue
         micro = OmegaConf.select(config, key)
-        if not micro or OmegaConf.select(config, f"{section}.use_dynamic_bsz") or \
-                OmegaConf.select(config, f"{section}.log_prob_use_dynamic_bsz"):
+        if (
+            not micro
+            or OmegaConf.select(config, f"{section}.use_dynamic_bsz")
+            or OmegaConf.select(config, f"{section}.log_prob_use_dynamic_bsz")
+        ):
             continue
         if key.endswith("ppo_micro_batch_size_per_gpu"):
             mini = OmegaConf.select(config, f"{section}.ppo_mini_batch_size")
             engine = OmegaConf.select(config, f"{section}.{'fsdp' if section == 'critic' else 'fsdp_config'}") or {}
-            sp = max(int(OmegaConf.select(config, f"{section}.ulysses_sequence_parallel_size") or 1),
-                     int(engine.get("ulysses_sequence_parallel_size") or 1))
+            sp = max(
+                int(OmegaConf.select(config, f"{section}.ulysses_sequence_parallel_size") or 1),
+                int(engine.get("ulysses_sequence_parallel_size") or 1),
+            )
             ranks = max(1, workers // sp)
             share = int(mini) * n // ranks if mini else 0
         else:
@@ -311,6 +330,8 @@ def fit_default_micro_batches(config, user_keys: set[str], source: str = "the em
             continue  # divides, or nothing to split (check_batch_sizes names that)
         fitted = math.gcd(int(micro), share)
         OmegaConf.update(config, key, fitted)
-        print(f"[rl-tpu] {key} lowered from {micro} ({source}) to {fitted}: each of the {ranks} "
-              f"{'data-parallel ranks' if ranks != workers else 'workers'} gets {share} sequence(s) at a time",
-              flush=True)
+        print(
+            f"[rl-tpu] {key} lowered from {micro} ({source}) to {fitted}: each of the {ranks} "
+            f"{'data-parallel ranks' if ranks != workers else 'workers'} gets {share} sequence(s) at a time",
+            flush=True,
+        )

@@ -74,8 +74,10 @@ def check_prompt_lengths(config) -> None:
                 raise BadInputError(
                     f"{f}: all {len(df)} prompts are longer than data.max_prompt_length={limit}; raise it"
                 )
-            print(f"[rl-tpu] {f}: dropping {too_long} of {len(df)} prompts longer than {limit} tokens "
-                  "(data.filter_overlong_prompts=true)")
+            print(
+                f"[rl-tpu] {f}: dropping {too_long} of {len(df)} prompts longer than {limit} tokens "
+                "(data.filter_overlong_prompts=true)"
+            )
 
 
 def check_native_rollout(config) -> None:
@@ -141,14 +143,23 @@ def check_native_rollout(config) -> None:
 
 # Counts the planning below and VeRL's trainer do arithmetic with: (key, smallest value, may be null)
 WHOLE_NUMBER_KEYS = (
-    ("data.train_batch_size", 1, False), ("data.max_prompt_length", 1, False), ("data.max_response_length", 1, False),
-    ("actor_rollout_ref.rollout.n", 1, False), ("actor_rollout_ref.rollout.prompt_length", 1, True),
-    ("actor_rollout_ref.rollout.response_length", 1, True), ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, True),
-    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1, True), ("actor_rollout_ref.actor.ppo_epochs", 1, True),
+    ("data.train_batch_size", 1, False),
+    ("data.max_prompt_length", 1, False),
+    ("data.max_response_length", 1, False),
+    ("actor_rollout_ref.rollout.n", 1, False),
+    ("actor_rollout_ref.rollout.prompt_length", 1, True),
+    ("actor_rollout_ref.rollout.response_length", 1, True),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, True),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1, True),
+    ("actor_rollout_ref.actor.ppo_epochs", 1, True),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 1, True),
-    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, True), ("critic.ppo_mini_batch_size", 1, True),
-    ("critic.ppo_micro_batch_size_per_gpu", 1, True), ("trainer.total_training_steps", 1, True),
-    ("trainer.total_epochs", 1, False), ("trainer.n_gpus_per_node", 1, False), ("trainer.nnodes", 1, False),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, True),
+    ("critic.ppo_mini_batch_size", 1, True),
+    ("critic.ppo_micro_batch_size_per_gpu", 1, True),
+    ("trainer.total_training_steps", 1, True),
+    ("trainer.total_epochs", 1, False),
+    ("trainer.n_gpus_per_node", 1, False),
+    ("trainer.nnodes", 1, False),
 )
 
 
@@ -177,8 +188,10 @@ def check_whole_numbers(config) -> None:
             if number is not None and isinstance(value, float) and number != value:
                 number = None
         if number is None or number < low:
-            raise BadInputError(f"{key}={value!r}: give a whole number of {low} or more"
-                                + (" (or null for VeRL's default)" if nullable else ""))
+            raise BadInputError(
+                f"{key}={value!r}: give a whole number of {low} or more"
+                + (" (or null for VeRL's default)" if nullable else "")
+            )
 
 
 def fit_epochs_to_steps(config) -> None:
@@ -218,10 +231,16 @@ def fit_epochs_to_steps(config) -> None:
     needed = -(-int(steps) // batches)
     with open_dict(config):
         config.trainer.total_epochs = needed
-    bound = (f" ({rows} rows is an upper bound: data.filter_overlong_prompts=true may drop some)"
-             if config.data.get("filter_overlong_prompts") else "")
-    print(f"[rl-tpu] trainer.total_training_steps={steps} needs {needed} epochs of {batches} batches ({rows} rows "
-          f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}", flush=True)
+    bound = (
+        f" ({rows} rows is an upper bound: data.filter_overlong_prompts=true may drop some)"
+        if config.data.get("filter_overlong_prompts")
+        else ""
+    )
+    print(
+        f"[rl-tpu] trainer.total_training_steps={steps} needs {needed} epochs of {batches} batches ({rows} rows "
+        f"/ data.train_batch_size {batch}); trainer.total_epochs raised from {epochs} to {needed}{bound}",
+        flush=True,
+    )
 
 
 def check_sdpa_attention(key: str, path: Path, config) -> None:
@@ -297,8 +316,11 @@ def non_attention_layers(config) -> dict[str, int]:
     for kind in types:
         kind = str(kind)
         layer = LAYER_TYPE_CACHE_MAPPING.get(kind)
-        state = isinstance(layer, type) and bool(LinearAttentionCacheLayerMixin) and \
-            issubclass(layer, LinearAttentionCacheLayerMixin)
+        state = (
+            isinstance(layer, type)
+            and bool(LinearAttentionCacheLayerMixin)
+            and issubclass(layer, LinearAttentionCacheLayerMixin)
+        )
         if state or (layer is None and "attention" not in kind):
             found[kind] = found.get(kind, 0) + 1
     return found
@@ -329,8 +351,9 @@ def check_attention_layers(key: str, path: Path, config) -> None:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     total = int(getattr(text, "num_hidden_layers", 0) or 0)
-    kinds = ", ".join(f"{n}{f' of {total}' if total else ''} {_NON_ATTENTION_KINDS.get(k, f'{k!r} layers')}"
-                      for k, n in found.items())
+    kinds = ", ".join(
+        f"{n}{f' of {total}' if total else ''} {_NON_ATTENTION_KINDS.get(k, f'{k!r} layers')}" for k, n in found.items()
+    )
     raise BadInputError(
         f"{key}={path}: its {config.model_type} model has {kinds}; rl-tpu's native sampler caches only attention "
         "keys and values, and its packed micro batches keep sequences apart only by an attention mask, so it cannot "
@@ -376,8 +399,10 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
-        raise BadInputError(f"{key}={path}: transformers cannot read its config.json ({first_line(exc)}); pass a "
-                            "folder written by save_pretrained") from None
+        raise BadInputError(
+            f"{key}={path}: transformers cannot read its config.json ({first_line(exc)}); pass a "
+            "folder written by save_pretrained"
+        ) from None
     check_attention_layers(key, path, config)  # before the key/value-head check: Mamba has no heads at all
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "num_key_value_heads", None) is None:
@@ -424,8 +449,9 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
     per_node, nodes = int(config.trainer.n_gpus_per_node), int(config.trainer.nnodes)
     workers = per_node * nodes
     n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)
-    pool = (f"{workers} workers (trainer.n_gpus_per_node={per_node} × trainer.nnodes={nodes}"
-            + (f", from {workers_from})" if workers_from else ")"))
+    pool = f"{workers} workers (trainer.n_gpus_per_node={per_node} × trainer.nnodes={nodes}" + (
+        f", from {workers_from})" if workers_from else ")"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # need_critic warns that a non-GAE estimator has no critic
         roles = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if need_critic(config) else [])
@@ -453,8 +479,10 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
                 f"that many prompts; set {role}.ppo_mini_batch_size={batch} or raise data.train_batch_size"
             )
         engine = section.get("fsdp_config" if role != "critic" else "fsdp") or {}
-        sp = max(int(section.get("ulysses_sequence_parallel_size") or 1),
-                 int(engine.get("ulysses_sequence_parallel_size") or 1))
+        sp = max(
+            int(section.get("ulysses_sequence_parallel_size") or 1),
+            int(engine.get("ulysses_sequence_parallel_size") or 1),
+        )
         dp = max(1, workers // sp)
         dp_of[role] = dp
         if (mini * n) % dp:
@@ -477,8 +505,10 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
             )
     # VeRL's engine splits each rank's share of the batch into log-prob micro batches (workers/engine/utils.py)
     per_rank = batch * n // max(1, workers)
-    for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
+    for key in (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ):
         section = config.actor_rollout_ref.rollout if ".rollout." in key else config.actor_rollout_ref.ref
         micro = section.get("log_prob_micro_batch_size_per_gpu")
         if micro and not section.get("log_prob_use_dynamic_bsz", False) and per_rank % int(micro):
@@ -494,19 +524,19 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
 # it hands the estimator only uid, response_mask, rm_scores, the log-probs and values; nothing else.
 V1_UNFED_ESTIMATORS = {
     "remax": "ReMax subtracts the reward of a greedy rollout (reward_baselines), which VeRL 0.9.1's V1 trainer never "
-             "samples (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); use rloo or "
-             "grpo (a baseline from the group's other samples) instead",
+    "samples (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); use rloo or "
+    "grpo (a baseline from the group's other samples) instead",
     "optimal_token_baseline": "the optimal token baseline needs the actor's sum of squared token probabilities "
-                              "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the actor "
-                              "for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); "
-                              "use grpo or rloo instead",
+    "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the actor "
+    "for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not run, does); "
+    "use grpo or rloo instead",
     "tir_optimal_token_baseline": "the optimal token baseline needs the actor's sum of squared token probabilities "
-                                  "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the "
-                                  "actor for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not "
-                                  "run, does); use grpo or rloo instead",
+    "(actor.calculate_sum_pi_squared), which VeRL 0.9.1's V1 trainer never asks the "
+    "actor for (only its legacy trainer, trainer.use_v1=false, which rl-tpu does not "
+    "run, does); use grpo or rloo instead",
     "gdpo": "GDPO normalizes each reward component named in algorithm.gdpo_reward_keys apart, but VeRL 0.9.1's V1 "
-            "trainer passes the estimator none of the reward's extra keys (only its legacy trainer, "
-            "trainer.use_v1=false, which rl-tpu does not run, does); with one reward, use grpo",
+    "trainer passes the estimator none of the reward's extra keys (only its legacy trainer, "
+    "trainer.use_v1=false, which rl-tpu does not run, does); with one reward, use grpo",
 }
 
 
@@ -527,12 +557,22 @@ def check_adv_estimator(config, before_run: bool = False) -> None:
     if name in V1_UNFED_ESTIMATORS:
         raise BadInputError(f"algorithm.adv_estimator={name}: {V1_UNFED_ESTIMATORS[name]}")
     critic = config.get("critic") or {}
-    if before_run and name == "gae" and critic.get("enable") is not False and not critic.get("use_dynamic_bsz") and \
-            not critic.get("ppo_micro_batch_size_per_gpu") and not critic.get("ppo_micro_batch_size"):
+    if (
+        before_run
+        and name == "gae"
+        and critic.get("enable") is not False
+        and not critic.get("use_dynamic_bsz")
+        and not critic.get("ppo_micro_batch_size_per_gpu")
+        and not critic.get("ppo_micro_batch_size")
+    ):
         # VeRL's validate_config refused it with a hydra InstantiationException traceback naming other keys
-        raise BadInputError("algorithm.adv_estimator=gae trains VeRL's critic, which needs a micro batch size: set "
-                            "critic.ppo_micro_batch_size_per_gpu (e.g. 4), or start from examples/ppo_cpu.yaml")
+        raise BadInputError(
+            "algorithm.adv_estimator=gae trains VeRL's critic, which needs a micro batch size: set "
+            "critic.ppo_micro_batch_size_per_gpu (e.g. 4), or start from examples/ppo_cpu.yaml"
+        )
     if name not in ADV_ESTIMATOR_REGISTRY and before_run:
         usable = sorted(set(ADV_ESTIMATOR_REGISTRY) - set(V1_UNFED_ESTIMATORS))
-        raise BadInputError(f"algorithm.adv_estimator={name}: VeRL 0.9.1 registers no such estimator; give one of "
-                            f"{', '.join(usable)} (or register yours with core_algos.register_adv_est)")
+        raise BadInputError(
+            f"algorithm.adv_estimator={name}: VeRL 0.9.1 registers no such estimator; give one of "
+            f"{', '.join(usable)} (or register yours with core_algos.register_adv_est)"
+        )

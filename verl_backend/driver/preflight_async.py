@@ -47,34 +47,43 @@ def check_trainer_mode(config) -> None:
     batch, mini = int(config.data.train_batch_size), config.actor_rollout_ref.actor.ppo_mini_batch_size
     sync_step = int((v1.get("separate_async") or {}).get("parameter_sync_step", 1))
     if mini is None or batch != sync_step * int(mini):
-        fit = f"trainer.v1.separate_async.parameter_sync_step={batch // int(mini)}" if mini and batch % int(mini) \
-            == 0 else f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // sync_step}" if batch % sync_step == 0 \
+        fit = (
+            f"trainer.v1.separate_async.parameter_sync_step={batch // int(mini)}"
+            if mini and batch % int(mini) == 0
+            else f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // sync_step}"
+            if batch % sync_step == 0
             else f"trainer.v1.separate_async.parameter_sync_step=1 actor_rollout_ref.actor.ppo_mini_batch_size={batch}"
+        )
         raise BadInputError(
             f"trainer.v1.trainer_mode=separate_async needs data.train_batch_size ({batch}) == "
             f"trainer.v1.separate_async.parameter_sync_step ({sync_step}) × "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) (VeRL 0.9.1 asserts it); set {fit}")
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) (VeRL 0.9.1 asserts it); set {fit}"
+        )
     rollout = config.actor_rollout_ref.rollout
     for key in ("nnodes", "n_gpus_per_node"):
         if int(rollout.get(key) or 0) <= 0:
             raise BadInputError(
                 f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: trainer.v1.trainer_mode=separate_async samples "
-                f"on a rollout pool of its own; set actor_rollout_ref.rollout.{key} to 1 or more")
+                f"on a rollout pool of its own; set actor_rollout_ref.rollout.{key} to 1 or more"
+            )
     backend = str((rollout.get("checkpoint_engine") or {}).get("backend", "naive"))
     if backend == "naive":
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that "
-            "sends to another pool; set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (rl-tpu's)")
+            "sends to another pool; set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (rl-tpu's)"
+        )
     if not config.actor_rollout_ref.get("hybrid_engine", True):
         raise BadInputError(
             "actor_rollout_ref.hybrid_engine=false: VeRL 0.9.1's separate_async then fails while it sets up "
-            "(trainer_separate_async.py:181 passes flush= to logger.info, a TypeError); leave it true")
+            "(trainer_separate_async.py:181 passes flush= to logger.info, a TypeError); leave it true"
+        )
     if str(rollout.get("name")) == "native" and backend == "native":
         raise BadInputError(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=native is colocated (VeRL's naive engine plus "
             "in-worker sampling) and cannot send weights to a separate rollout pool, which "
             "trainer.v1.trainer_mode=separate_async needs; set "
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo")
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"
+        )
 
 
 def rollout_slice_keys(value: str, trainer_slice: str = "", backend_slices: str = "none") -> dict[str, str]:
@@ -104,22 +113,27 @@ def rollout_slice_keys(value: str, trainer_slice: str = "", backend_slices: str 
 
     key = f"rl_tpu.rollout_slice={value}"
     if backend_slices == "none":
-        raise BadInputError(f"{key}: a rollout slice applies to --backend tpu (or cpu, as a dry run on a fake slice); "
-                            f"drop it")
+        raise BadInputError(
+            f"{key}: a rollout slice applies to --backend tpu (or cpu, as a dry run on a fake slice); drop it"
+        )
     try:
         spec = parse_slice(*_slice_parts(value))
     except TopologyError as exc:
         raise BadInputError(f"{key}: {exc}") from None
     if not trainer_slice:
-        raise BadInputError(f"{key}: the trainer needs a slice of its own too; set rl_tpu.slice (--slice), e.g. "
-                            f"--slice {spec.accelerator_type}")
+        raise BadInputError(
+            f"{key}: the trainer needs a slice of its own too; set rl_tpu.slice (--slice), e.g. "
+            f"--slice {spec.accelerator_type}"
+        )
     same = parse_slice(*_slice_parts(trainer_slice)).pod_type == spec.pod_type
     joined = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if not address:
-            raise BadInputError(f"{key}: a rollout slice needs a Ray cluster that has it; set $RAY_ADDRESS (locally: "
-                                f"rl-tpu cluster up --fake-slice {spec.accelerator_type})")
+            raise BadInputError(
+                f"{key}: a rollout slice needs a Ray cluster that has it; set $RAY_ADDRESS (locally: "
+                f"rl-tpu cluster up --fake-slice {spec.accelerator_type})"
+            )
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         joined = True
     try:
@@ -132,12 +146,19 @@ def rollout_slice_keys(value: str, trainer_slice: str = "", backend_slices: str 
     finally:
         if joined:
             ray.shutdown()
-    return {"trainer.v1.trainer_mode": "separate_async", "actor_rollout_ref.rollout.nnodes": str(spec.hosts),
-            "actor_rollout_ref.rollout.n_gpus_per_node": str(spec.chips_per_host),
-            "actor_rollout_ref.rollout.checkpoint_engine.backend": "gloo"}
+    return {
+        "trainer.v1.trainer_mode": "separate_async",
+        "actor_rollout_ref.rollout.nnodes": str(spec.hosts),
+        "actor_rollout_ref.rollout.n_gpus_per_node": str(spec.chips_per_host),
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": "gloo",
+    }
 
 
-SHAPE_KEYS = ("trainer.v1.trainer_mode", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node")
+SHAPE_KEYS = (
+    "trainer.v1.trainer_mode",
+    "actor_rollout_ref.rollout.nnodes",
+    "actor_rollout_ref.rollout.n_gpus_per_node",
+)
 
 
 def check_rollout_slice_config(config, value: str, keys: dict[str, str], user_keys: set[str]) -> None:
@@ -157,8 +178,10 @@ def check_rollout_slice_config(config, value: str, keys: dict[str, str], user_ke
     for name in SHAPE_KEYS:
         given = OmegaConf.select(config, name)
         if str(given) != keys[name]:
-            raise BadInputError(f"rl_tpu.rollout_slice={value} sets {name}={keys[name]}, but the job gives {given}; "
-                                f"drop {name} (the rollout slice decides it)")
+            raise BadInputError(
+                f"rl_tpu.rollout_slice={value} sets {name}={keys[name]}, but the job gives {given}; "
+                f"drop {name} (the rollout slice decides it)"
+            )
     sync_key = "trainer.v1.separate_async.parameter_sync_step"
     mini = config.actor_rollout_ref.actor.get("ppo_mini_batch_size")
     batch = int(config.data.train_batch_size)

@@ -27,10 +27,12 @@ TPU_SAMPLER = "{sampler_placement:worker,packed_prefill:false,lean_decode:false,
 
 #: the micro batch sizes (sequences a chip runs at once) the tpu row sets: the actor's update, the old policy's and
 #: the reference's log-prob forward, the critic's update (its values forward follows it, VeRL's own interpolation)
-TPU_MICRO_KEYS = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                  "critic.ppo_micro_batch_size_per_gpu")
+TPU_MICRO_KEYS = (
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu",
+)
 
 COMMON: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "native",
@@ -206,10 +208,24 @@ TPU_SETTINGS = {"compile_trainer": True, "compile_sampler": True}
 
 
 PROFILES: dict[str, BackendProfile] = {
-    "tpu": BackendProfile("tpu", platform="tpu", overrides=_OVERRIDES["tpu"], slices="auto", tpu_runtime=True,
-                          check=_require_tpu, settings=TPU_SETTINGS),
-    "cpu": BackendProfile("cpu", platform="cpu", overrides=_OVERRIDES["cpu"], default_config=CONFIGS / "grpo_cpu.yaml",
-                          default_threads=2, slices="dry_run", host_memory=True),
+    "tpu": BackendProfile(
+        "tpu",
+        platform="tpu",
+        overrides=_OVERRIDES["tpu"],
+        slices="auto",
+        tpu_runtime=True,
+        check=_require_tpu,
+        settings=TPU_SETTINGS,
+    ),
+    "cpu": BackendProfile(
+        "cpu",
+        platform="cpu",
+        overrides=_OVERRIDES["cpu"],
+        default_config=CONFIGS / "grpo_cpu.yaml",
+        default_threads=2,
+        slices="dry_run",
+        host_memory=True,
+    ),
     "cuda": BackendProfile("cuda", platform="nvidia", overrides=_OVERRIDES["cuda"], check=_require_cuda),
 }
 BACKENDS = tuple(PROFILES)
@@ -245,13 +261,23 @@ def tpu_dry_run(base: BackendProfile) -> BackendProfile:
         BadInputError: ``base`` is not the cpu profile (the dry run replaces a chip by CPU devices).
     """
     if base.name != "cpu":
-        raise BadInputError(f"rl_tpu.tpu_dry_run (--tpu-dry-run) runs the TPU profile on CPU devices: use it with "
-                            f"--backend cpu, not --backend {base.name}")
+        raise BadInputError(
+            f"rl_tpu.tpu_dry_run (--tpu-dry-run) runs the TPU profile on CPU devices: use it with "
+            f"--backend cpu, not --backend {base.name}"
+        )
     tpu = PROFILES["tpu"]
     return BackendProfile(
-        base.name, platform=base.platform, overrides={**tpu.overrides, **DRY_RUN_DEVICE_KEYS},
-        default_config=base.default_config, default_threads=base.default_threads, slices="dry_run",
-        host_memory=tpu.host_memory, tpu_runtime=False, check=base.check, default_slice=DRY_RUN_SLICE)
+        base.name,
+        platform=base.platform,
+        overrides={**tpu.overrides, **DRY_RUN_DEVICE_KEYS},
+        default_config=base.default_config,
+        default_threads=base.default_threads,
+        slices="dry_run",
+        host_memory=tpu.host_memory,
+        tpu_runtime=False,
+        check=base.check,
+        default_slice=DRY_RUN_SLICE,
+    )
 
 
 def profile(name: str) -> BackendProfile:

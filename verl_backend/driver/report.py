@@ -18,8 +18,10 @@ def read_metrics(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a kill or a full disk: the rest of the file still counts
-                print(f"[rl-tpu] {path} line {number} is not complete JSON (cut by a kill?); left out of the report",
-                      flush=True)
+                print(
+                    f"[rl-tpu] {path} line {number} is not complete JSON (cut by a kill?); left out of the report",
+                    flush=True,
+                )
                 continue
             # A resumed run logs the steps after its checkpoint again: the later values win.
             by_step.setdefault(int(row["step"]), {}).update(row["data"])
@@ -27,15 +29,20 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def _val_accuracy(data: dict) -> float | None:
-    vals = [v for k, v in data.items()
-            if k.startswith("val-core/") and ("/acc/" in k or k.endswith("reward/mean@1"))]
+    vals = [v for k, v in data.items() if k.startswith("val-core/") and ("/acc/" in k or k.endswith("reward/mean@1"))]
     vals = [float(v) for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
 
 
 def _val_strict(data: dict) -> float | None:
-    vals = [float(v) for k, v in data.items() if k.startswith(("val-core/", "val-aux/"))
-            and "/acc_strict/mean@" in k and isinstance(v, (int, float)) and math.isfinite(v)]
+    vals = [
+        float(v)
+        for k, v in data.items()
+        if k.startswith(("val-core/", "val-aux/"))
+        and "/acc_strict/mean@" in k
+        and isinstance(v, (int, float))
+        and math.isfinite(v)
+    ]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -46,8 +53,10 @@ RUNNING_MEAN_STEPS = 4
 def running_mean(values: list[float], window: int = RUNNING_MEAN_STEPS) -> list[float]:
     """The mean of each value with the ``window - 1`` before it (fewer at the start): the reward curve a person
     reads, where one step's mean over a few prompts is mostly which prompts were drawn."""
-    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -168,8 +177,15 @@ def paired_difference(before: list[float], after: list[float]) -> dict:
     unchanged = n > 0 and all(d == 0 for d in diffs)
     if unchanged:  # the t interval has no width; |difference| <= the share of items that change, which with 0
         half = 1 - 0.05 ** (1 / n)  # of n seen is below this at 95% (about 3/n: the rule of three)
-    return {"n": n, "before": sum(before) / n, "after": sum(after) / n, "diff": mean, "low": mean - half,
-            "high": mean + half, "unchanged": unchanged}
+    return {
+        "n": n,
+        "before": sum(before) / n,
+        "after": sum(after) / n,
+        "diff": mean,
+        "low": mean - half,
+        "high": mean + half,
+        "unchanged": unchanged,
+    }
 
 
 def validation_change(folder: Path | None) -> dict | None:
@@ -210,11 +226,15 @@ def accuracy_lines(summary: dict) -> list[str]:
     points_seen = summary.get("val_points") or []
     if not change and len(points_seen) == 1:  # one validation (e.g. trainer.val_before_train=false): no before
         step, acc = points_seen[0]
-        return [f"[rl-tpu] validation accuracy at step {step}: {pct(acc)} (the run's only validation: nothing to "
-                f"compare it with)"]
+        return [
+            f"[rl-tpu] validation accuracy at step {step}: {pct(acc)} (the run's only validation: nothing to "
+            f"compare it with)"
+        ]
     if not change:
-        return [f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after "
-                f"{pct(summary['val_accuracy_after'])} (no per-item validation dumps to pair, so no interval)"]
+        return [
+            f"[rl-tpu] validation accuracy: before {pct(summary['val_accuracy_before'])} -> after "
+            f"{pct(summary['val_accuracy_after'])} (no per-item validation dumps to pair, so no interval)"
+        ]
     lenient, strict = change["lenient"], change["strict"]
 
     def points(d):

@@ -63,8 +63,11 @@ def prepare_run_folder(config, out: Path) -> None:
         if metrics.is_file() and metrics.stat().st_size and not metrics.read_bytes().endswith(b"\n"):
             with open(metrics, "ab") as f:  # a cut last line would swallow the resumed run's first row
                 f.write(b"\n")
-        print(f"[rl-tpu] resuming from the checkpoint of step {step} in {ckpts} (VeRL's trainer.resume_mode=auto); "
-              "give another --output-dir, or move that folder away, to start over", flush=True)
+        print(
+            f"[rl-tpu] resuming from the checkpoint of step {step} in {ckpts} (VeRL's trainer.resume_mode=auto); "
+            "give another --output-dir, or move that folder away, to start over",
+            flush=True,
+        )
         return
     earlier = [out / name for name in RUN_ARTIFACTS if (out / name).exists()]
     has_steps = ckpts.is_dir() and any(ckpts.glob("global_step_*"))
@@ -82,8 +85,11 @@ def prepare_run_folder(config, out: Path) -> None:
     dest.mkdir(parents=True, exist_ok=False)
     for path in earlier:
         path.rename(dest / path.name)
-    print(f"[rl-tpu] {out} held an earlier run with nothing to resume ({', '.join(p.name for p in earlier)}): moved "
-          f"to {dest}; starting over", flush=True)
+    print(
+        f"[rl-tpu] {out} held an earlier run with nothing to resume ({', '.join(p.name for p in earlier)}): moved "
+        f"to {dest}; starting over",
+        flush=True,
+    )
 
 
 def lock_run_folder(out: Path) -> None:
@@ -102,9 +108,10 @@ def lock_run_folder(out: Path) -> None:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise BadInputError(f"{out} is in use by another verl train (pid {holder}): give another --output-dir, or "
-                            "wait for that run to end") from None
+        raise BadInputError(
+            f"{out} is in use by another verl train (pid {holder}): give another --output-dir, or "
+            "wait for that run to end"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     _RUN_LOCK_FD = fd
-

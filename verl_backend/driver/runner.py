@@ -57,8 +57,12 @@ def fork_server_here(profile, fork_server: dict, settings) -> None:
     (the workers then start as plain processes)."""
     from verl_backend.host_memory.fork_server import fork_here
 
-    if not settings.fork_server or not profile.host_memory or os.environ.get("RAY_ADDRESS") \
-            or not sys.platform.startswith("linux"):
+    if (
+        not settings.fork_server
+        or not profile.host_memory
+        or os.environ.get("RAY_ADDRESS")
+        or not sys.platform.startswith("linux")
+    ):
         return
     started = fork_here()
     if started is not None:
@@ -95,8 +99,11 @@ def run_with_restarts(config, max_restarts: int, task_runner: str = "driver") ->
                     f"a Ray actor of this run failed ({dead}) and no restart is left (--max-restarts {max_restarts}); "
                     f"last checkpoint: step {step}; run the same command again to resume from it"
                 ) from exc
-            print(f"[rl-tpu] a Ray actor failed ({name}); restarting from checkpoint step {step} "
-                  f"(restart {attempt + 1} of {max_restarts})", flush=True)
+            print(
+                f"[rl-tpu] a Ray actor failed ({name}); restarting from checkpoint step {step} "
+                f"(restart {attempt + 1} of {max_restarts})",
+                flush=True,
+            )
             ray.shutdown()
             with open_dict(config):
                 config.trainer.resume_mode = "auto"
@@ -155,7 +162,6 @@ def _run_verl(config, task_runner: str = "driver") -> None:
     run_main_body(config, task_runner_class(task_runner))
 
 
-
 def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
     """Put what every Ray worker of the job needs into VeRL's ``ray_kwargs.ray_init`` (in place): the settings record
     and the run's log paths as the job's ``runtime_env`` (delivered with the job to every host, not inherited), and,
@@ -185,8 +191,11 @@ def job_runtime_env(config, out: Path, settings, fork_server: dict) -> None:
             env[k] = os.environ[k]
     os.environ.update(env)
     apply_num_threads()  # where TransferQueue already read it (verl_backend.patches.transfer_queue)
-    print(f"[rl-tpu] settings record {job_settings.digest(env[job_settings.RECORD_ENV])} goes to every worker "
-          "with the job", flush=True)
+    print(
+        f"[rl-tpu] settings record {job_settings.digest(env[job_settings.RECORD_ENV])} goes to every worker "
+        "with the job",
+        flush=True,
+    )
     with open_dict(config):
         runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
         runtime_env["env_vars"] = {**dict(runtime_env.get("env_vars") or {}), **env}

@@ -89,11 +89,20 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     cli_overrides, cli_ours = split_rl_tpu(list(args.overrides))
     if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
         file_ours = {k: v for k, v in file_ours.items() if k != "task_config"}  # belongs to the file's task
-    settings = job_settings.resolve(cli_ours, file_ours, file_name=f"--config {config_path}", flags={
-        "--num-threads": args.num_threads, "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
-        "--slice": getattr(args, "slice", None), "--export": getattr(args, "export", None),
-        "--quantize": getattr(args, "quantize", None), "--tpu-dry-run": getattr(args, "tpu_dry_run", None),
-        "--rollout-slice": getattr(args, "rollout_slice", None)})
+    settings = job_settings.resolve(
+        cli_ours,
+        file_ours,
+        file_name=f"--config {config_path}",
+        flags={
+            "--num-threads": args.num_threads,
+            "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
+            "--slice": getattr(args, "slice", None),
+            "--export": getattr(args, "export", None),
+            "--quantize": getattr(args, "quantize", None),
+            "--tpu-dry-run": getattr(args, "tpu_dry_run", None),
+            "--rollout-slice": getattr(args, "rollout_slice", None),
+        },
+    )
     backend, settings = _tpu_dry_run(backend, settings, args)
     given = set(cli_ours) | set(file_ours)  # the profile's own settings, under the user's
     settings = replace(settings, **{k: v for k, v in backend.settings.items() if k not in given})
@@ -106,19 +115,26 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     defaults = drop_replaced_micro_batches(dict(backend.overrides), user)
     defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
     slice_keys: dict[str, str] = {}
-    slice_from = f"--slice {args.slice}" if getattr(args, "slice", None) else \
-        f"the TPU dry run's fake slice {settings.slice}" if settings.tpu_dry_run and \
-        settings.slice == backend.default_slice else \
-        f"rl_tpu.slice={settings.slice}" if settings.slice else "$TPU_ACCELERATOR_TYPE"
+    slice_from = (
+        f"--slice {args.slice}"
+        if getattr(args, "slice", None)
+        else f"the TPU dry run's fake slice {settings.slice}"
+        if settings.tpu_dry_run and settings.slice == backend.default_slice
+        else f"rl_tpu.slice={settings.slice}"
+        if settings.slice
+        else "$TPU_ACCELERATOR_TYPE"
+    )
     if backend.slices == "auto" or (backend.slices == "dry_run" and settings.slice):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
-        slice_keys, resolved_slice = slice_defaults(settings.slice, "--slice" if getattr(args, "slice", None)
-                                                    else "rl_tpu.slice")
+        slice_keys, resolved_slice = slice_defaults(
+            settings.slice, "--slice" if getattr(args, "slice", None) else "rl_tpu.slice"
+        )
         settings = replace(settings, slice=resolved_slice)
         defaults.update(slice_keys)
     elif settings.slice:
-        raise BadInputError(f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not "
-                            f"{backend.name}")
+        raise BadInputError(
+            f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not {backend.name}"
+        )
     # a rollout slice of its own: checked against the cluster now, then VeRL's standalone rollout pool (separate_async)
     rollout_keys = rollout_slice_keys(settings.rollout_slice, settings.slice, backend.slices)
     defaults.update(rollout_keys)
@@ -147,8 +163,10 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     config = compose_config(merged + extra)
     check_whole_numbers(config)
     check_adv_estimator(config)  # fed by VeRL 0.9.1's V1 trainer, or one line
-    if config_path and Path(config_path).resolve() == Path(backend.default_config
-                                                           or profile("cpu").default_config).resolve():
+    if (
+        config_path
+        and Path(config_path).resolve() == Path(backend.default_config or profile("cpu").default_config).resolve()
+    ):
         # the embedded default (--backend cpu's, and the dry run's), also when given to --aot-only as --config: the
         # TPU dry run and `--backend tpu --aot-only --config <it>` are then the same job (aot/graphs.json)
         fit_default_micro_batches(config, _keys(cli_overrides))
@@ -178,8 +196,15 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         from verl_backend.weight_sync import plan_routes
 
         placement = native_engine_kwargs(config.actor_rollout_ref.rollout).sampler_placement
-        print(plan_routes(config, cpu=backend.platform == "cpu", shared_weights=bool(settings.shared_weights),
-                          rollout_slice=settings.rollout_slice or None, placement=placement))  # each replica's route
+        print(
+            plan_routes(
+                config,
+                cpu=backend.platform == "cpu",
+                shared_weights=bool(settings.shared_weights),
+                rollout_slice=settings.rollout_slice or None,
+                placement=placement,
+            )
+        )  # each replica's route
         return 0
 
     check_memory_fits(config, settings.slice, backend)  # a TPU job past its chips' HBM stops here, one line
@@ -193,8 +218,10 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
 
         reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)), backend.name)
         if reason and "compile_trainer" in backend.settings and "compile_trainer" not in given:
-            reason += (f"; the {backend.name} profile turned rl_tpu.compile_trainer on: rl_tpu.compile_trainer=false "
-                       "runs the blocks eagerly")
+            reason += (
+                f"; the {backend.name} profile turned rl_tpu.compile_trainer on: rl_tpu.compile_trainer=false "
+                "runs the blocks eagerly"
+            )
         if reason:
             raise BadInputError(reason)
     check_export(settings, config)
@@ -217,14 +244,21 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
 
         tpu_compile = DryRunCompile(config, settings.slice, out, enabled=settings.tpu_dry_run_compile).start()
         if tpu_compile.running:
-            console.say(f"[rl-tpu] TPU compile check: lowering {tpu_compile.folder / 'graphs.json'}'s graphs with "
-                        f"TorchTPU and compiling them for {settings.slice} with libtpu, beside the training")
+            console.say(
+                f"[rl-tpu] TPU compile check: lowering {tpu_compile.folder / 'graphs.json'}'s graphs with "
+                f"TorchTPU and compiling them for {settings.slice} with libtpu, beside the training"
+            )
     start = time.time()
     rollouts = config.trainer.get("rollout_data_dir")
-    with StepLines(out / "metrics.jsonl", config.trainer.total_training_steps, console.say,
-                   rollouts=Path(rollouts) if rollouts else None):
-        run_with_restarts(config, max_restarts=int(getattr(args, "max_restarts", 0) or 0),
-                          task_runner=settings.task_runner)
+    with StepLines(
+        out / "metrics.jsonl",
+        config.trainer.total_training_steps,
+        console.say,
+        rollouts=Path(rollouts) if rollouts else None,
+    ):
+        run_with_restarts(
+            config, max_restarts=int(getattr(args, "max_restarts", 0) or 0), task_runner=settings.task_runner
+        )
     validation = config.trainer.get("validation_data_dir")
     summary = write_report(out, wall_s=time.time() - start, validation_dir=Path(validation) if validation else None)
     console.say(summary)
@@ -291,8 +325,10 @@ def _tpu_dry_run(backend, settings, args):
 
     backend = tpu_dry_run(backend)
     if settings.compact_malloc:
-        raise BadInputError("rl_tpu.compact_malloc=true is the CPU profile's host-memory setting; the TPU dry run "
-                            "(rl_tpu.tpu_dry_run) keeps the TPU profile's, which has none: drop one of them")
+        raise BadInputError(
+            "rl_tpu.compact_malloc=true is the CPU profile's host-memory setting; the TPU dry run "
+            "(rl_tpu.tpu_dry_run) keeps the TPU profile's, which has none: drop one of them"
+        )
     settings = replace(settings, slice=settings.slice or backend.default_slice)
     from rl_tpu.topology import TopologyError, parse_slice
 
@@ -302,15 +338,22 @@ def _tpu_dry_run(backend, settings, args):
     except TopologyError:
         chips = 2  # named by the slice check below, with the key the user gave
     if chips < 2:
-        raise BadInputError(f"rl_tpu.tpu_dry_run on the slice {settings.slice} ({chips} chip): the dry run stands "
-                            "several gloo ranks in for chips; give --slice v6e-4 (the default) or another of 2 chips "
-                            "or more")
+        raise BadInputError(
+            f"rl_tpu.tpu_dry_run on the slice {settings.slice} ({chips} chip): the dry run stands "
+            "several gloo ranks in for chips; give --slice v6e-4 (the default) or another of 2 chips "
+            "or more"
+        )
     if not args.print_config and not os.environ.get("RAY_ADDRESS"):
-        raise BadInputError(f"rl_tpu.tpu_dry_run (--tpu-dry-run) reserves the fake slice {settings.slice} on a Ray "
-                            f"cluster: start one with `rl-tpu cluster up --fake-slice {settings.slice.split(':')[0]}`, "
-                            "export the RAY_ADDRESS it prints (and RAY_AUTH_MODE=disabled), then run this again")
-    print(f"[rl-tpu] TPU dry run: the tpu profile's choices on CPU devices, {chips} gloo ranks on the fake slice "
-          f"{settings.slice}", flush=True)
+        raise BadInputError(
+            f"rl_tpu.tpu_dry_run (--tpu-dry-run) reserves the fake slice {settings.slice} on a Ray "
+            f"cluster: start one with `rl-tpu cluster up --fake-slice {settings.slice.split(':')[0]}`, "
+            "export the RAY_ADDRESS it prints (and RAY_AUTH_MODE=disabled), then run this again"
+        )
+    print(
+        f"[rl-tpu] TPU dry run: the tpu profile's choices on CPU devices, {chips} gloo ranks on the fake slice "
+        f"{settings.slice}",
+        flush=True,
+    )
     return backend, settings
 
 
@@ -318,8 +361,10 @@ def _apply_profile(backend, settings):
     """The settings as this backend takes them: TPU-only keys refused elsewhere, and the host malloc settings of
     ``rl_tpu.compact_malloc`` put in place for every process started from here on."""
     if not backend.tpu_runtime and settings.tpu_eager_mode != "strict":
-        raise BadInputError(f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
-                            f"--backend tpu only, not {backend.name}")
+        raise BadInputError(
+            f"rl_tpu.tpu_eager_mode={settings.tpu_eager_mode} (--tpu-eager-mode) applies to "
+            f"--backend tpu only, not {backend.name}"
+        )
     if settings.compact_malloc and backend.host_memory:
         from verl_backend.host_memory.heap import host_malloc_env, tune_host_malloc
 
@@ -339,6 +384,7 @@ def _apply_threads(backend, settings, keys: dict[str, str]):
     job's trainer workers (:func:`verl_backend.driver.profiles.default_threads`); put in ``OMP_NUM_THREADS`` for this
     process and the fork server started from it (the workers get the settings record)."""
     if not settings.num_threads:
+
         def count(key: str) -> int:  # an interpolation or a bad value: VeRL's own checks name it later
             try:
                 return max(1, int(keys.get(key, 1)))
@@ -346,8 +392,9 @@ def _apply_threads(backend, settings, keys: dict[str, str]):
                 return 1
 
         workers = count("trainer.n_gpus_per_node") * count("trainer.nnodes")
-        settings = replace(settings, num_threads=default_threads(backend.default_threads, workers,
-                                                                 len(os.sched_getaffinity(0))))
+        settings = replace(
+            settings, num_threads=default_threads(backend.default_threads, workers, len(os.sched_getaffinity(0)))
+        )
     if settings.num_threads:
         os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)
     return settings
@@ -367,6 +414,7 @@ def _run_folder(args, keys: dict[str, str]) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BadInputError(f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written") \
-            from None
+        raise BadInputError(
+            f"{what} {out}: cannot create it ({exc.strerror}); give a folder that can be written"
+        ) from None
     return out

@@ -16,8 +16,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HOST_MALLOC_ENV", "BackwardHeapTrim", "freeze_long_lived_objects", "host_malloc_env", "trim_host_heap",
-           "tune_host_malloc"]
+__all__ = [
+    "HOST_MALLOC_ENV",
+    "BackwardHeapTrim",
+    "freeze_long_lived_objects",
+    "host_malloc_env",
+    "trim_host_heap",
+    "tune_host_malloc",
+]
 
 _LIBC: Any = None
 

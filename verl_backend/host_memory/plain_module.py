@@ -54,14 +54,22 @@ class SingleRankPlainModule:
         if getattr(self.device_mesh, "device_type", None) != "cpu":
             return "an accelerator mesh"
         state = engine_state(self)  # VeRL's private flags (verl_backend.patches.verl_internals)
-        if (state.lora or state.qat or state.offload_param or state.offload_optimizer
-                or config.offload_policy or self.model_config.enable_activation_offload
-                or self.ulysses_sequence_parallel_size > 1):
+        if (
+            state.lora
+            or state.qat
+            or state.offload_param
+            or state.offload_optimizer
+            or config.offload_policy
+            or self.model_config.enable_activation_offload
+            or self.ulysses_sequence_parallel_size > 1
+        ):
             return "LoRA, QAT, offload or sequence parallelism"
         mp = config.mixed_precision or {}
         stored = {p.dtype for p in module.parameters()}
-        wanted = {PrecisionType.to_dtype(mp.get("param_dtype", "bf16")),
-                  PrecisionType.to_dtype(mp.get("reduce_dtype", "fp32"))}
+        wanted = {
+            PrecisionType.to_dtype(mp.get("param_dtype", "bf16")),
+            PrecisionType.to_dtype(mp.get("reduce_dtype", "fp32")),
+        }
         if len(stored) != 1 or stored != wanted:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
             return f"weights stored in {names}, computed in mixed precision: FSDP2 casts them layer by layer"
@@ -71,8 +79,13 @@ class SingleRankPlainModule:
         from verl_backend.settings import RECORD_ENV, digest
 
         self.plain_module_reason = self._plain_module_blocker(module)
-        role = ("reference policy" if self.engine_config.forward_only else
-                "critic" if self.model_config.model_type == "value_model" else "actor")
+        role = (
+            "reference policy"
+            if self.engine_config.forward_only
+            else "critic"
+            if self.model_config.model_type == "value_model"
+            else "actor"
+        )
         if torch.distributed.get_rank() == 0:  # which settings record this worker runs on (one line per engine)
             print(f"[rl-tpu] {role}: settings record {digest(os.environ[RECORD_ENV])}", flush=True)
         if self.plain_module_reason is not None:
@@ -80,8 +93,11 @@ class SingleRankPlainModule:
                 print(f"[rl-tpu] {role}: FSDP2 wraps the model ({self.plain_module_reason})", flush=True)
             return super()._build_fsdp_module(module)
         set_unwrapped_precision(self, next(module.parameters()).dtype)  # float32: VeRL's forward skips autocast
-        print(f"[rl-tpu] {role}: one CPU rank, so the model runs unwrapped, without FSDP2's parameter and "
-              f"gradient copies (rl_tpu.plain_module=false wraps it)", flush=True)
+        print(
+            f"[rl-tpu] {role}: one CPU rank, so the model runs unwrapped, without FSDP2's parameter and "
+            f"gradient copies (rl_tpu.plain_module=false wraps it)",
+            flush=True,
+        )
         return module
 
     @contextmanager
@@ -98,15 +114,21 @@ class SingleRankPlainModule:
         if saved in (0, 2) and saved != ours and self.engine_config.strategy == "fsdp2":
             from verl_backend.errors import BadInputError, record_bad_input
 
-            how = ("run with rl_tpu.plain_module=false to resume it (its tensors are FSDP2 DTensors)" if saved == 2
-                   else "run on one CPU rank with rl_tpu.plain_module=true to resume it (its tensors are plain)")
-            exc = BadInputError(f"checkpoint {local_path}: saved by an engine {'with' if saved else 'without'} FSDP2, "
-                                f"and this one trains {'without' if saved else 'with'} it; {how}, or start over with "
-                                "trainer.resume_mode=disable")
+            how = (
+                "run with rl_tpu.plain_module=false to resume it (its tensors are FSDP2 DTensors)"
+                if saved == 2
+                else "run on one CPU rank with rl_tpu.plain_module=true to resume it (its tensors are plain)"
+            )
+            exc = BadInputError(
+                f"checkpoint {local_path}: saved by an engine {'with' if saved else 'without'} FSDP2, "
+                f"and this one trains {'without' if saved else 'with'} it; {how}, or start over with "
+                "trainer.resume_mode=disable"
+            )
             record_bad_input(exc)
             raise exc
-        return super().load_checkpoint(local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load,
-                                       **kwargs)
+        return super().load_checkpoint(
+            local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load, **kwargs
+        )
 
 
 def _saved_fsdp_version(local_path) -> int | None:
@@ -115,4 +137,3 @@ def _saved_fsdp_version(local_path) -> int | None:
         return int(json.loads((Path(local_path) / "fsdp_config.json").read_text())["FSDP_version"])
     except (OSError, TypeError, ValueError, KeyError):
         return None
-

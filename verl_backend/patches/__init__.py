@@ -80,4 +80,3 @@ def apply(features: Mapping[str, Callable] | None = None) -> None:
     for patch in PATCHES:
         wrapt.register_post_import_hook(patch.apply, patch.module)
     _applied = True
-

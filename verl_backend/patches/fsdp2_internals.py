@@ -35,18 +35,26 @@ def _names_present(module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     declared = getattr(module.FSDPParam, "__annotations__", {})
-    return all(n in declared for n in PARAM_NAMES) and callable(getattr(FSDPModule, "_get_fsdp_state", None)) \
+    return (
+        all(n in declared for n in PARAM_NAMES)
+        and callable(getattr(FSDPModule, "_get_fsdp_state", None))
         and callable(getattr(module.FSDPParam, "reset_sharded_param", None))
+    )
 
 
 RECORD = Patch(
     target="torch.distributed.fsdp._fully_shard FSDPParam._sharded_param_data/sharded_param/_orig_size/"
-           "padded_sharded_param_size, FSDPModule._get_fsdp_state()._fsdp_param_groups",
-    module="torch.distributed.fsdp._fully_shard._fsdp_param", library="torch", versions=">=2.13,<2.14",
+    "padded_sharded_param_size, FSDPModule._get_fsdp_state()._fsdp_param_groups",
+    module="torch.distributed.fsdp._fully_shard._fsdp_param",
+    library="torch",
+    versions=">=2.13,<2.14",
     why="shared-memory weights rebind each FSDPParam's sharded storage in place; FSDP2 has no public call for it",
-    upstream=searched("pytorch/pytorch", "FSDP2 public API access FSDPParam sharded parameter storage "
-                                         "_sharded_param_data"),
-    apply=None, applied=_names_present)
+    upstream=searched(
+        "pytorch/pytorch", "FSDP2 public API access FSDPParam sharded parameter storage _sharded_param_data"
+    ),
+    apply=None,
+    applied=_names_present,
+)
 RECORDS = (RECORD,)
 TORCH_VERSIONS = RECORD.versions  # torch versions these names were checked with
 
@@ -54,8 +62,9 @@ TORCH_VERSIONS = RECORD.versions  # torch versions these names were checked with
 def _refuse(why: str):
     from rl_tpu.shared_weights import SharedWeightsError
 
-    return SharedWeightsError(f"shared-memory weights read FSDP2's private storage, {why}; the weights go through "
-                              "the object store instead")
+    return SharedWeightsError(
+        f"shared-memory weights read FSDP2's private storage, {why}; the weights go through the object store instead"
+    )
 
 
 def check_torch(installed: str | None = None) -> None:

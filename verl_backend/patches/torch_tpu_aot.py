@@ -105,8 +105,9 @@ def lower_fx_to_mlir(module, args, build_mlir_module: bool = True, **_ignored) -
                     t = t.clone()
                 seen.add(t.data_ptr())
                 results.append(t)
-            built = tpu_torch_compile.build_mlir(result_tensors=results, argument_tensors=tensors,
-                                                 use_stablehlo_bounds=False)
+            built = tpu_torch_compile.build_mlir(
+                result_tensors=results, argument_tensors=tensors, use_stablehlo_bounds=False
+            )
         return tpu_torch_compile.serialize_mlir_text(built, enable_debug_info=False)
     except LoweringError:
         raise
@@ -129,11 +130,19 @@ def _apply(module: ModuleType) -> None:
 
 
 PATCH = Patch(
-    target=TARGET, module="torch_tpu._internal.export.export", library="torch-tpu", versions=VERSIONS,
+    target=TARGET,
+    module="torch_tpu._internal.export.export",
+    library="torch-tpu",
+    versions=VERSIONS,
     why="fx_to_mlir needs a chip for the TPU RNG generator and the PJRT compile; lowering alone does not",
-    upstream=searched("GitHub", "torch_tpu fx_to_mlir lowering without TPU chip ahead-of-time StableHLO",
-                      "no torch-tpu issue tracker found"),
-    apply=_apply, applied=attribute_check("fx_to_mlir", TARGET))
+    upstream=searched(
+        "GitHub",
+        "torch_tpu fx_to_mlir lowering without TPU chip ahead-of-time StableHLO",
+        "no torch-tpu issue tracker found",
+    ),
+    apply=_apply,
+    applied=attribute_check("fx_to_mlir", TARGET),
+)
 PATCHES = (PATCH,)
 
 

@@ -35,11 +35,20 @@ def _matches_environment(module: ModuleType) -> bool:
 
 
 PATCHES: tuple[Patch, ...] = tuple(
-    Patch(target=f"{name}.TQ_NUM_THREADS", module=name, library="TransferQueue", versions=VERSIONS,
-          why="read from $TQ_NUM_THREADS once at import, before verl train sets it",
-          upstream=searched("TransferQueue/TransferQueue", "TQ_NUM_THREADS environment variable read at import",
-                            "the variable came with https://github.com/TransferQueue/TransferQueue/pull/152"),
-          apply=_set_from_environment, applied=_matches_environment)
+    Patch(
+        target=f"{name}.TQ_NUM_THREADS",
+        module=name,
+        library="TransferQueue",
+        versions=VERSIONS,
+        why="read from $TQ_NUM_THREADS once at import, before verl train sets it",
+        upstream=searched(
+            "TransferQueue/TransferQueue",
+            "TQ_NUM_THREADS environment variable read at import",
+            "the variable came with https://github.com/TransferQueue/TransferQueue/pull/152",
+        ),
+        apply=_set_from_environment,
+        applied=_matches_environment,
+    )
     for name in MODULES
 )
 

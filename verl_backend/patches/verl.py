@@ -34,9 +34,10 @@ def feature(name: str) -> Callable:
     try:
         return FEATURES[name]
     except KeyError:
-        raise RuntimeError(f"rl-tpu's patch of VeRL runs the feature {name!r}, which the plugin did not hand over "
-                           "(verl_backend.patches.apply(features=...), called by verl_backend.workers.plugin)"
-                           ) from None
+        raise RuntimeError(
+            f"rl-tpu's patch of VeRL runs the feature {name!r}, which the plugin did not hand over "
+            "(verl_backend.patches.apply(features=...), called by verl_backend.workers.plugin)"
+        ) from None
 
 
 def _dedupe_backend(backend: str | None) -> str | None:
@@ -166,7 +167,9 @@ def _load_valuehead_model(original):
 
         attn = getattr(model_config, "_attn_implementation", None) or "sdpa"
         return AutoModelForTokenClassification.from_pretrained(
-            local_path, dtype=torch_dtype, config=model_config,
+            local_path,
+            dtype=torch_dtype,
+            config=model_config,
             attn_implementation="sdpa" if attn.startswith("flash_attention") else attn,
             trust_remote_code=trust_remote_code,
         )
@@ -335,8 +338,11 @@ def _rollout_dump_with_accuracy(original):
         except Exception as exc:  # the dump as VeRL writes it; the step line then counts full-reward samples
             if not getattr(self, "_rl_tpu_accuracy_warned", False):
                 self._rl_tpu_accuracy_warned = True
-                print(f"[rl-tpu] warning: the rollout dump has no accuracy ({type(exc).__name__}: {exc}); the step "
-                      "line's accuracy counts full-reward samples", flush=True)
+                print(
+                    f"[rl-tpu] warning: the rollout dump has no accuracy ({type(exc).__name__}: {exc}); the step "
+                    "line's accuracy counts full-reward samples",
+                    flush=True,
+                )
             by_uid = {}
         if not by_uid:
             return original(self, batch, timing_raw, rollout_data_dir)
@@ -367,8 +373,9 @@ def _reward_accuracy(batch) -> dict[str, dict[str, float]]:
     out = {}
     for uid, extra in zip(batch.keys, _as_list(data["extra_fields"])):
         info = extra.get("reward_extra_info") if isinstance(extra, dict) else None
-        found = {k: float(info[k]) for k in ACCURACY_KEYS if isinstance(info, dict) and isinstance(info.get(k),
-                                                                                                   (int, float))}
+        found = {
+            k: float(info[k]) for k in ACCURACY_KEYS if isinstance(info, dict) and isinstance(info.get(k), (int, float))
+        }
         if found:
             out[uid] = found
     return out
@@ -379,8 +386,9 @@ def _as_list(values) -> list:
     return list(values.tolist() if hasattr(values, "tolist") else values)
 
 
-def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str,
-              when: Callable[[], bool] | None = None) -> Patch:
+def _wrapping(
+    module: str, path: str, make: Callable, why: str, upstream: str, when: Callable[[], bool] | None = None
+) -> Patch:
     """The record of a patch that wraps ``module.path`` (``"Cls.attr"`` or ``"name"``) with ``make(original)``;
     with ``when``, only where it returns true (elsewhere the patch counts as in place)."""
     target = f"{module}.{path}"
@@ -394,8 +402,16 @@ def _wrapping(module: str, path: str, make: Callable, why: str, upstream: str,
     def applied(mod: ModuleType) -> bool:
         return (when is not None and not when()) or check(mod)
 
-    return Patch(target=target, module=module, library="verl", versions=VERSIONS, why=why, upstream=upstream,
-                 apply=apply, applied=applied)
+    return Patch(
+        target=target,
+        module=module,
+        library="verl",
+        versions=VERSIONS,
+        why=why,
+        upstream=upstream,
+        apply=apply,
+        applied=applied,
+    )
 
 
 def _default_model_here(original):
@@ -412,8 +428,9 @@ def _default_model_here(original):
 
 
 _INIT_PG = "verl.utils.distributed.initialize_global_process_group_ray"
-_NO_SYNC_METRICS_ISSUE = searched("verl-project/verl", "verl checkpoint engine naive update_weights returns no metrics "
-                                  "weight sync timing")
+_NO_SYNC_METRICS_ISSUE = searched(
+    "verl-project/verl", "verl checkpoint engine naive update_weights returns no metrics weight sync timing"
+)
 _TRACKING_OPEN = "verl.utils.tracking.open"
 _ROLLOUT = "verl.workers.rollout.base._ROLLOUT_REGISTRY"
 mark(_append_instead_of_truncate, _TRACKING_OPEN)
@@ -421,10 +438,15 @@ mark(_append_instead_of_truncate, _TRACKING_OPEN)
 
 def _rebinding(module: str) -> Patch:
     return Patch(
-        target=f"{module}.initialize_global_process_group_ray", module=module, library="verl", versions=VERSIONS,
+        target=f"{module}.initialize_global_process_group_ray",
+        module=module,
+        library="verl",
+        versions=VERSIONS,
         why="binds the patched process-group init where VeRL imported it by name",
-        upstream="https://github.com/verl-project/verl/issues/6237", apply=_rebind_init_pg_ray,
-        applied=attribute_check("initialize_global_process_group_ray", _INIT_PG))
+        upstream="https://github.com/verl-project/verl/issues/6237",
+        apply=_rebind_init_pg_ray,
+        applied=attribute_check("initialize_global_process_group_ray", _INIT_PG),
+    )
 
 
 def _set_tracking_open(module: ModuleType) -> None:
@@ -438,76 +460,169 @@ def _register_native_rollout(module: ModuleType) -> None:
 # Heavy VeRL modules (its FSDP engine pulls ~2,000 modules, ~190 MiB) are never imported by us: each patch waits for
 # the process to import its module, so VeRL's light processes (agent loop, reward loop, TransferQueue) stay light.
 PATCHES: tuple[Patch, ...] = (
-    _wrapping("verl.single_controller.ray.base", "ResourcePoolManager._check_resource_available",
-              _resource_check, "VeRL counts only GPU/NPU Ray resources: on CPU/TPU it sees 0 and refuses",
-              searched("verl-project/verl", "verl ResourcePoolManager _check_resource_available Total available GPUs "
-                       "0 CPU TPU", "#539 and #746 report the message on GPUs, for another cause")),
-    _wrapping("verl.single_controller.ray.base", "ResourcePoolManager.create_resource_pool", _create_resource_pool,
-              "a pool of a TPU slice (rl_tpu.slice) is reserved whole with ray.util.tpu's slice placement "
-              "(rl-tpu feature)",
-              searched("verl-project/verl", "verl TPU slice resource pool placement group ray.util.tpu",
-                       "Ray's slice placement is https://github.com/ray-project/ray/pull/56723")),
-    _wrapping("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.__init__", _replay_buffer_init,
-              "the replay buffer polls TransferQueue every 2 s, hard-coded",
-              searched("verl-project/verl", "verl replay buffer poll_interval 2 seconds hard-coded TransferQueue")),
-    _wrapping("verl.models.transformers.monkey_patch", "is_trl_available", _trl_with_value_head,
-              "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
-              "https://github.com/verl-project/verl/issues/5690"),
-    _wrapping("verl.utils.model", "is_trl_available", _trl_with_value_head,
-              "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
-              "https://github.com/verl-project/verl/issues/5690"),
-    _wrapping("verl.utils.model", "load_valuehead_model", _load_valuehead_model,
-              "the critic is loaded with attn_implementation='flash_attention_2' hard-coded",
-              "https://github.com/verl-project/verl/issues/5210"),
-    Patch(target=_TRACKING_OPEN, module="verl.utils.tracking", library="verl", versions=VERSIONS,
-          why="FileLogger opens metrics.jsonl with 'wb': a resumed run erased the steps before it",
-          upstream=searched("verl-project/verl", "verl FileLogger metrics jsonl overwritten on resume open wb"),
-          apply=_set_tracking_open,
-          applied=lambda m: is_marked(m.__dict__.get("open"), _TRACKING_OPEN)),
-    _wrapping("verl.utils.distributed", "initialize_global_process_group_ray", _init_pg_ray,
-              "VeRL's backend string is 'cpu:gloo,cpu:gloo' on CPU, which torch rejects (duplicate device type)",
-              "https://github.com/verl-project/verl/issues/6237"),
-    _wrapping("verl.utils.fs", "copy_local_path_from_hdfs", _default_model_here,
-              "the default model's folder is converted on the driver's host only: a worker on another host converts "
-              "it where VeRL makes a model path local (rl-tpu feature)",
-              searched("verl-project/verl", "verl copy_to_local model path missing on worker node multi-node local "
-                       "model not found")),
+    _wrapping(
+        "verl.single_controller.ray.base",
+        "ResourcePoolManager._check_resource_available",
+        _resource_check,
+        "VeRL counts only GPU/NPU Ray resources: on CPU/TPU it sees 0 and refuses",
+        searched(
+            "verl-project/verl",
+            "verl ResourcePoolManager _check_resource_available Total available GPUs 0 CPU TPU",
+            "#539 and #746 report the message on GPUs, for another cause",
+        ),
+    ),
+    _wrapping(
+        "verl.single_controller.ray.base",
+        "ResourcePoolManager.create_resource_pool",
+        _create_resource_pool,
+        "a pool of a TPU slice (rl_tpu.slice) is reserved whole with ray.util.tpu's slice placement (rl-tpu feature)",
+        searched(
+            "verl-project/verl",
+            "verl TPU slice resource pool placement group ray.util.tpu",
+            "Ray's slice placement is https://github.com/ray-project/ray/pull/56723",
+        ),
+    ),
+    _wrapping(
+        "verl.trainer.ppo.v1.replay_buffer",
+        "ReplayBuffer.__init__",
+        _replay_buffer_init,
+        "the replay buffer polls TransferQueue every 2 s, hard-coded",
+        searched("verl-project/verl", "verl replay buffer poll_interval 2 seconds hard-coded TransferQueue"),
+    ),
+    _wrapping(
+        "verl.models.transformers.monkey_patch",
+        "is_trl_available",
+        _trl_with_value_head,
+        "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
+        "https://github.com/verl-project/verl/issues/5690",
+    ),
+    _wrapping(
+        "verl.utils.model",
+        "is_trl_available",
+        _trl_with_value_head,
+        "with TRL 1.x installed VeRL imports AutoModelForCausalLMWithValueHead, which TRL removed",
+        "https://github.com/verl-project/verl/issues/5690",
+    ),
+    _wrapping(
+        "verl.utils.model",
+        "load_valuehead_model",
+        _load_valuehead_model,
+        "the critic is loaded with attn_implementation='flash_attention_2' hard-coded",
+        "https://github.com/verl-project/verl/issues/5210",
+    ),
+    Patch(
+        target=_TRACKING_OPEN,
+        module="verl.utils.tracking",
+        library="verl",
+        versions=VERSIONS,
+        why="FileLogger opens metrics.jsonl with 'wb': a resumed run erased the steps before it",
+        upstream=searched("verl-project/verl", "verl FileLogger metrics jsonl overwritten on resume open wb"),
+        apply=_set_tracking_open,
+        applied=lambda m: is_marked(m.__dict__.get("open"), _TRACKING_OPEN),
+    ),
+    _wrapping(
+        "verl.utils.distributed",
+        "initialize_global_process_group_ray",
+        _init_pg_ray,
+        "VeRL's backend string is 'cpu:gloo,cpu:gloo' on CPU, which torch rejects (duplicate device type)",
+        "https://github.com/verl-project/verl/issues/6237",
+    ),
+    _wrapping(
+        "verl.utils.fs",
+        "copy_local_path_from_hdfs",
+        _default_model_here,
+        "the default model's folder is converted on the driver's host only: a worker on another host converts "
+        "it where VeRL makes a model path local (rl-tpu feature)",
+        searched(
+            "verl-project/verl", "verl copy_to_local model path missing on worker node multi-node local model not found"
+        ),
+    ),
     _rebinding("verl.workers.engine_workers"),
     _rebinding("verl.checkpoint_engine.base"),
-    _wrapping("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", _cpu_offload_policy_without_pinning,
-              "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator",
-              searched("verl-project/verl", "verl CPUOffloadPolicy pin_memory=True Cannot access accelerator device "
-                       "when none is available"), when=_on_cpu),
-    _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", _save_to_cpu,
-              "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
-              "policy moved with each update), and asserts FSDP2 DTensors",
-              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
-                       "related: https://github.com/verl-project/verl/pull/7251, the same helpers' DTensor-only "
-                       "assert for FSDP1, closed")),
-    _wrapping("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", _load_from_cpu,
-              "restores the plain-module state the patched save makes",
-              searched("verl-project/verl", "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
-                       "related: https://github.com/verl-project/verl/pull/7251, closed")),
-    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.on_step_begin", _step_begin_hook,
-              "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's "
-              "empty hook)",
-              searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary")),
-    _wrapping("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", _worker_sync_metrics,
-              "the colocated (naive) weight sync returns no figures: weight_sync/{route,bytes,seconds,verified} "
-              "reach metrics.jsonl as the gloo engine's do (rl-tpu feature)", _NO_SYNC_METRICS_ISSUE),
-    _wrapping("verl.checkpoint_engine.base", "CheckpointEngineManager.update_weights", _manager_sync_metrics,
-              "the naive branch drops what the trainer workers return", _NO_SYNC_METRICS_ISSUE),
-    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._consume_sync_metrics", _consume_with_naive_sync,
-              "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics",
-              _NO_SYNC_METRICS_ISSUE),
-    _wrapping("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._log_rollout_data", _rollout_dump_with_accuracy,
-              "the training rollout dump drops the reward function's other keys (acc, acc_strict), which the "
-              "validation dump keeps: the console's step accuracy would be the reward's",
-              searched("verl-project/verl", "verl v1 trainer _log_rollout_data rollout_data_dir reward_extra_info "
-                       "missing acc")),
-    Patch(target=f"{_ROLLOUT}[('native', 'async')]", module="verl.workers.rollout.base", library="verl",
-          versions=VERSIONS, why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this "
-          "private dict", upstream=searched("verl-project/verl", "verl register custom rollout _ROLLOUT_REGISTRY "
-                                            "get_rollout_class plugin"), apply=_register_native_rollout,
-          applied=lambda m: m._ROLLOUT_REGISTRY.get(("native", "async")) == NATIVE_ROLLOUT),
+    _wrapping(
+        "verl.workers.engine.fsdp.transformer_impl",
+        "CPUOffloadPolicy",
+        _cpu_offload_policy_without_pinning,
+        "the reference model's CPUOffloadPolicy(pin_memory=True) needs an accelerator",
+        searched(
+            "verl-project/verl",
+            "verl CPUOffloadPolicy pin_memory=True Cannot access accelerator device when none is available",
+        ),
+        when=_on_cpu,
+    ),
+    _wrapping(
+        "verl.utils.fsdp_utils",
+        "fsdp2_sharded_save_to_cpu",
+        _save_to_cpu,
+        "separate_async's DetachActorWorker saves pi_old with .cpu(), a no-op copy for CPU tensors (the saved "
+        "policy moved with each update), and asserts FSDP2 DTensors",
+        searched(
+            "verl-project/verl",
+            "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+            "related: https://github.com/verl-project/verl/pull/7251, the same helpers' DTensor-only "
+            "assert for FSDP1, closed",
+        ),
+    ),
+    _wrapping(
+        "verl.utils.fsdp_utils",
+        "fsdp2_sharded_load_from_cpu",
+        _load_from_cpu,
+        "restores the plain-module state the patched save makes",
+        searched(
+            "verl-project/verl",
+            "verl fsdp2_sharded_save_to_cpu cpu() no copy aliasing old policy",
+            "related: https://github.com/verl-project/verl/pull/7251, closed",
+        ),
+    ),
+    _wrapping(
+        "verl.trainer.ppo.v1.trainer_base",
+        "PPOTrainer.on_step_begin",
+        _step_begin_hook,
+        "SIGTERM ends the run at the next step boundary with a checkpoint (rl-tpu feature through VeRL's empty hook)",
+        searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary"),
+    ),
+    _wrapping(
+        "verl.workers.engine_workers",
+        "ActorRolloutRefWorker.update_weights",
+        _worker_sync_metrics,
+        "the colocated (naive) weight sync returns no figures: weight_sync/{route,bytes,seconds,verified} "
+        "reach metrics.jsonl as the gloo engine's do (rl-tpu feature)",
+        _NO_SYNC_METRICS_ISSUE,
+    ),
+    _wrapping(
+        "verl.checkpoint_engine.base",
+        "CheckpointEngineManager.update_weights",
+        _manager_sync_metrics,
+        "the naive branch drops what the trainer workers return",
+        _NO_SYNC_METRICS_ISSUE,
+    ),
+    _wrapping(
+        "verl.trainer.ppo.v1.trainer_base",
+        "PPOTrainer._consume_sync_metrics",
+        _consume_with_naive_sync,
+        "the sync trainers drop update_weights' return: the colocated sync's figures join the step's metrics",
+        _NO_SYNC_METRICS_ISSUE,
+    ),
+    _wrapping(
+        "verl.trainer.ppo.v1.trainer_base",
+        "PPOTrainer._log_rollout_data",
+        _rollout_dump_with_accuracy,
+        "the training rollout dump drops the reward function's other keys (acc, acc_strict), which the "
+        "validation dump keeps: the console's step accuracy would be the reward's",
+        searched(
+            "verl-project/verl", "verl v1 trainer _log_rollout_data rollout_data_dir reward_extra_info missing acc"
+        ),
+    ),
+    Patch(
+        target=f"{_ROLLOUT}[('native', 'async')]",
+        module="verl.workers.rollout.base",
+        library="verl",
+        versions=VERSIONS,
+        why="VeRL 0.9.1 has no public call to add a rollout: get_rollout_class reads this private dict",
+        upstream=searched(
+            "verl-project/verl", "verl register custom rollout _ROLLOUT_REGISTRY get_rollout_class plugin"
+        ),
+        apply=_register_native_rollout,
+        applied=lambda m: m._ROLLOUT_REGISTRY.get(("native", "async")) == NATIVE_ROLLOUT,
+    ),
 )

@@ -75,62 +75,96 @@ _STATE_FLAGS = ("_is_lora", "_qat_enabled", "_is_offload_param", "_is_offload_op
 def _state_names_set(module: ModuleType) -> bool:
     engine = module.FSDPEngine
     init, build_fsdp = inspect.getsource(engine.__init__), inspect.getsource(engine._build_fsdp_module)
-    return all(f"self.{flag} =" in init for flag in _STATE_FLAGS) and \
-        all(f"self.{name} =" in build_fsdp for name in ("_autocast_dtype", "scaler"))
+    return all(f"self.{flag} =" in init for flag in _STATE_FLAGS) and all(
+        f"self.{name} =" in build_fsdp for name in ("_autocast_dtype", "scaler")
+    )
 
 
-_NO_ISSUE_ENGINE = searched("verl-project/verl", "verl FSDP engine CPU device EngineRegistry register device cpu "
-                                                 "FSDPEngineWithLMHead")
+_NO_ISSUE_ENGINE = searched(
+    "verl-project/verl", "verl FSDP engine CPU device EngineRegistry register device cpu FSDPEngineWithLMHead"
+)
 
 MAIN_BODY = Patch(
-    target="verl.trainer.main_ppo.main (body re-run)", module="verl.trainer.main_ppo", library="verl",
+    target="verl.trainer.main_ppo.main (body re-run)",
+    module="verl.trainer.main_ppo",
+    library="verl",
     versions=VERSIONS,
     why="main is @hydra.main (its config from sys.argv): verl train runs its body with the config it composed",
-    upstream=searched("verl-project/verl", "verl main_ppo hydra main call programmatically with config run_ppo "
-                                           "without hydra"),
-    apply=None, applied=_main_body_unchanged)
+    upstream=searched(
+        "verl-project/verl", "verl main_ppo hydra main call programmatically with config run_ppo without hydra"
+    ),
+    apply=None,
+    applied=_main_body_unchanged,
+)
 
 ENGINE_BUILD = Patch(
-    target=f"{_ENGINE}.FSDPEngine._build_module (overridden)", module=_ENGINE, library="verl", versions=VERSIONS,
+    target=f"{_ENGINE}.FSDPEngine._build_module (overridden)",
+    module=_ENGINE,
+    library="verl",
+    versions=VERSIONS,
     why="the critic's worker converts the default model on its host before VeRL builds the module from it",
-    upstream=_NO_ISSUE_ENGINE, apply=None,
-    applied=_overridable("_build_module", (), "_build_model_optimizer", "self._build_module()"))
+    upstream=_NO_ISSUE_ENGINE,
+    apply=None,
+    applied=_overridable("_build_module", (), "_build_model_optimizer", "self._build_module()"),
+)
 
 ENGINE_FSDP = Patch(
-    target=f"{_ENGINE}.FSDPEngine._build_fsdp_module (overridden)", module=_ENGINE, library="verl",
+    target=f"{_ENGINE}.FSDPEngine._build_fsdp_module (overridden)",
+    module=_ENGINE,
+    library="verl",
     versions=VERSIONS,
     why="on one CPU rank the module trains unwrapped: FSDP2 would shard nothing and only add copies",
-    upstream=_NO_ISSUE_ENGINE, apply=None,
-    applied=_overridable("_build_fsdp_module", ("module",), "_build_model_optimizer",
-                         "self._build_fsdp_module(module)"))
+    upstream=_NO_ISSUE_ENGINE,
+    apply=None,
+    applied=_overridable(
+        "_build_fsdp_module", ("module",), "_build_model_optimizer", "self._build_fsdp_module(module)"
+    ),
+)
 
 ENGINE_GRAD_SYNC = Patch(
-    target=f"{_ENGINE}.FSDPEngine._gradient_sync_context (overridden)", module=_ENGINE, library="verl",
+    target=f"{_ENGINE}.FSDPEngine._gradient_sync_context (overridden)",
+    module=_ENGINE,
+    library="verl",
     versions=VERSIONS,
     why="an unwrapped module has no FSDP gradient sync to defer during gradient accumulation",
-    upstream=_NO_ISSUE_ENGINE, apply=None,
-    applied=_overridable("_gradient_sync_context", ("is_last_micro_batch",), "forward_backward_batch",
-                         "self._gradient_sync_context("))
+    upstream=_NO_ISSUE_ENGINE,
+    apply=None,
+    applied=_overridable(
+        "_gradient_sync_context", ("is_last_micro_batch",), "forward_backward_batch", "self._gradient_sync_context("
+    ),
+)
 
 ENGINE_STATE = Patch(
-    target=f"{_ENGINE}.FSDPEngine._is_lora/_qat_enabled/_is_offload_*/_autocast_dtype/scaler", module=_ENGINE,
-    library="verl", versions=VERSIONS,
+    target=f"{_ENGINE}.FSDPEngine._is_lora/_qat_enabled/_is_offload_*/_autocast_dtype/scaler",
+    module=_ENGINE,
+    library="verl",
+    versions=VERSIONS,
     why="the plain-module and shared-weights checks read the engine's LoRA/QAT/offload flags; unwrapped sets its dtype",
-    upstream=_NO_ISSUE_ENGINE, apply=None, applied=_state_names_set)
+    upstream=_NO_ISSUE_ENGINE,
+    apply=None,
+    applied=_state_names_set,
+)
 
 
 def _saves_without_arguments(module: ModuleType) -> bool:
     save = getattr(module.PPOTrainer, "_save_checkpoint", None)
-    return callable(save) and tuple(inspect.signature(save).parameters) == ("self",) and \
-        "global_step_{self.global_steps}" in inspect.getsource(save)
+    return (
+        callable(save)
+        and tuple(inspect.signature(save).parameters) == ("self",)
+        and "global_step_{self.global_steps}" in inspect.getsource(save)
+    )
 
 
 SAVE_CHECKPOINT = Patch(
     target="verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint (called)",
-    module="verl.trainer.ppo.v1.trainer_base", library="verl", versions=VERSIONS,
+    module="verl.trainer.ppo.v1.trainer_base",
+    library="verl",
+    versions=VERSIONS,
     why="a SIGTERM'd run saves its last completed step with VeRL's own (protected) save, named after global_steps",
     upstream=searched("verl-project/verl", "verl SIGTERM preemption graceful checkpoint at step boundary"),
-    apply=None, applied=_saves_without_arguments)
+    apply=None,
+    applied=_saves_without_arguments,
+)
 
 _REPLICA_FIELDS = ("_server_handle", "_server_address")
 
@@ -139,20 +173,36 @@ def _replica_reads_server_fields(module: ModuleType) -> bool:
     """``RolloutReplica``'s ``server_handle`` / ``server_address`` properties still return the two fields a replica's
     ``launch_servers`` sets."""
     replica = module.RolloutReplica
-    return all(isinstance(replica.__dict__.get(name.lstrip("_")), property) and
-               f"self.{name}" in inspect.getsource(replica.__dict__[name.lstrip("_")].fget) for name in _REPLICA_FIELDS)
+    return all(
+        isinstance(replica.__dict__.get(name.lstrip("_")), property)
+        and f"self.{name}" in inspect.getsource(replica.__dict__[name.lstrip("_")].fget)
+        for name in _REPLICA_FIELDS
+    )
 
 
 REPLICA_SERVER = Patch(
     target="verl.workers.rollout.replica.RolloutReplica._server_handle/_server_address (set)",
-    module="verl.workers.rollout.replica", library="verl", versions=VERSIONS,
+    module="verl.workers.rollout.replica",
+    library="verl",
+    versions=VERSIONS,
     why="a replica's launch_servers hands VeRL its server through these protected fields, as VeRL's own replicas do",
-    upstream=searched("verl-project/verl", "verl RolloutReplica custom rollout replica _server_handle "
-                                           "_server_address launch_servers subclass"),
-    apply=None, applied=_replica_reads_server_fields)
+    upstream=searched(
+        "verl-project/verl",
+        "verl RolloutReplica custom rollout replica _server_handle _server_address launch_servers subclass",
+    ),
+    apply=None,
+    applied=_replica_reads_server_fields,
+)
 
-RECORDS: tuple[Patch, ...] = (MAIN_BODY, ENGINE_BUILD, ENGINE_FSDP, ENGINE_GRAD_SYNC, ENGINE_STATE, SAVE_CHECKPOINT,
-                              REPLICA_SERVER)
+RECORDS: tuple[Patch, ...] = (
+    MAIN_BODY,
+    ENGINE_BUILD,
+    ENGINE_FSDP,
+    ENGINE_GRAD_SYNC,
+    ENGINE_STATE,
+    SAVE_CHECKPOINT,
+    REPLICA_SERVER,
+)
 
 
 def set_replica_server(replica, handle, address: str) -> None:

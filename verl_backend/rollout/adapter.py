@@ -37,6 +37,7 @@ from verl_backend.weight_sync.base import ReplicaEnd, full_cpu, transport_class
 
 logger = logging.getLogger(__name__)
 
+
 def sampler_placement(rollout_config) -> str:
     """``actor_rollout_ref.rollout.engine_kwargs.native.sampler_placement``
     (:class:`~verl_backend.rollout.native_kwargs.NativeEngineKwargs`): ``server`` (default: the rollout server
@@ -64,8 +65,6 @@ def sampler_placement(rollout_config) -> str:
 # checkpoint engines that serve a worker's own sampler (verl_backend.worker_sampler.InWorkerGenerate): native in
 # the trainer worker (hybrid), gloo in the trainer worker and in a rollout slice's CheckpointEngineWorkers
 IN_WORKER_ENGINES = ("native", "gloo")
-
-
 
 
 class NativeServerAdapter(BaseRollout):
@@ -117,8 +116,11 @@ class NativeServerAdapter(BaseRollout):
             from verl_backend.rollout.sampling import build_sampler
 
             self.sampler = build_sampler(
-                self.model_config.local_path, self.config, get_device_name(),
-                bool(getattr(self.model_config, "trust_remote_code", False) or False), settings=self.rl_tpu,
+                self.model_config.local_path,
+                self.config,
+                get_device_name(),
+                bool(getattr(self.model_config, "trust_remote_code", False) or False),
+                settings=self.rl_tpu,
             )
             set_worker_sampler(self.sampler, threads=self.rl_tpu.threads)
 
@@ -165,7 +167,9 @@ class NativeServerAdapter(BaseRollout):
                 reason = await self._server_handle().attach_trainer_weights.remote(handle)
                 if reason is None:
                     self._attached = published
-                self._attach_reason = reason and f"the rollout server cannot compute on the trainer's weights ({reason})"
+                self._attach_reason = (
+                    reason and f"the rollout server cannot compute on the trainer's weights ({reason})"
+                )
         return None if self._attached else self._attach_reason
 
     async def _choose_route(self) -> weight_sync.SyncRoute:
@@ -184,10 +188,17 @@ class NativeServerAdapter(BaseRollout):
                 trainer = await self._trainer_weights()
                 if trainer is not None:
                     server = None if await self._shared_writer() is not None else self._writer_reason
-            self.route = weight_sync.choose_route(weight_sync.SyncFacts(
-                placement=self.placement, shared_weights=bool(self.rl_tpu.shared_weights), trainer_memory=trainer,
-                server_memory=server, src_rank=self.src_rank, dst_replica=self.replica_rank,
-                bucket_bytes=self.bucket_bytes))
+            self.route = weight_sync.choose_route(
+                weight_sync.SyncFacts(
+                    placement=self.placement,
+                    shared_weights=bool(self.rl_tpu.shared_weights),
+                    trainer_memory=trainer,
+                    server_memory=server,
+                    src_rank=self.src_rank,
+                    dst_replica=self.replica_rank,
+                    bucket_bytes=self.bucket_bytes,
+                )
+            )
             if self.is_leader:
                 print(weight_sync.took_line(self._planned(), self.route), flush=True)
         return self.route
@@ -200,13 +211,19 @@ class NativeServerAdapter(BaseRollout):
         from verl_backend.weight_sync.route import known_blockers
 
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        trainer, server = known_blockers(get_device_name() == "cpu", ranks,
-                                         int(getattr(self.model_config, "lora_rank", 0) or 0))
+        trainer, server = known_blockers(
+            get_device_name() == "cpu", ranks, int(getattr(self.model_config, "lora_rank", 0) or 0)
+        )
         if not self.colocated:  # the second hop of a pool's sync: from the gloo engine's receiver to its server
             trainer = "the rollout runs in a pool of its own: the weights arrive over the gloo engine"
-        return weight_sync.choose_route(weight_sync.SyncFacts(
-            placement=self.placement, shared_weights=bool(self.rl_tpu.shared_weights), trainer_memory=trainer,
-            server_memory=server)).transport
+        return weight_sync.choose_route(
+            weight_sync.SyncFacts(
+                placement=self.placement,
+                shared_weights=bool(self.rl_tpu.shared_weights),
+                trainer_memory=trainer,
+                server_memory=server,
+            )
+        ).transport
 
     async def _transport(self) -> weight_sync.Transport:
         """The transport of this replica's route (made at the first sync, through the
@@ -219,11 +236,15 @@ class NativeServerAdapter(BaseRollout):
 
     def _end(self, route: weight_sync.SyncRoute) -> ReplicaEnd:
         """What this adapter holds for its syncs (:class:`~verl_backend.weight_sync.base.ReplicaEnd`)."""
-        return ReplicaEnd(server=self._server_handle() if self.is_leader else None, sampler=self.sampler,
-                          attached=None if self._attached is False else self._attached,
-                          writer=None if self._writer is False else self._writer,
-                          bucket_bytes=route.bucket_bytes, colocated=self.colocated,
-                          shared_weights=bool(self.rl_tpu.shared_weights))
+        return ReplicaEnd(
+            server=self._server_handle() if self.is_leader else None,
+            sampler=self.sampler,
+            attached=None if self._attached is False else self._attached,
+            writer=None if self._writer is False else self._writer,
+            bucket_bytes=route.bucket_bytes,
+            colocated=self.colocated,
+            shared_weights=bool(self.rl_tpu.shared_weights),
+        )
 
     async def resume(self, tags: list[str]):
         return None
@@ -231,7 +252,12 @@ class NativeServerAdapter(BaseRollout):
     async def release(self):
         return None
 
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], wire_format: str = "named_tensors", **kwargs: Any):
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        wire_format: str = "named_tensors",
+        **kwargs: Any,
+    ):
         """Send ``(name, tensor)`` pairs of the trainer step ``global_steps`` (the weights' version) to this
         replica's server along its route (:meth:`_choose_route`). Returns when the server serves the new weights.
 
@@ -295,8 +321,11 @@ class NativeServerAdapter(BaseRollout):
             raise
         report.verified = verify.get("weight_sync/verified", 0.0) == 1.0
         if verdict is not None:
-            verdict("verified" if report.verified else "unverified",
-                    verify.get("weight_sync/verify_max_abs_diff", 0.0), verify.get("weight_sync/verify_seconds", 0.0))
+            verdict(
+                "verified" if report.verified else "unverified",
+                verify.get("weight_sync/verify_max_abs_diff", 0.0),
+                verify.get("weight_sync/verify_seconds", 0.0),
+            )
         self.last_sync = report.as_dict()
         self.last_metrics = {**report.as_metrics(), **verify}
         if trainer_side:
@@ -330,9 +359,16 @@ class NativeServerAdapter(BaseRollout):
             self._reported = True
             s = self.last_sync
             rank = int(getattr(self.model_config, "lora_rank", 0) or 0)  # LoRA: the engine sends the adapter only
-            what = (f" (adapter only, LoRA rank {rank}, {s['bytes'] / 1e6:.1f} MB: the rollout merges it onto its base "
-                    "weights)") if rank else ""
-            print(f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {transport}"
-                  f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
-                  flush=True)
-
+            what = (
+                (
+                    f" (adapter only, LoRA rank {rank}, {s['bytes'] / 1e6:.1f} MB: the rollout merges it onto its base "
+                    "weights)"
+                )
+                if rank
+                else ""
+            )
+            print(
+                f"[rl-tpu] weight sync to rollout replica {self.replica_rank}: {transport}"
+                f"{', ' + detail if detail else ''}, {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s{what}",
+                flush=True,
+            )

@@ -47,8 +47,11 @@ def native_engine_kwargs(rollout_config: Any) -> NativeEngineKwargs:
         ValueError: the value is not a mapping, a key is not one of :class:`NativeEngineKwargs`' fields, the placement
             is not one of :data:`PLACEMENTS`, or a fast path is not true or false; the message names the key.
     """
-    kwargs = rollout_config.get("engine_kwargs", None) if isinstance(rollout_config, dict) else \
-        getattr(rollout_config, "engine_kwargs", None)
+    kwargs = (
+        rollout_config.get("engine_kwargs", None)
+        if isinstance(rollout_config, dict)
+        else getattr(rollout_config, "engine_kwargs", None)
+    )
     native = (kwargs or {}).get("native", None) if hasattr(kwargs or {}, "get") else None
     if native is None:
         return NativeEngineKwargs()
@@ -58,8 +61,10 @@ def native_engine_kwargs(rollout_config: Any) -> NativeEngineKwargs:
     values = dict(native.items())
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{KEY}.{unknown[0]}: not a key of the native rollout; its keys are {', '.join(sorted(known))}"
-                         f" (verl_backend/rollout/native_kwargs.py)")
+        raise ValueError(
+            f"{KEY}.{unknown[0]}: not a key of the native rollout; its keys are {', '.join(sorted(known))}"
+            f" (verl_backend/rollout/native_kwargs.py)"
+        )
     placement = values.get("sampler_placement", None)
     placement = "server" if placement is None else str(placement)
     if placement not in PLACEMENTS:
@@ -67,6 +72,7 @@ def native_engine_kwargs(rollout_config: Any) -> NativeEngineKwargs:
     for key in FAST_PATHS:
         value = values.get(key, None)
         if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{KEY}.{key}={value!r}: give true or false (or leave it out: on for the CPU, off "
-                             "elsewhere)")
+            raise ValueError(
+                f"{KEY}.{key}={value!r}: give true or false (or leave it out: on for the CPU, off elsewhere)"
+            )
     return NativeEngineKwargs(sampler_placement=placement, **{k: values.get(k, None) for k in FAST_PATHS})

@@ -25,13 +25,19 @@ def _checkpoint_engine_method(worker):
     """The worker's ``execute_checkpoint_engine`` actor method: ``<role>_execute_checkpoint_engine`` on a fused
     trainer worker (the prefix depends on the roles fused), plain on a standalone replica's ``CheckpointEngineWorker``
     (a rollout slice)."""
-    for name in ("actor_rollout_ref_execute_checkpoint_engine", "actor_rollout_execute_checkpoint_engine",
-                 "rollout_execute_checkpoint_engine", "execute_checkpoint_engine"):
+    for name in (
+        "actor_rollout_ref_execute_checkpoint_engine",
+        "actor_rollout_execute_checkpoint_engine",
+        "rollout_execute_checkpoint_engine",
+        "execute_checkpoint_engine",
+    ):
         method = getattr(worker, name, None)
         if method is not None:
             return method
-    raise ValueError("the rollout's worker exposes no execute_checkpoint_engine method; sampler_placement=worker "
-                     "needs VeRL's ActorRolloutRefWorker or CheckpointEngineWorker")
+    raise ValueError(
+        "the rollout's worker exposes no execute_checkpoint_engine method; sampler_placement=worker "
+        "needs VeRL's ActorRolloutRefWorker or CheckpointEngineWorker"
+    )
 
 
 class NativeReplica(RolloutReplica):
@@ -70,8 +76,10 @@ class NativeReplica(RolloutReplica):
         worker_method = None
         if sampler_placement(self.config) == "worker":
             if not self.workers:
-                raise ValueError("sampler_placement=worker needs workers holding the devices: VeRL's hybrid engine "
-                                 "(trainer and rollout colocated) or a standalone rollout pool")
+                raise ValueError(
+                    "sampler_placement=worker needs workers holding the devices: VeRL's hybrid engine "
+                    "(trainer and rollout colocated) or a standalone rollout pool"
+                )
             worker_method = _checkpoint_engine_method(self.workers[0])
         server = (
             ray.remote(NativeRolloutServer)

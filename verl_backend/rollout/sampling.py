@@ -13,8 +13,13 @@ from verl_backend.rollout.native_kwargs import native_engine_kwargs
 from verl_backend.settings import RolloutSettings
 
 
-def build_sampler(model_path: str, rollout_config: Any, device: torch.device | str, trust_remote_code: bool = False,
-                  settings: RolloutSettings | None = None):
+def build_sampler(
+    model_path: str,
+    rollout_config: Any,
+    device: torch.device | str,
+    trust_remote_code: bool = False,
+    settings: RolloutSettings | None = None,
+):
     """An :class:`rl_tpu.sampler.Sampler` over a fresh inference copy of the HF model at ``model_path``.
 
     Buckets: powers of two up to ``rollout.prompt_length`` / ``rollout.response_length``; batch up to
@@ -39,7 +44,10 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
     experts = tpu_experts_kwargs(device.type)  # MoE on TPU: batched_mm, no torch.cumsum (rl_tpu.expert_slices)
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+        model_path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation="sdpa",
         **experts,
     )
     model.to(device).eval()
@@ -60,13 +68,16 @@ def build_sampler(model_path: str, rollout_config: Any, device: torch.device | s
     )
     on = {True: "on", False: "off"}
     float32 = next(sampler.model.parameters()).dtype == torch.float32  # oneDNN packs float32 weights only
-    packed = float32 and (sampler.packed is not None or (sampler.compiled is not None
-                                                         and sampler.compiled.packs is not None))
-    print(f"[rl-tpu] native sampler ({dtype}, {device.type}): packed prefill {on[sampler.packed_prefill]}, lean "
-          f"decode {on[sampler.lean_decode]}, packed weights {on[packed]}, compiled "
-          f"{on[sampler.compiled is not None]}"
-          + (f", experts {experts['experts_implementation']}" if experts and has_fused_experts(model) else ""),
-          flush=True)
+    packed = float32 and (
+        sampler.packed is not None or (sampler.compiled is not None and sampler.compiled.packs is not None)
+    )
+    print(
+        f"[rl-tpu] native sampler ({dtype}, {device.type}): packed prefill {on[sampler.packed_prefill]}, lean "
+        f"decode {on[sampler.lean_decode]}, packed weights {on[packed]}, compiled "
+        f"{on[sampler.compiled is not None]}"
+        + (f", experts {experts['experts_implementation']}" if experts and has_fused_experts(model) else ""),
+        flush=True,
+    )
     return sampler
 
 
@@ -91,8 +102,9 @@ def _buckets(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, response_length: int,
-                                 replica_rank: int = 0):
+def sampling_params_from_request(
+    request: dict[str, Any], rollout_config: Any, response_length: int, replica_rank: int = 0
+):
     """The one place VeRL's ``sampling_params`` dict becomes :class:`rl_tpu.sampler.SamplingParams`.
 
     As VeRL 0.9.1's vLLM adapter (``vllm_async_server.generate``) does, ``repetition_penalty`` and ``ignore_eos``
@@ -113,8 +125,9 @@ def sampling_params_from_request(request: dict[str, Any], rollout_config: Any, r
     return request_params(request, max_tokens=response_length)
 
 
-def run_sampler(sampler, prompts: list[list[int]], params, seeds: list[int] | None = None,
-                threads: int = 0) -> list[tuple[list[int], list[float] | None]]:
+def run_sampler(
+    sampler, prompts: list[list[int]], params, seeds: list[int] | None = None, threads: int = 0
+) -> list[tuple[list[int], list[float] | None]]:
     """Sample one response per prompt with ``params`` (:class:`rl_tpu.sampler.SamplingParams`, ``n=1``; the
     in-worker sampler receives it through Ray as ``key``) -> ``(token ids, log-probs or None)`` per prompt.
     ``seeds``: each prompt's random stream (:func:`verl_backend.rollout.server.sample_seed_of`).
@@ -140,4 +153,3 @@ def server_env() -> dict[str, str]:
 
     keep = (RECORD_ENV, *FORWARDED_ENV)
     return {k: os.environ[k] for k in keep if k in os.environ}
-

@@ -51,8 +51,15 @@ class _Request:
     request_id: str = ""
 
 
-def sample_seed_of(job_seed: int | str | None, rollout_seed: int, request_seed: int | None, version: int,
-                   request_id: str, occurrence: int, prompt_ids: list[int]) -> int:
+def sample_seed_of(
+    job_seed: int | str | None,
+    rollout_seed: int,
+    request_seed: int | None,
+    version: int,
+    request_id: str,
+    occurrence: int,
+    prompt_ids: list[int],
+) -> int:
     """The seed of one sample's random stream (:func:`rl_tpu.sampler.seeds.sample_seed`).
 
     Args:
@@ -152,8 +159,9 @@ class NativeRolloutServer:
         if self.worker_method is None:
             from verl_backend.weight_sync.lora import set_base_path
 
-            self.sampler = build_sampler(self.model_path, self.config, self.device, self.trust_remote_code,
-                                         settings=self.rl_tpu)
+            self.sampler = build_sampler(
+                self.model_path, self.config, self.device, self.trust_remote_code, settings=self.rl_tpu
+            )
             set_base_path(self.model_path)  # an adapter-only LoRA sync merges onto these files
             if self.device.type == "cpu" and self.rl_tpu.shared_weights:
                 from rl_tpu.shared_weights import SharedWeights, SharedWeightsError
@@ -254,17 +262,20 @@ class NativeRolloutServer:
             self._arrivals = {k: c for k, c in self._arrivals.items() if k[0] == version}
         for r in batch:
             # VeRL's deterministic ids, else this replica (its requests' samples differ from another replica's)
-            rid = r.request_id if (self.full_determinism or r.request_id.startswith("det-")) else \
-                f"replica-{self.replica_rank}"
+            rid = (
+                r.request_id
+                if (self.full_determinism or r.request_id.startswith("det-"))
+                else f"replica-{self.replica_rank}"
+            )
             slot = (version, rid, tuple(r.prompt_ids))
             count = self._arrivals.get(slot, 0)
             self._arrivals[slot] = count + 1
-            seeds.append(sample_seed_of(self.job_seed, self.rollout_seed, key.seed, version, rid, count,
-                                        r.prompt_ids))
+            seeds.append(sample_seed_of(self.job_seed, self.rollout_seed, key.seed, version, rid, count, r.prompt_ids))
         return seeds
 
-    def _run_batch(self, prompts: list[list[int]], key: Any,
-                   seeds: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
+    def _run_batch(
+        self, prompts: list[list[int]], key: Any, seeds: list[int] | None = None
+    ) -> list[tuple[list[int], list[float] | None]]:
         if self.shared is not None and not self.shared.resident:
             raise RuntimeError(
                 "the native rollout is asleep: sleep() released its weights; sync weights first "
@@ -284,8 +295,9 @@ class NativeRolloutServer:
         return outs
 
     # ------------------------------------------------------------- weight sync
-    async def update_weights_bucket(self, flat: Any, metadata: list, last: bool, global_steps: int | None = None,
-                                    total: int | None = None) -> int:
+    async def update_weights_bucket(
+        self, flat: Any, metadata: list, last: bool, global_steps: int | None = None, total: int | None = None
+    ) -> int:
         """Receive one packed bucket of weights (from :func:`rl_tpu.collectives.pack_bucket`) and load it.
 
         ``flat`` is the ``uint8`` bytes (a read-only numpy view of the Ray object store, or a tensor), ``metadata``
@@ -299,8 +311,10 @@ class NativeRolloutServer:
         from verl_backend.weight_sync.object_store import ObjectStore
 
         if self.trainer_weights is not None:
-            raise RuntimeError("this rollout computes on the trainer's weights in shared memory (read-only): a bucket "
-                               "sync cannot write them; restart the rollout server to sync through the object store")
+            raise RuntimeError(
+                "this rollout computes on the trainer's weights in shared memory (read-only): a bucket "
+                "sync cannot write them; restart the rollout server to sync through the object store"
+            )
         if not self._updating:
             self._updating, self._buckets_loaded, self._buckets_total = True, 0, None
         if total is not None:
@@ -348,8 +362,11 @@ class NativeRolloutServer:
         if self.worker_method is not None or self.sampler is None or self.device.type != "cpu":
             return "the sampler does not run on this server's CPU"
         if ray.is_initialized() and handle.get("node_id") != ray.get_runtime_context().get_node_id():
-            return ("the trainer runs on another host" if handle.get("node_id") else
-                    "the trainer's weights handle names no Ray node (SharedWeights.handle(node_id=...))")
+            return (
+                "the trainer runs on another host"
+                if handle.get("node_id")
+                else "the trainer's weights handle names no Ray node (SharedWeights.handle(node_id=...))"
+            )
         try:
             reader = SharedWeightsReader(handle)
         except OSError as exc:
@@ -473,8 +490,11 @@ class NativeRolloutServer:
             self.sampler.weights_changed()
         # a trainer writing all of them, or adapter-only LoRA syncs (which rewrite them from the files): the pages
         # can go while the actor updates
-        if self.shared is not None and (self._shared_attached or getattr(self, "_adapter_syncs", False)) \
-                and self.free_when_asleep:
+        if (
+            self.shared is not None
+            and (self._shared_attached or getattr(self, "_adapter_syncs", False))
+            and self.free_when_asleep
+        ):
             self.shared.release()
         trim_host_heap()
 

@@ -71,5 +71,19 @@ from verl_backend.weight_sync.base import (
 )
 from verl_backend.weight_sync.route import SyncFacts, SyncRoute, choose_route, plan_routes, took_line
 
-__all__ = ["REGISTRY", "TRANSPORTS", "ReplicaEnd", "SyncFacts", "SyncReport", "SyncRoute", "Transport",
-           "choose_route", "hand_over", "handed_over", "plan_routes", "route_number", "took_line", "transport_class"]
+__all__ = [
+    "REGISTRY",
+    "TRANSPORTS",
+    "ReplicaEnd",
+    "SyncFacts",
+    "SyncReport",
+    "SyncRoute",
+    "Transport",
+    "choose_route",
+    "hand_over",
+    "handed_over",
+    "plan_routes",
+    "route_number",
+    "took_line",
+    "transport_class",
+]

@@ -40,16 +40,29 @@ class Registered:
 _PACKAGE = "verl_backend.weight_sync"
 
 #: every transport, by name, one line each, in the order of their route numbers
-REGISTRY: dict[str, Registered] = {r.name: r for r in (
-    Registered("in_worker", 0, f"{_PACKAGE}.in_worker:InWorker", "in the trainer worker"),
-    Registered("trainer_memory", 1, f"{_PACKAGE}.trainer_memory:TrainerMemory", "shared memory, in place"),
-    Registered("shared_memory", 2, f"{_PACKAGE}.shared_memory:SharedMemory", "shared memory, copied once"),
-    Registered("object_store", 3, f"{_PACKAGE}.object_store:ObjectStore", "Ray object store", bucketed=True),
-    Registered("pool_broadcast", 4, f"{_PACKAGE}.pool_broadcast:PoolBroadcast", "gloo broadcast between pools",
-               bucketed=True),
-    Registered("pool_shared_memory", 5, f"{_PACKAGE}.pool_shared_memory:PoolSharedMemory",
-               "shared-memory buckets between pools", bucketed=True),
-)}
+REGISTRY: dict[str, Registered] = {
+    r.name: r
+    for r in (
+        Registered("in_worker", 0, f"{_PACKAGE}.in_worker:InWorker", "in the trainer worker"),
+        Registered("trainer_memory", 1, f"{_PACKAGE}.trainer_memory:TrainerMemory", "shared memory, in place"),
+        Registered("shared_memory", 2, f"{_PACKAGE}.shared_memory:SharedMemory", "shared memory, copied once"),
+        Registered("object_store", 3, f"{_PACKAGE}.object_store:ObjectStore", "Ray object store", bucketed=True),
+        Registered(
+            "pool_broadcast",
+            4,
+            f"{_PACKAGE}.pool_broadcast:PoolBroadcast",
+            "gloo broadcast between pools",
+            bucketed=True,
+        ),
+        Registered(
+            "pool_shared_memory",
+            5,
+            f"{_PACKAGE}.pool_shared_memory:PoolSharedMemory",
+            "shared-memory buckets between pools",
+            bucketed=True,
+        ),
+    )
+}
 
 #: every transport's name, in the order of their route numbers
 TRANSPORTS = tuple(sorted(REGISTRY, key=lambda name: REGISTRY[name].route))
@@ -127,16 +140,26 @@ class SyncReport:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field (the transport as a name): the adapter's ``last_sync``."""
-        return {"version": self.version, "transport": self.transport, "bytes": float(self.bytes),
-                "copied_bytes": float(self.copied_bytes), "seconds": float(self.seconds),
-                "buckets": float(self.buckets), "verified": float(self.verified)}
+        return {
+            "version": self.version,
+            "transport": self.transport,
+            "bytes": float(self.bytes),
+            "copied_bytes": float(self.copied_bytes),
+            "seconds": float(self.seconds),
+            "buckets": float(self.buckets),
+            "verified": float(self.verified),
+        }
 
     def as_metrics(self) -> dict[str, float]:
         """The step metrics every transport reports under the same names: ``weight_sync/route`` (the transport's
         number, :func:`route_number`), ``weight_sync/bytes``, ``weight_sync/seconds``, ``weight_sync/verified``
         (1.0 verified, 0.0 not)."""
-        return {"weight_sync/route": float(route_number(self.transport)), "weight_sync/bytes": float(self.bytes),
-                "weight_sync/seconds": float(self.seconds), "weight_sync/verified": float(self.verified)}
+        return {
+            "weight_sync/route": float(route_number(self.transport)),
+            "weight_sync/bytes": float(self.bytes),
+            "weight_sync/seconds": float(self.seconds),
+            "weight_sync/verified": float(self.verified),
+        }
 
 
 @dataclass

@@ -120,8 +120,14 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             started (the engine is VeRL's, usable on its own: tests, ``benchmarks/bench_weight_sync.py``).
     """
 
-    def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0,
-                 settings: WeightSyncSettings | None = None, **_: Any) -> None:
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        timeout_s: float = 600.0,
+        settings: WeightSyncSettings | None = None,
+        **_: Any,
+    ) -> None:
         if settings is None:
             try:
                 settings = weight_sync_settings(current())  # the one read of the job's record in this engine
@@ -170,13 +176,21 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         """
         master = metadata[0]
         if not master.get("port"):
-            raise ValueError("checkpoint_engine.backend=gloo: trainer rank 0 did not start the weight-sync store "
-                             "(is_master not set on it)")
+            raise ValueError(
+                "checkpoint_engine.backend=gloo: trainer rank 0 did not start the weight-sync store "
+                "(is_master not set on it)"
+            )
         world = 1 + rollout_world_size
-        actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "world_size": [world] * actor_wg_world_size,
-                 "master": [master] * actor_wg_world_size}
-        rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
-                   "master": [master] * rollout_world_size}
+        actor = {
+            "rank": [0] + [-1] * (actor_wg_world_size - 1),
+            "world_size": [world] * actor_wg_world_size,
+            "master": [master] * actor_wg_world_size,
+        }
+        rollout = {
+            "rank": list(range(1, world)),
+            "world_size": [world] * rollout_world_size,
+            "master": [master] * rollout_world_size,
+        }
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master: dict) -> None:
@@ -191,10 +205,12 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             if self._mapping is None and why not in _TOLD:
                 _TOLD.add(why)
                 logger.info("weight sync: buckets come over gloo, not shared memory: %s", why)
-        store = self._store if rank == 0 else dist.TCPStore(master["host"], master["port"], is_master=False,
-                                                             timeout=self.timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rl_tpu_pool_sync", store), rank, world_size,
-                                           self.timeout)
+        store = (
+            self._store
+            if rank == 0
+            else dist.TCPStore(master["host"], master["port"], is_master=False, timeout=self.timeout)
+        )
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rl_tpu_pool_sync", store), rank, world_size, self.timeout)
 
     def finalize(self) -> None:
         """Drop the group, the store and the shared-memory file or mapping (the next sync builds new ones)."""
@@ -221,8 +237,16 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         (``rl_tpu.shared_weights``, ``rl_tpu.rollout_slice``: the plan ``--print-config`` shows)."""
         shared, rollout_slice = self.rl_tpu.shared_weights, self.rl_tpu.rollout_slice or None
         why = f"the rollout pool is on other hosts (rl_tpu.rollout_slice={rollout_slice})" if rollout_slice else None
-        return choose_route(SyncFacts(placement="server", shared_weights=shared, trainer_memory=None,
-                                      server_memory=None, pool=True, pool_memory=why)).transport
+        return choose_route(
+            SyncFacts(
+                placement="server",
+                shared_weights=shared,
+                trainer_memory=None,
+                server_memory=None,
+                pool=True,
+                pool_memory=why,
+            )
+        ).transport
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None):
         """Stream ``weights`` (``(name, tensor)`` pairs, any device, DTensors gathered) from the source rank.
@@ -263,27 +287,48 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         # the proof after the last bucket; then every rollout worker checks its weights once live and says so
         send_object(self.group, proof)
         counts, max_diff, verify_seconds = exchange_verdict(self.group)
-        report.verified = (proof is not None and counts["verified"] > 0 and counts["failed"] == 0
-                           and counts["unverified"] == 0)
+        report.verified = (
+            proof is not None and counts["verified"] > 0 and counts["failed"] == 0 and counts["unverified"] == 0
+        )
         self.last_report = report
         if proof is not None and not report.verified:
             logger.warning("weight sync %s: not verified by every rollout worker (%s)", global_steps, counts)
         took, because = plan_choice(self._file is not None, self._shared, self._no_file)
         planned = self.planned()
-        line = (f"[rl-tpu] weight sync route: planned {planned}, took {took}, because {because} (trainer rank 0 -> "
-                f"{self.group.size() - 1} rollout workers, {self.bucket_size >> 20} MiB buckets)")
+        line = (
+            f"[rl-tpu] weight sync route: planned {planned}, took {took}, because {because} (trainer rank 0 -> "
+            f"{self.group.size() - 1} rollout workers, {self.bucket_size >> 20} MiB buckets)"
+        )
         if line not in _TOLD:
             _TOLD.add(line)
             print(line, flush=True)
-        logger.info("weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers by %s, %.2f s",
-                    global_steps, report.bytes / 2**20, report.buckets, self.bucket_size >> 20, self.group.size() - 1,
-                    report.transport, report.seconds)
-        verify = {} if proof is None else {"weight_sync/verify_max_abs_diff": max_diff,
-                                           "weight_sync/verify_seconds": verify_seconds,
-                                           "weight_sync/verify_trainer_seconds": probe_seconds}
-        return {**report.as_metrics(), **verify, "weight_sync/pool_bytes": report.bytes,
-                "weight_sync/pool_buckets": float(report.buckets), "weight_sync/pool_seconds": report.seconds,
-                "weight_sync/pool_shared_memory": float(self._shared)}
+        logger.info(
+            "weight sync %s: %.1f MiB in %d buckets of %d MiB to %d rollout workers by %s, %.2f s",
+            global_steps,
+            report.bytes / 2**20,
+            report.buckets,
+            self.bucket_size >> 20,
+            self.group.size() - 1,
+            report.transport,
+            report.seconds,
+        )
+        verify = (
+            {}
+            if proof is None
+            else {
+                "weight_sync/verify_max_abs_diff": max_diff,
+                "weight_sync/verify_seconds": verify_seconds,
+                "weight_sync/verify_trainer_seconds": probe_seconds,
+            }
+        )
+        return {
+            **report.as_metrics(),
+            **verify,
+            "weight_sync/pool_bytes": report.bytes,
+            "weight_sync/pool_buckets": float(report.buckets),
+            "weight_sync/pool_seconds": report.seconds,
+            "weight_sync/pool_shared_memory": float(self._shared),
+        }
 
     def receive_weights(self, global_steps: int | None = None) -> ReceivedWeights:
         """Iterate the result for ``(name, tensor)`` (CPU) as buckets arrive; a tensor larger than a bucket once all
@@ -298,12 +343,15 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 drained, so the source finishes), the source's export stopped mid-stream, or this is not a rollout
                 worker's rank.
         """
-        received = ReceivedWeights(lambda views, keep: self._receive(global_steps, views, keep, received),
-                                   lambda *verdict: exchange_verdict(self.group, *verdict))
+        received = ReceivedWeights(
+            lambda views, keep: self._receive(global_steps, views, keep, received),
+            lambda *verdict: exchange_verdict(self.group, *verdict),
+        )
         return received
 
-    def _receive(self, global_steps: int | None, views: bool, keep: bool,
-                 received: ReceivedWeights) -> Generator[tuple[str, torch.Tensor], None, None]:
+    def _receive(
+        self, global_steps: int | None, views: bool, keep: bool, received: ReceivedWeights
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The stream a rollout worker iterates (``keep=False``: the whole sync drained, nothing yielded); once it
         has ended, the trainer's proof is read into ``received`` (:meth:`ReceivedWeights.ended`)."""
         if self.rank is None or self.rank <= 0:
@@ -316,8 +364,9 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             for _ in transport.receive(keep=False):  # drained, so the source is not left waiting on this worker
                 pass
             received.ended(receive_object(self.group))
-            raise PoolSyncError(f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected "
-                                f"step {global_steps}")
+            raise PoolSyncError(
+                f"weight sync: the trainer sent step {sent}'s weights, this rollout worker expected step {global_steps}"
+            )
         control, state = {"keep": keep}, {"ended": False}
 
         def stream():

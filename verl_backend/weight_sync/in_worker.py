@@ -36,8 +36,13 @@ class InWorker(Transport):
         n = self.receive(weights, version)
         if self.server is not None:
             await self.server.set_global_steps.remote(version)
-        return SyncReport(version=version, transport=self.name, bytes=float(n), copied_bytes=float(n),
-                          seconds=time.perf_counter() - start)
+        return SyncReport(
+            version=version,
+            transport=self.name,
+            bytes=float(n),
+            copied_bytes=float(n),
+            seconds=time.perf_counter() - start,
+        )
 
     def receive(self, weights: Iterable[tuple[str, Any]], version: int | None) -> int:
         """Load ``weights`` into this process's sampler (seam a), then they are live (seam b); returns the bytes."""

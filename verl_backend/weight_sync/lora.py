@@ -62,8 +62,10 @@ def _adapter_parts(layer, adapter: str) -> tuple[torch.Tensor, torch.Tensor, flo
     if isinstance(layer, Embedding):
         a, b = _full(layer.lora_embedding_A[adapter]), _full(layer.lora_embedding_B[adapter])  # (r, vocab), (dim, r)
         return a, b, layer.scaling[adapter], True  # (vocab, dim)
-    raise ValueError(f"LoRA on a {type(layer).__name__} layer: the native rollout merges Linear and Embedding "
-                     "adapters only; leave this module out of actor_rollout_ref.model.target_modules")
+    raise ValueError(
+        f"LoRA on a {type(layer).__name__} layer: the native rollout merges Linear and Embedding "
+        "adapters only; leave this module out of actor_rollout_ref.model.target_modules"
+    )
 
 
 def _delta(layer, adapter: str) -> torch.Tensor:
@@ -112,8 +114,10 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         if "lora_" in name or ".adapter_" in name:
             continue
         names[name] = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
-    hf_names = convert_weight_keys({hf: None for hf in names.values()}, peft_model.get_base_model()
-                                   if hasattr(peft_model, "get_base_model") else peft_model)
+    hf_names = convert_weight_keys(
+        {hf: None for hf in names.values()},
+        peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model,
+    )
     for (name, _), hf in zip(names.items(), hf_names):
         tensor = _full(state[name]).detach()
         layer = layers.get(name)
@@ -135,8 +139,11 @@ def payload_names(hf_name: str, base_dtype: torch.dtype, transpose: bool) -> tup
     ``{hf}@lora_scaling/{base dtype}/{BA|BA_T}``. The scaling travels as a float64 tensor of one element (any
     named-tensor transport carries it, and ``.item()`` gives back the trainer's Python float exactly); the base
     weight's dtype in the trainer (which the merge is computed in) and the layout of ``B @ A`` travel in its name."""
-    return (f"{hf_name}{PAYLOAD_MARK}A", f"{hf_name}{PAYLOAD_MARK}B",
-            f"{hf_name}{PAYLOAD_MARK}scaling/{str(base_dtype).removeprefix('torch.')}/{_LAYOUTS[transpose]}")
+    return (
+        f"{hf_name}{PAYLOAD_MARK}A",
+        f"{hf_name}{PAYLOAD_MARK}B",
+        f"{hf_name}{PAYLOAD_MARK}scaling/{str(base_dtype).removeprefix('torch.')}/{_LAYOUTS[transpose]}",
+    )
 
 
 def is_payload(name: str) -> bool:
@@ -165,25 +172,29 @@ def _adapted_layers(peft_model) -> list[tuple[str, str, object]]:
         if any(m.use_dora.get(a, False) for a in m.active_adapters):
             raise ValueError(f"{name}: DoRA adapters (use_dora) are not merged by the native rollout's sync")
         if m.merged:
-            raise ValueError(f"{name}: the adapter is merged into the base weight in the trainer; the rollout's sync "
-                             "merges it onto the unmerged base")
+            raise ValueError(
+                f"{name}: the adapter is merged into the base weight in the trainer; the rollout's sync "
+                "merges it onto the unmerged base"
+            )
         active = [a for a in m.active_adapters if a in m.scaling]
         if m.disable_adapters or not active:
             continue
         if len(active) > 1:
-            raise ValueError(f"{name}: {len(active)} active adapters ({active}); adapter-only sync carries one per "
-                             "layer")
+            raise ValueError(
+                f"{name}: {len(active)} active adapters ({active}); adapter-only sync carries one per layer"
+            )
         if not isinstance(m, (Linear, Embedding)):
             _adapter_parts(m, active[0])  # raises, naming the layer kind
         base_weight = m.get_base_layer().weight
         tied = [n for n in users.get(id(base_weight), []) if not n.startswith(f"{name}.")]
         if tied:
-            raise ValueError(f"{name}: its base weight is tied to {tied[0]} (tied embeddings?): the trainer applies "
-                             "the adapter to this module only, a merged rollout would apply it to both; leave it out "
-                             "of actor_rollout_ref.model.target_modules")
+            raise ValueError(
+                f"{name}: its base weight is tied to {tied[0]} (tied embeddings?): the trainer applies "
+                "the adapter to this module only, a merged rollout would apply it to both; leave it out "
+                "of actor_rollout_ref.model.target_modules"
+            )
         found.append((name, f"{name}.base_layer.weight", m, active[0]))
-    stripped = {state.replace("base_model.model.", "", 1).replace(".base_layer", ""): None
-                for _, state, _, _ in found}
+    stripped = {state.replace("base_model.model.", "", 1).replace(".base_layer", ""): None for _, state, _, _ in found}
     hf_names = list(convert_weight_keys(stripped, base))
     return [(hf, state, layer, adapter) for hf, (_, state, layer, adapter) in zip(hf_names, found)]
 
@@ -216,9 +227,18 @@ def adapter_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if "lora_" in n)
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class SafetensorsBase:
@@ -241,19 +261,24 @@ class SafetensorsBase:
 
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if not files:
-            raise FileNotFoundError(f"{model_path}: no safetensors file: adapter-only LoRA sync reads the base weights "
-                                    "from them")
+            raise FileNotFoundError(
+                f"{model_path}: no safetensors file: adapter-only LoRA sync reads the base weights from them"
+            )
         self._maps, self._where = [], {}
         for path in files:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, never written: file pages
             n = int.from_bytes(mm[:8], "little")
-            header = json.loads(mm[8:8 + n])
+            header = json.loads(mm[8 : 8 + n])
             header.pop("__metadata__", None)
             self._maps.append(mm)
             for name, info in header.items():
-                self._where[name] = (mm, 8 + n + info["data_offsets"][0], _ST_DTYPES[info["dtype"]],
-                                     tuple(info["shape"]))
+                self._where[name] = (
+                    mm,
+                    8 + n + info["data_offsets"][0],
+                    _ST_DTYPES[info["dtype"]],
+                    tuple(info["shape"]),
+                )
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -321,18 +346,23 @@ class AdapterMerger:
                 yield hf, self.merge(hf, parts["A"], parts["B"], *parts["scaling"])
 
     @torch.no_grad()
-    def merge(self, hf: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype,
-              transpose: bool) -> torch.Tensor:
+    def merge(
+        self, hf: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype, transpose: bool
+    ) -> torch.Tensor:
         """``W0 + scaling * B @ A`` of base weight ``hf``, as the trainer-side merge computes it."""
         w0 = self.base.get(hf)
         if w0 is None:
-            raise ValueError(f"adapter-only LoRA sync: the base weight {hf!r} is not in the model's files, so the "
-                             "rollout cannot merge its adapter; leave that module out of "
-                             "actor_rollout_ref.model.target_modules")
+            raise ValueError(
+                f"adapter-only LoRA sync: the base weight {hf!r} is not in the model's files, so the "
+                "rollout cannot merge its adapter; leave that module out of "
+                "actor_rollout_ref.model.target_modules"
+            )
         delta = lora_delta(a.to(w0.device), b.to(w0.device), scaling, transpose)
         if tuple(delta.shape) != tuple(w0.shape):
-            raise ValueError(f"adapter-only LoRA sync: {hf!r} is {tuple(w0.shape)} in the model's files, its adapter "
-                             f"gives {tuple(delta.shape)}")
+            raise ValueError(
+                f"adapter-only LoRA sync: {hf!r} is {tuple(w0.shape)} in the model's files, its adapter "
+                f"gives {tuple(delta.shape)}"
+            )
         self.merged.append(hf)
         return delta.to(dtype).add_(w0.to(dtype))
 
@@ -354,8 +384,9 @@ class AdapterMerger:
             hf, parts = next(iter(self._pending.items()))
             missing = sorted({"A", "B", "scaling"} - set(parts))
             self._pending.clear()
-            raise ValueError(f"adapter-only LoRA sync ended with {hf!r} missing its {', '.join(missing)}: the "
-                             "stream was cut")
+            raise ValueError(
+                f"adapter-only LoRA sync ended with {hf!r} missing its {', '.join(missing)}: the stream was cut"
+            )
         merged, self.merged, self.payload_bytes = self.merged, [], 0
         return merged
 
@@ -382,8 +413,10 @@ def received_stream(named_tensors):
         merger = _receiver["merger"]
         if merger is None:
             if _receiver["path"] is None:
-                raise ValueError("adapter-only LoRA sync: this process received an adapter but knows no base model "
-                                 "to merge it onto (lora.set_base_path was not called)")
+                raise ValueError(
+                    "adapter-only LoRA sync: this process received an adapter but knows no base model "
+                    "to merge it onto (lora.set_base_path was not called)"
+                )
             merger = _receiver["merger"] = AdapterMerger(SafetensorsBase(_receiver["path"]))
         _receiver["used"] = True
         yield from merger(((name, tensor),))

@@ -45,8 +45,9 @@ def _bytes_of(bucket: list[tuple[str, torch.Tensor]], bucket_bytes: int, staging
     return flat, meta, staging
 
 
-async def send_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, send: SendBucket,
-                       max_in_flight: int = 2) -> tuple[int, int]:
+async def send_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, send: SendBucket, max_in_flight: int = 2
+) -> tuple[int, int]:
     """Pack ``named_tensors`` (CPU) into buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own)
     and ``send`` each, in order, as soon as it is full; then an empty bucket marked last, with the count.
 
@@ -100,8 +101,14 @@ class ObjectStore(Transport):
             return server.update_weights_bucket.remote(ray.put(flat), meta, last, version, total=total)
 
         sent, n = await send_buckets(full_cpu(weights), self.bucket_bytes, send, self.max_in_flight)
-        return SyncReport(version=version, transport=self.name, bytes=float(sent), copied_bytes=float(sent),
-                          seconds=time.perf_counter() - start, buckets=n)
+        return SyncReport(
+            version=version,
+            transport=self.name,
+            bytes=float(sent),
+            copied_bytes=float(sent),
+            seconds=time.perf_counter() - start,
+            buckets=n,
+        )
 
     def receive(self, flat, metadata: list) -> Iterable[tuple[str, torch.Tensor]]:
         """Rollout side: one bucket's ``(name, tensor)`` views (the server's ``update_weights_bucket`` hands them to

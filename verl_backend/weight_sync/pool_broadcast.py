@@ -76,8 +76,9 @@ def receive_object(group):
 VERDICTS = ("failed", "unverified", "verified", "not_serving")
 
 
-def exchange_verdict(group, verdict: str | None = None, max_abs_diff: float = 0.0,
-                     seconds: float = 0.0) -> tuple[dict[str, int], float, float]:
+def exchange_verdict(
+    group, verdict: str | None = None, max_abs_diff: float = 0.0, seconds: float = 0.0
+) -> tuple[dict[str, int], float, float]:
     """One collective of the whole group after a sync: every rollout worker gives its verdict (one of
     :data:`VERDICTS`; ``not_serving``: a rank that only walked the stream, its replica's leader checks), its probe's
     max |difference| and its check's seconds; the source gives ``None``. Returns, on every rank, the count of each
@@ -153,9 +154,17 @@ class PoolBroadcast(Transport):
                     self._send_bucket(buffer, offset, metas, last=False, index=buckets)
                     metas, offset, buckets, sending = [], 0, buckets + 1, False
                     buffer = buffers[buckets % len(buffers)]
-                buffer[offset:offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
-                metas.append({"name": meta.name, "shape": list(meta.shape), "dtype": str(meta.dtype),
-                              "chunk_offset": meta.chunk_offset, "chunk_size": meta.chunk_size, "offset": offset})
+                buffer[offset : offset + meta.chunk_size].copy_(chunk.detach().reshape(-1).to("cpu"))
+                metas.append(
+                    {
+                        "name": meta.name,
+                        "shape": list(meta.shape),
+                        "dtype": str(meta.dtype),
+                        "chunk_offset": meta.chunk_offset,
+                        "chunk_size": meta.chunk_size,
+                        "offset": offset,
+                    }
+                )
                 offset += meta.chunk_size
                 total += meta.chunk_size
         except Exception:  # the weight export failed: tell the receivers, so they raise instead of waiting timeout_s
@@ -164,11 +173,18 @@ class PoolBroadcast(Transport):
             raise
         self._send_bucket(buffer, offset, metas, last=True, index=buckets)
         del buffer, buffers  # views of a shared file: the engine's finalize unmaps it
-        return SyncReport(version=version, transport=self.name, bytes=float(total), copied_bytes=float(total),
-                          seconds=time.perf_counter() - start, buckets=buckets + 1)
+        return SyncReport(
+            version=version,
+            transport=self.name,
+            bytes=float(total),
+            copied_bytes=float(total),
+            seconds=time.perf_counter() - start,
+            buckets=buckets + 1,
+        )
 
-    def receive(self, keep: bool = True, views: bool = False,
-                control: dict | None = None) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+    def receive(
+        self, keep: bool = True, views: bool = False, control: dict | None = None
+    ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
         """Receiver: the stream's chunks, bucket by bucket (``keep=False``, or ``control["keep"]`` set false while
         iterating: drained, the shared buckets not even copied; ``views``: chunks of the shared file's half itself).
 
@@ -182,17 +198,25 @@ class PoolBroadcast(Transport):
             broadcast(self.group, header)
             length, meta_len, last = (int(x) for x in header)
             if last == ABORTED:
-                raise PoolSyncError(f"weight sync: the trainer's weight export stopped after {index} buckets (the "
-                                    "cause is in the trainer's log)")
+                raise PoolSyncError(
+                    f"weight sync: the trainer's weight export stopped after {index} buckets (the "
+                    "cause is in the trainer's log)"
+                )
             meta_bytes = torch.zeros(meta_len, dtype=torch.uint8)
             broadcast(self.group, meta_bytes)
             buffer = self.read(length, index, keep, views)
             for m in json.loads(meta_bytes.numpy().tobytes()) if keep else ():
                 if not control["keep"]:  # the consumer stopped mid-bucket: the rest is drained
                     break
-                meta = TensorMeta(name=m["name"], shape=torch.Size(m["shape"]), dtype=_dtype(m["dtype"]),
-                                  chunk_offset=m["chunk_offset"], chunk_size=m["chunk_size"], offset=m["offset"])
-                yield meta, buffer[meta.offset:meta.offset + meta.chunk_size]
+                meta = TensorMeta(
+                    name=m["name"],
+                    shape=torch.Size(m["shape"]),
+                    dtype=_dtype(m["dtype"]),
+                    chunk_offset=m["chunk_offset"],
+                    chunk_size=m["chunk_size"],
+                    offset=m["offset"],
+                )
+                yield meta, buffer[meta.offset : meta.offset + meta.chunk_size]
             if last:
                 self.after_read(last=True)
                 return
@@ -208,5 +232,14 @@ def plan_choice(file_made: bool, shared: bool, why_no_file: str) -> tuple[str, s
     return "pool_broadcast", "a rollout worker could not map trainer rank 0's shared-memory file (its log says why)"
 
 
-__all__ = ["VERDICTS", "PoolBroadcast", "PoolSyncError", "all_min", "broadcast", "exchange_verdict", "plan_choice",
-           "receive_object", "send_object"]
+__all__ = [
+    "VERDICTS",
+    "PoolBroadcast",
+    "PoolSyncError",
+    "all_min",
+    "broadcast",
+    "exchange_verdict",
+    "plan_choice",
+    "receive_object",
+    "send_object",
+]

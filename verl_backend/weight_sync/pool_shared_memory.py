@@ -74,13 +74,19 @@ class BucketFile:
     def handle(self) -> dict:
         """What a receiver needs to map the file: ``{"pid", "fd", "nbytes", "bucket_size", "boot_id", "nonce"}``
         (JSON-able; ``nonce`` in hex)."""
-        return {"pid": os.getpid(), "fd": self.fd, "nbytes": self.nbytes, "bucket_size": self.bucket_size,
-                "boot_id": boot_id(), "nonce": self.nonce.hex()}
+        return {
+            "pid": os.getpid(),
+            "fd": self.fd,
+            "nbytes": self.nbytes,
+            "bucket_size": self.bucket_size,
+            "boot_id": boot_id(),
+            "nonce": self.nonce.hex(),
+        }
 
     def half(self, index: int) -> torch.Tensor:
         """Half ``index`` (0 or 1) of the file as a writable uint8 tensor of ``bucket_size`` bytes."""
         start = HEADER + index * self.bucket_size
-        return self._bytes[start:start + self.bucket_size]
+        return self._bytes[start : start + self.bucket_size]
 
     def close(self) -> None:
         """Unmap and close the descriptor (the pages go once no receiver maps them either)."""
@@ -109,8 +115,10 @@ class BucketMapping:
         """
         view = self._reader.tensors[f"half{int(half)}"] if half in (0, 1) else None
         if view is None or not 0 <= length <= view.numel():
-            raise ValueError(f"bucket of {length} bytes in half {half}: the shared file has halves 0 and 1 of "
-                             f"{self._reader.tensors['half0'].numel()} bytes")
+            raise ValueError(
+                f"bucket of {length} bytes in half {half}: the shared file has halves 0 and 1 of "
+                f"{self._reader.tensors['half0'].numel()} bytes"
+            )
         return view[:length]
 
     def copy_out(self, half: int, length: int) -> torch.Tensor:
@@ -137,13 +145,15 @@ def map_bucket_file(handle: dict | None) -> tuple[BucketMapping | None, str]:
     if handle.get("boot_id") is None or handle["boot_id"] != boot_id():
         return None, "the trainer is on another host (boot id differs)"
     bucket, nbytes = int(handle["bucket_size"]), int(handle["nbytes"])
-    slots = [(("nonce",), "uint8", (_NONCE,), 0, _NONCE), (("half0",), "uint8", (bucket,), HEADER, bucket),
-             (("half1",), "uint8", (bucket,), HEADER + bucket, bucket)]
+    slots = [
+        (("nonce",), "uint8", (_NONCE,), 0, _NONCE),
+        (("half0",), "uint8", (bucket,), HEADER, bucket),
+        (("half1",), "uint8", (bucket,), HEADER + bucket, bucket),
+    ]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            reader = SharedWeightsReader({"pid": handle["pid"], "fd": handle["fd"], "nbytes": nbytes,
-                                          "slots": slots})
+            reader = SharedWeightsReader({"pid": handle["pid"], "fd": handle["fd"], "nbytes": nbytes, "slots": slots})
     except (OSError, ValueError) as exc:  # gone, /proc access denied, or smaller than the handle says
         return None, f"cannot map the trainer's shared-memory file ({type(exc).__name__}: {exc})"
     if reader.tensors["nonce"].numpy().tobytes() != bytes.fromhex(handle["nonce"]):
@@ -158,8 +168,9 @@ class PoolSharedMemory(PoolBroadcast):
 
     name = "pool_shared_memory"
 
-    def __init__(self, group, bucket_size: int, file: BucketFile | None = None,
-                 mapping: BucketMapping | None = None) -> None:
+    def __init__(
+        self, group, bucket_size: int, file: BucketFile | None = None, mapping: BucketMapping | None = None
+    ) -> None:
         super().__init__(group, bucket_size)
         self.file, self.mapping = file, mapping
 

@@ -118,5 +118,7 @@ def merge_chunks(chunks, bucket_size: int) -> Generator[tuple[str, torch.Tensor]
             return
         else:
             step.close()
-            raise RuntimeError("verl.checkpoint_engine.base.merge_weight_chunks awaited I/O; the gloo engine drives "
-                               "it without an event loop (checked with VeRL 0.9.1)")
+            raise RuntimeError(
+                "verl.checkpoint_engine.base.merge_weight_chunks awaited I/O; the gloo engine drives "
+                "it without an event loop (checked with VeRL 0.9.1)"
+            )

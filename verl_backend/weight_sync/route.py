@@ -80,28 +80,45 @@ def choose_route(facts: SyncFacts) -> SyncRoute:
         raise ValueError(f"sampler placement {facts.placement!r}: expected 'worker' or 'server'")
 
     def route(transport: str, reason: str) -> SyncRoute:
-        return SyncRoute(transport, reason, facts.src_rank, facts.dst_replica,
-                         facts.bucket_bytes if registered(transport).bucketed else 0)
+        return SyncRoute(
+            transport,
+            reason,
+            facts.src_rank,
+            facts.dst_replica,
+            facts.bucket_bytes if registered(transport).bucketed else 0,
+        )
 
     if facts.pool:
         if not facts.shared_weights:
-            return route("pool_broadcast", "the rollout runs in a pool of its own (checkpoint engine gloo); "
-                                           "rl_tpu.shared_weights=false")
+            return route(
+                "pool_broadcast",
+                "the rollout runs in a pool of its own (checkpoint engine gloo); rl_tpu.shared_weights=false",
+            )
         if facts.pool_memory is not None:
-            return route("pool_broadcast", f"the rollout runs in a pool of its own (checkpoint engine gloo); "
-                                           f"{facts.pool_memory}")
-        return route("pool_shared_memory", "the rollout runs in a pool of its own (checkpoint engine gloo) on trainer "
-                                           "rank 0's host: buckets through a shared-memory file, headers over gloo")
+            return route(
+                "pool_broadcast", f"the rollout runs in a pool of its own (checkpoint engine gloo); {facts.pool_memory}"
+            )
+        return route(
+            "pool_shared_memory",
+            "the rollout runs in a pool of its own (checkpoint engine gloo) on trainer "
+            "rank 0's host: buckets through a shared-memory file, headers over gloo",
+        )
     if facts.placement == "worker":
         return route("in_worker", "the sampler runs inside the trainer worker: the weights load on its device")
     if not facts.shared_weights:
         return route("object_store", "rl_tpu.shared_weights=false")
     if facts.trainer_memory is None:
-        return route("trainer_memory", "the trainer's parameters live in shared memory on the rollout's host: the "
-                                       "rollout computes on them, the optimizer step is the sync")
+        return route(
+            "trainer_memory",
+            "the trainer's parameters live in shared memory on the rollout's host: the "
+            "rollout computes on them, the optimizer step is the sync",
+        )
     if facts.server_memory is None:
-        return route("shared_memory", f"the rollout computes on its own copy ({facts.trainer_memory}); it lives in "
-                                      "shared memory on this host and is written in place")
+        return route(
+            "shared_memory",
+            f"the rollout computes on its own copy ({facts.trainer_memory}); it lives in "
+            "shared memory on this host and is written in place",
+        )
     return route("object_store", f"no shared memory with the rollout: {facts.trainer_memory}; {facts.server_memory}")
 
 
@@ -109,8 +126,9 @@ def took_line(planned: str | None, took: SyncRoute) -> str:
     """The run's log line: ``planned X, took Y, because ...`` (the same when they agree; ``planned`` ``None``: no
     plan was made)."""
     plan = planned or "none"
-    return (f"[rl-tpu] weight sync route: planned {plan}, took {took.transport}, because {took.reason} "
-            f"({took.describe()})")
+    return (
+        f"[rl-tpu] weight sync route: planned {plan}, took {took.transport}, because {took.reason} ({took.describe()})"
+    )
 
 
 # --- the plan before Ray (verl train --print-config) --------------------------------------------------------------
@@ -132,16 +150,19 @@ def known_blockers(cpu: bool, trainer_ranks: int, lora_rank: int) -> tuple[str |
     elif trainer_ranks > 1:
         trainer = "FSDP shards the parameters over several ranks: the rollout needs whole tensors"
     elif lora_rank > 0:
-        trainer = (f"LoRA (lora_rank={lora_rank}): the engine sends the adapter only, the rollout merges it into "
-                   "its own weights")
+        trainer = (
+            f"LoRA (lora_rank={lora_rank}): the engine sends the adapter only, the rollout merges it into "
+            "its own weights"
+        )
     server = None if cpu else "the rollout server samples on an accelerator"
     if lora_rank > 0 and server is None:
         server = "an adapter is a few MB: the rollout server receives it whole and merges it itself"
     return trainer, server
 
 
-def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *,
-                 placement: str) -> tuple[list, str]:
+def config_facts(
+    config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *, placement: str
+) -> tuple[list, str]:
     """The facts of each rollout replica knowable from the composed config (``(facts per replica, note)``).
 
     Args:
@@ -159,8 +180,12 @@ def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | N
     backend = str(_get(rollout, "checkpoint_engine.backend", "naive"))
     pool = mode == "separate_async" and backend == "gloo"  # VeRL's standalone replicas, fed by our gloo engine
     bucket = int(_get(rollout, "checkpoint_engine.update_weights_bucket_megabytes", 512)) << 20
-    tp = max(1, int(_get(rollout, "tensor_model_parallel_size", 1)) * int(_get(rollout, "data_parallel_size", 1))
-             * int(_get(rollout, "pipeline_model_parallel_size", 1)))
+    tp = max(
+        1,
+        int(_get(rollout, "tensor_model_parallel_size", 1))
+        * int(_get(rollout, "data_parallel_size", 1))
+        * int(_get(rollout, "pipeline_model_parallel_size", 1)),
+    )
     if pool:
         world = int(_get(rollout, "nnodes", 1)) * int(_get(rollout, "n_gpus_per_node", 1))
     else:
@@ -168,23 +193,42 @@ def config_facts(config, cpu: bool, shared_weights: bool, rollout_slice: str | N
     replicas = max(1, world // tp)
     lora = int(_get(config, "actor_rollout_ref.model.lora_rank", 0) or 0)
     trainer, server = known_blockers(cpu, 1 if pool else world, lora)
-    pool_memory = (f"the rollout pool is on other hosts (rl_tpu.rollout_slice={rollout_slice})" if rollout_slice
-                   else None if cpu else "the rollout pool is on TPU slices of its own")
-    facts = [SyncFacts(placement=placement, shared_weights=shared_weights, trainer_memory=trainer,
-                       server_memory=server, src_rank=0 if pool else r * tp, dst_replica=r, bucket_bytes=bucket,
-                       pool=pool, pool_memory=pool_memory) for r in range(replicas)]
-    return facts, ("a run that cannot map a file it planned to, or finds the server on another host, takes the next "
-                   "route and logs 'planned X, took Y, because ...'")
+    pool_memory = (
+        f"the rollout pool is on other hosts (rl_tpu.rollout_slice={rollout_slice})"
+        if rollout_slice
+        else None
+        if cpu
+        else "the rollout pool is on TPU slices of its own"
+    )
+    facts = [
+        SyncFacts(
+            placement=placement,
+            shared_weights=shared_weights,
+            trainer_memory=trainer,
+            server_memory=server,
+            src_rank=0 if pool else r * tp,
+            dst_replica=r,
+            bucket_bytes=bucket,
+            pool=pool,
+            pool_memory=pool_memory,
+        )
+        for r in range(replicas)
+    ]
+    return facts, (
+        "a run that cannot map a file it planned to, or finds the server on another host, takes the next "
+        "route and logs 'planned X, took Y, because ...'"
+    )
 
 
-def plan_routes(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *,
-                placement: str) -> str:
+def plan_routes(config, cpu: bool, shared_weights: bool, rollout_slice: str | None = None, *, placement: str) -> str:
     """``--print-config``: the route each rollout replica is planned to take and why, as ``# `` comment lines (the
     output still loads as YAML). Arguments as :func:`config_facts`."""
     facts, note = config_facts(config, cpu, shared_weights, rollout_slice, placement=placement)
     lines = ["weight sync (planned; the run's log says 'planned X, took Y'):"]
     lines += [f"  {choose_route(f).describe()}" for f in facts]
     lines.append(f"  {note}")
-    lines.append("  route numbers (weight_sync/route in metrics.jsonl): "
-                 + ", ".join(f"{registered(t).route} {t}" for t in TRANSPORTS))
+    lines.append(
+        "  route numbers (weight_sync/route in metrics.jsonl): "
+        + ", ".join(f"{registered(t).route} {t}" for t in TRANSPORTS)
+    )
     return "\n".join(f"# {line}" for line in lines)

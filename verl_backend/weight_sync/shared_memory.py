@@ -40,8 +40,13 @@ class SharedMemory(Transport):
                 pass
             raise
         await self.server.end_weight_update.remote(written, version)  # raises if a released model is partial
-        return SyncReport(version=version, transport=self.name, bytes=float(sent), copied_bytes=float(sent),
-                          seconds=time.perf_counter() - start)
+        return SyncReport(
+            version=version,
+            transport=self.name,
+            bytes=float(sent),
+            copied_bytes=float(sent),
+            seconds=time.perf_counter() - start,
+        )
 
     def receive(self, server: Any, written: list[int], version: int | None) -> None:
         """Rollout side (the server's ``end_weight_update``): the slots ``written`` are checked (a released model

@@ -30,8 +30,9 @@ class TrainerMemory(Transport):
         return "shared memory"
 
     def first_sync_words(self, report: SyncReport, end: ReplicaEnd) -> tuple[str, str]:
-        return "shared memory", ("in place: the rollout computes on the trainer's parameters, "
-                                 f"{report.copied_bytes / 1e6:.0f} MB copied")
+        return "shared memory", (
+            f"in place: the rollout computes on the trainer's parameters, {report.copied_bytes / 1e6:.0f} MB copied"
+        )
 
     async def send(self, weights: Iterable[tuple[str, Any]], version: int | None) -> SyncReport:
         start = time.perf_counter()
@@ -40,8 +41,13 @@ class TrainerMemory(Transport):
             in_place, copied = self.attached.publish(full_cpu(weights))
         finally:
             await self.server.end_weight_update.remote([], version)
-        return SyncReport(version=version, transport=self.name, bytes=float(in_place + copied),
-                          copied_bytes=float(copied), seconds=time.perf_counter() - start)
+        return SyncReport(
+            version=version,
+            transport=self.name,
+            bytes=float(in_place + copied),
+            copied_bytes=float(copied),
+            seconds=time.perf_counter() - start,
+        )
 
     def receive(self, server: Any, version: int | None) -> None:
         """Rollout side (the server's ``end_weight_update``): nothing arrived but the version; the weights written in

@@ -78,9 +78,24 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
-    "Probe", "SyncProof", "VerifyResult", "WeightSyncMismatch", "check_sync", "fingerprint", "fingerprint_stream",
-    "make_probe", "register_trainer_module", "take_proof", "trainer_proof",
-    "probe_bound", "probe_score", "rollout_probe", "stale_packed_copies", "trainer_fingerprints", "trainer_probe", "verify_sync",
+    "Probe",
+    "SyncProof",
+    "VerifyResult",
+    "WeightSyncMismatch",
+    "check_sync",
+    "fingerprint",
+    "fingerprint_stream",
+    "make_probe",
+    "register_trainer_module",
+    "take_proof",
+    "trainer_proof",
+    "probe_bound",
+    "probe_score",
+    "rollout_probe",
+    "stale_packed_copies",
+    "trainer_fingerprints",
+    "trainer_probe",
+    "verify_sync",
 ]
 
 #: most elements of one tensor a fingerprint reads (a fixed stride through it); a tensor this small or smaller is read
@@ -120,8 +135,15 @@ class Probe:
         return (s, length - self.prompt_len, 1 + self.vocab_ids.numel())
 
 
-def make_probe(vocab_size: int, seed: int = 0, sequences: int = 2, length: int = 16, prompt_len: int = 12,
-               k: int = 64, avoid: Iterable[int] = ()) -> Probe:
+def make_probe(
+    vocab_size: int,
+    seed: int = 0,
+    sequences: int = 2,
+    length: int = 16,
+    prompt_len: int = 12,
+    k: int = 64,
+    avoid: Iterable[int] = (),
+) -> Probe:
     """The job's probe: ``sequences x length`` token ids in ``[0, vocab_size)`` other than ``avoid`` (the sampler's
     stop tokens: a forced stop token would end a row) and ``k`` vocabulary ids, all drawn from ``seed``."""
     if not 1 <= prompt_len < length:
@@ -140,7 +162,7 @@ def make_probe(vocab_size: int, seed: int = 0, sequences: int = 2, length: int =
 def _gather(logits: torch.Tensor, probe: Probe) -> torch.Tensor:
     """``logits`` ``(sequences, scored, vocab)`` -> the probe's ``(sequences, scored, 1 + k)`` float32 log-probs."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    nxt = probe.token_ids[:, probe.prompt_len:].to(logp.device)  # (sequences, scored): each position's next token
+    nxt = probe.token_ids[:, probe.prompt_len :].to(logp.device)  # (sequences, scored): each position's next token
     vocab = probe.vocab_ids.to(logp.device).expand(*nxt.shape, -1)
     return torch.cat([logp.gather(-1, nxt[..., None]), logp.gather(-1, vocab)], dim=-1).cpu()
 
@@ -188,9 +210,11 @@ def _forced_choice(original):
         state["logits"].append(logits.float().clone())  # (batch, vocab): the rows still in the batch
         tok = state["tokens"][:, t].to(logits.device)
         if tok.shape[0] != logits.shape[0]:
-            raise RuntimeError(f"probe: the sampler's batch has {logits.shape[0]} rows at step {t}, the probe "
-                               f"{tok.shape[0]}")
+            raise RuntimeError(
+                f"probe: the sampler's batch has {logits.shape[0]} rows at step {t}, the probe {tok.shape[0]}"
+            )
         return tok, None
+
     choose.rl_tpu_forced = True
     return choose
 
@@ -226,12 +250,12 @@ def rollout_probe(sampler, probe: Probe) -> torch.Tensor:
     batch = sampler.max_batch_size
     sampler.max_batch_size = None  # one batch, the probe's rows in order (it sorts by length: all equal)
     try:
-        with _forcing(probe.token_ids[:, probe.prompt_len:]) as state:
+        with _forcing(probe.token_ids[:, probe.prompt_len :]) as state:
             outs = sampler.generate(prompts, params)
     finally:
         sampler.max_batch_size = batch
     got = [o.token_ids for o in outs]
-    if got != probe.token_ids[:, probe.prompt_len:].tolist():
+    if got != probe.token_ids[:, probe.prompt_len :].tolist():
         raise RuntimeError("probe: the sampler did not take the probe's tokens (a stop token among them?)")
     logits = torch.stack(state["logits"], dim=1)[: probe.token_ids.shape[0]]  # (sequences, scored, vocab)
     return _gather(logits, probe)
@@ -276,9 +300,12 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> float
     return float((sample * weights).sum())
 
 
-def fingerprint_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict[str, float],
-                       dtype: torch.dtype | None = None,
-                       also: dict[torch.dtype, dict[str, float]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def fingerprint_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    into: dict[str, float],
+    dtype: torch.dtype | None = None,
+    also: dict[torch.dtype, dict[str, float]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass ``named_tensors`` (the trainer's weight stream) through unchanged, fingerprinting each tensor into
     ``into`` (name -> :func:`fingerprint` at ``dtype``) and into each ``also[d]`` at ``d`` as it goes; complete once
     the stream is consumed."""
@@ -324,8 +351,11 @@ def stale_packed_copies(sampler) -> list[str]:
     packed = getattr(sampler, "packed", None)
     if packed is not None and packed._packed is not None:
         for m, w in zip(packed.modules, packed._packed):
-            check(f"{names.get(id(m), '?')}.weight (packed copy)", m.weight,
-                  lambda x, w=w, m=m: panel_kernel.linear(x, w, None, m.out_features))
+            check(
+                f"{names.get(id(m), '?')}.weight (packed copy)",
+                m.weight,
+                lambda x, w=w, m=m: panel_kernel.linear(x, w, None, m.out_features),
+            )
         for key, (w, _, splits, _) in list(packed._fused.items()):
             mods = [m for m in packed.modules if id(m) in key]
             mods.sort(key=lambda m: key.index(id(m)))
@@ -340,8 +370,11 @@ def stale_packed_copies(sampler) -> list[str]:
                 w = m.weight
                 entry = cache._packed.get((w.data_ptr(), tuple(w.shape), tuple(w.stride())))
                 if entry is not None:
-                    check(f"{name}.weight (compiled packed copy)", w,
-                          lambda x, p=entry[1], m=m: panel_kernel.linear(x, p, None, m.out_features))
+                    check(
+                        f"{name}.weight (compiled packed copy)",
+                        w,
+                        lambda x, p=entry[1], m=m: panel_kernel.linear(x, p, None, m.out_features),
+                    )
     return out
 
 
@@ -368,11 +401,13 @@ class VerifyResult:
     message: str = ""
 
     def as_metrics(self) -> dict[str, float]:
-        return {"weight_sync/verified": 1.0 if self.ok else 0.0,
-                "weight_sync/verify_max_abs_diff": float(self.max_abs_diff),
-                "weight_sync/verify_probe_score": float(self.score),
-                "weight_sync/verify_seconds": float(self.seconds),
-                "weight_sync/verify_pack_seconds": float(self.pack_seconds)}
+        return {
+            "weight_sync/verified": 1.0 if self.ok else 0.0,
+            "weight_sync/verify_max_abs_diff": float(self.max_abs_diff),
+            "weight_sync/verify_probe_score": float(self.score),
+            "weight_sync/verify_seconds": float(self.seconds),
+            "weight_sync/verify_pack_seconds": float(self.pack_seconds),
+        }
 
 
 def _native_compiled_packs(sampler) -> bool:
@@ -387,9 +422,17 @@ def _compute_dtype(sampler) -> torch.dtype:
     return next(sampler.model.parameters()).dtype
 
 
-def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_fps: dict[str, float] | None,
-                *, replica: int | str, version: int | None, trainer_dtype: torch.dtype = torch.float32,
-                raise_on_mismatch: bool = True) -> VerifyResult:
+def verify_sync(
+    sampler,
+    probe: Probe,
+    trainer_logprobs: torch.Tensor,
+    trainer_fps: dict[str, float] | None,
+    *,
+    replica: int | str,
+    version: int | None,
+    trainer_dtype: torch.dtype = torch.float32,
+    raise_on_mismatch: bool = True,
+) -> VerifyResult:
     """Verify the sync just applied to ``sampler`` against what the trainer sent.
 
     Args:
@@ -412,8 +455,10 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
     got = rollout_probe(sampler, probe)
     want = trainer_logprobs.to(torch.float32).cpu()
     if got.shape != want.shape:
-        raise WeightSyncMismatch(f"weight sync not verified: rollout replica {replica}, weight version {version}: "
-                                 f"probe shapes differ (trainer {tuple(want.shape)}, rollout {tuple(got.shape)})")
+        raise WeightSyncMismatch(
+            f"weight sync not verified: rollout replica {replica}, weight version {version}: "
+            f"probe shapes differ (trainer {tuple(want.shape)}, rollout {tuple(got.shape)})"
+        )
     diff = (got - want).abs()
     max_diff, mean_diff = (float(diff.max()), float(diff.mean())) if diff.numel() else (0.0, 0.0)
     dtypes = (trainer_dtype, _compute_dtype(sampler))
@@ -439,18 +484,32 @@ def verify_sync(sampler, probe: Probe, trainer_logprobs: torch.Tensor, trainer_f
         if first:
             what = f"first differing tensor {first}" + (f" (+{len(differing) - 1} more)" if len(differing) > 1 else "")
         elif _native_compiled_packs(sampler):
-            what = ("every source tensor matches: the compiled steps' packed copies (rl-tpu's C++ cache, not readable "
-                    "from here) are stale")
+            what = (
+                "every source tensor matches: the compiled steps' packed copies (rl-tpu's C++ cache, not readable "
+                "from here) are stale"
+            )
         else:
             what = "no single tensor found (every fingerprint and reachable packed copy matches)"
         kind, atol, rtol = probe_bound(*dtypes)
         bound = f"each within {atol:g} + {rtol:g}|log-prob|" if kind == "max" else f"mean within {atol:g}"
-        message = (f"weight sync not verified: rollout replica {replica}, weight version {version}: {what}; probe "
-                   f"log-probs differ by max {max_diff:.3g}, mean {mean_diff:.3g} ({bound}: "
-                   f"{'passed' if probe_ok else 'failed'})")
-    result = VerifyResult(ok=ok, max_abs_diff=max_diff, mean_abs_diff=mean_diff, score=score, probe_ok=probe_ok,
-                          seconds=time.perf_counter() - start, pack_seconds=pack_seconds, first_tensor=first, differing=differing,
-                          unchecked=unchecked, message=message)
+        message = (
+            f"weight sync not verified: rollout replica {replica}, weight version {version}: {what}; probe "
+            f"log-probs differ by max {max_diff:.3g}, mean {mean_diff:.3g} ({bound}: "
+            f"{'passed' if probe_ok else 'failed'})"
+        )
+    result = VerifyResult(
+        ok=ok,
+        max_abs_diff=max_diff,
+        mean_abs_diff=mean_diff,
+        score=score,
+        probe_ok=probe_ok,
+        seconds=time.perf_counter() - start,
+        pack_seconds=pack_seconds,
+        first_tensor=first,
+        differing=differing,
+        unchecked=unchecked,
+        message=message,
+    )
     if not ok and raise_on_mismatch:
         raise WeightSyncMismatch(message)
     return result
@@ -496,9 +555,14 @@ def _stop_ids(module: torch.nn.Module) -> list[int]:
     return sorted(ids)
 
 
-def trainer_proof(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
-                  rollout_dtype: torch.dtype | str | tuple | None = None, seed: int = 0,
-                  probe: Probe | None = None) -> tuple[Iterator[tuple[str, torch.Tensor]], SyncProof]:
+def trainer_proof(
+    module: torch.nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    version: int | None,
+    rollout_dtype: torch.dtype | str | tuple | None = None,
+    seed: int = 0,
+    probe: Probe | None = None,
+) -> tuple[Iterator[tuple[str, torch.Tensor]], SyncProof]:
     """Trainer side of one sync, right after the optimizer step and before sending (every FSDP rank calls it: the
     probe's forward is collective there): the probe's log-probs from ``module`` now, and ``weights`` passed through
     :func:`fingerprint_stream` at ``rollout_dtype`` (the rollout's ``actor_rollout_ref.rollout.dtype``; a tuple of
@@ -509,12 +573,17 @@ def trainer_proof(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     """
     inner = module.get_base_model() if hasattr(module, "get_base_model") else module
     if probe is None:
-        vocab = int(inner.get_output_embeddings().weight.shape[0]) if inner.get_output_embeddings() is not None \
+        vocab = (
+            int(inner.get_output_embeddings().weight.shape[0])
+            if inner.get_output_embeddings() is not None
             else int(inner.config.vocab_size)
+        )
         probe = make_probe(vocab, seed=seed, avoid=_stop_ids(inner))
     logprobs, dtype = trainer_probe(module, probe, return_dtype=True)
-    candidates = [getattr(torch, d) if isinstance(d, str) else d
-                  for d in (rollout_dtype if isinstance(rollout_dtype, (tuple, list)) else (rollout_dtype,))]
+    candidates = [
+        getattr(torch, d) if isinstance(d, str) else d
+        for d in (rollout_dtype if isinstance(rollout_dtype, (tuple, list)) else (rollout_dtype,))
+    ]
     proof = SyncProof(version=version, probe=probe, logprobs=logprobs, dtype=str(dtype).removeprefix("torch."))
     also: dict[torch.dtype, dict[str, float]] = {}
     if len(candidates) > 1:
@@ -527,17 +596,27 @@ def trainer_proof(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
 def check_sync(sampler, proof: SyncProof, replica: int | str, raise_on_mismatch: bool = True) -> VerifyResult:
     """Rollout side of one sync: :func:`verify_sync` of ``sampler`` (its new weights live) against ``proof``."""
     fps = proof.fingerprints_for(_compute_dtype(sampler))
-    return verify_sync(sampler, proof.probe, proof.logprobs, fps, replica=replica,
-                       version=proof.version, trainer_dtype=getattr(torch, proof.dtype),
-                       raise_on_mismatch=raise_on_mismatch)
+    return verify_sync(
+        sampler,
+        proof.probe,
+        proof.logprobs,
+        fps,
+        replica=replica,
+        version=proof.version,
+        trainer_dtype=getattr(torch, proof.dtype),
+        raise_on_mismatch=raise_on_mismatch,
+    )
 
 
 # ------------------------------------------------------- the engine -> adapter hand-over inside a trainer worker
 _MODULES: dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]] = {}  # role -> module
 
 
-def register_trainer_module(module: torch.nn.Module | None, role: str = "actor",
-                            probe_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+def register_trainer_module(
+    module: torch.nn.Module | None,
+    role: str = "actor",
+    probe_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> None:
     """The trainer's engine names its module (an HF causal LM, peft- or FSDP-wrapped) to this process's rollout
     adapter, which scores the probe on it at each sync (:func:`take_proof`); ``None`` withdraws it.
     ``probe_context``: entered around the probe's forward (the compiled trainer's
@@ -548,8 +627,12 @@ def register_trainer_module(module: torch.nn.Module | None, role: str = "actor",
         _MODULES[role] = (module, probe_context or contextlib.nullcontext)
 
 
-def take_proof(weights: Iterable[tuple[str, torch.Tensor]], version: int | None,
-               rollout_dtype: torch.dtype | str | tuple | None, role: str = "actor"):
+def take_proof(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    version: int | None,
+    rollout_dtype: torch.dtype | str | tuple | None,
+    role: str = "actor",
+):
     """The rollout adapter, on every rank, as VeRL hands it the export right after the optimizer step:
     ``(stream to send, SyncProof)`` (:func:`trainer_proof` on the registered module: the probe scored now, the
     stream fingerprinted at ``rollout_dtype`` as it passes); ``(weights, None)`` when no module is registered in this

@@ -71,7 +71,9 @@ class _DefaultModelHere:
 
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithLMHead):
+class RlTpuFSDPEngineWithLMHead(
+    _JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithLMHead
+):
     """FSDP2 actor / reference engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank.
 
     One change to VeRL's engine: the LM head runs only at the positions whose next token is a response token,
@@ -119,27 +121,38 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
             from rl_tpu.sampler.compiled import compile_backend_for
 
             # the backend of the worker's platform (its parameters may be offloaded to the host)
-            self.compiled_blocks = CompiledBlocks(self.module, compile_backend_for(get_device_name()),
-                                                  say=lambda line: print(line, flush=True))
-            print(f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
-                  f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
-                  "(rl_tpu.compile_trainer)", flush=True)
+            self.compiled_blocks = CompiledBlocks(
+                self.module, compile_backend_for(get_device_name()), say=lambda line: print(line, flush=True)
+            )
+            print(
+                f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
+                f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
+                "(rl_tpu.compile_trainer)",
+                flush=True,
+            )
         inner = unwrap_fsdp(self.module)
-        if not self.engine_config.forward_only and callable(getattr(inner, "get_output_embeddings", None)) and \
-                inner.get_output_embeddings() is not None:  # the actor (a critic's value head is no LM head)
+        if (
+            not self.engine_config.forward_only
+            and callable(getattr(inner, "get_output_embeddings", None))
+            and inner.get_output_embeddings() is not None
+        ):  # the actor (a critic's value head is no LM head)
             from verl_backend.weight_sync.verify import register_trainer_module
 
             # every sync verified: this process's rollout adapter scores a probe on the actor's module
-            register_trainer_module(self.module, probe_context=self.compiled_blocks.eager
-                                    if self.compiled_blocks is not None else None)
+            register_trainer_module(
+                self.module, probe_context=self.compiled_blocks.eager if self.compiled_blocks is not None else None
+            )
         self.backward_trim = None
         if next(self.module.parameters()).device.type == "cpu":
             from verl_backend.host_memory.heap import BackwardHeapTrim, freeze_long_lived_objects
 
             if not self.engine_config.forward_only and self.rl_tpu.trim_backward:
                 self.backward_trim = BackwardHeapTrim(self.module)  # peak host memory of the update
-                print(f"[rl-tpu] actor backward: heap pages handed back after each of {self.backward_trim.blocks} "
-                      "blocks (rl_tpu.trim_backward=false turns it off)", flush=True)
+                print(
+                    f"[rl-tpu] actor backward: heap pages handed back after each of {self.backward_trim.blocks} "
+                    "blocks (rl_tpu.trim_backward=false turns it off)",
+                    flush=True,
+                )
             freeze_long_lived_objects()  # VeRL's empty_cache collects garbage several times a step
 
     def _shared_weights_blocker(self) -> str | None:
@@ -174,13 +187,11 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
 
             return lora_adapter_payload(self.module), None
         if self.shared_weights is None:
-            return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done,
-                                                **kwargs)
+            return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
         from torch.distributed.tensor import DTensor
         from verl.utils.model import convert_weight_keys
 
-        params = convert_weight_keys(self.module.state_dict(),
-                                     unwrap_fsdp(self.module))
+        params = convert_weight_keys(self.module.state_dict(), unwrap_fsdp(self.module))
         return ((n, p.to_local() if isinstance(p, DTensor) else p) for n, p in params.items()), None
 
     def _response_only_applies(self, micro_batch: TensorDict) -> bool:
@@ -197,8 +208,9 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
             inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
             forward = getattr(inner, "forward", None)
             try:
-                self._accepts_logits_to_keep = forward is not None and \
-                    "logits_to_keep" in inspect.signature(forward).parameters
+                self._accepts_logits_to_keep = (
+                    forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
+                )
             except (TypeError, ValueError):
                 self._accepts_logits_to_keep = False
         return self._accepts_logits_to_keep
@@ -209,8 +221,11 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
         if not hasattr(self, "_prefix_kinds"):
             kinds = attention_kinds(self.module)
             if isinstance(kinds, str):
-                print(f"[rl-tpu] shared-prefix forward off for this model ({kinds}): each sequence keeps its own "
-                      "copy of its prompt", flush=True)
+                print(
+                    f"[rl-tpu] shared-prefix forward off for this model ({kinds}): each sequence keeps its own "
+                    "copy of its prompt",
+                    flush=True,
+                )
                 kinds = None
             self._prefix_kinds = kinds
         return self._prefix_kinds
@@ -220,12 +235,14 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        if getattr(self, "compiled_blocks", None) is not None and \
-                not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+        if getattr(self, "compiled_blocks", None) is not None and not tu.get_non_tensor_data(
+            data=micro_batch, key="use_remove_padding", default=True
+        ):
             from rl_tpu.compiled_blocks import pad_to_bucket
 
             pad_to_bucket(  # static shapes: a graph per bucket, not per length
-                model_inputs, tu.get_non_tensor_data(data=micro_batch, key="pad_token_id", default=0))
+                model_inputs, tu.get_non_tensor_data(data=micro_batch, key="pad_token_id", default=0)
+            )
         if not (self._response_only_applies(micro_batch) and "input_ids" in model_inputs):
             return model_inputs, output_args
         if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
@@ -240,13 +257,17 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
                     row_inputs, row_keep = shared
                     if not getattr(self, "_reported_shared_prefix", False):
                         self._reported_shared_prefix = True
-                        print(f"[rl-tpu] shared-prefix forward: a micro batch of {micro_batch.batch_size[0]} "
-                              f"sequences packs to {row_inputs['input_ids'].shape[1]} tokens instead of "
-                              f"{model_inputs['input_ids'].shape[1]}", flush=True)
+                        print(
+                            f"[rl-tpu] shared-prefix forward: a micro batch of {micro_batch.batch_size[0]} "
+                            f"sequences packs to {row_inputs['input_ids'].shape[1]} tokens instead of "
+                            f"{model_inputs['input_ids'].shape[1]}",
+                            flush=True,
+                        )
                     mask = row_inputs.pop("attention_mask")
                     model_inputs.update({k: v.to(device) for k, v in row_inputs.items()})
-                    model_inputs["attention_mask"] = {k: m.to(device) for k, m in mask.items()} \
-                        if isinstance(mask, dict) else mask.to(device)
+                    model_inputs["attention_mask"] = (
+                        {k: m.to(device) for k, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
+                    )
                     model_inputs["logits_to_keep"] = row_keep.to(device)
                 else:
                     model_inputs["logits_to_keep"] = keep.to(device)
@@ -266,11 +287,17 @@ class RlTpuFSDPEngineWithLMHead(_JobSettingsHere, _DefaultModelHere, SingleRankP
         entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         entropy = "checkpointed" if entropy and self.engine_config.entropy_checkpointing else bool(entropy)
         if keep is not None:
-            return packed_response_log_probs(output.logits, output_args["input_ids_rmpad_rolled"],
-                                             output_args["temperature_rmpad"], keep, micro_batch["input_ids"].offsets(),
-                                             entropy=entropy)
-        return response_log_probs(output.logits, micro_batch["input_ids"], first, output_args["temperature"],
-                                  entropy=entropy)
+            return packed_response_log_probs(
+                output.logits,
+                output_args["input_ids_rmpad_rolled"],
+                output_args["temperature_rmpad"],
+                keep,
+                micro_batch["input_ids"].offsets(),
+                entropy=entropy,
+            )
+        return response_log_probs(
+            output.logits, micro_batch["input_ids"], first, output_args["temperature"], entropy=entropy
+        )
 
 
 def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
@@ -298,20 +325,22 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     from verl_backend.patches import fsdp2_internals as fsdp2
 
     by_param = fsdp2.fsdp_params(module)
-    named = convert_weight_keys(module.state_dict(keep_vars=True),
-                                unwrap_fsdp(module))
+    named = convert_weight_keys(module.state_dict(keep_vars=True), unwrap_fsdp(module))
     if not by_param:  # an unwrapped module (SingleRankPlainModule): each tensor's .data moves into the file
         return SharedWeights.from_named_tensors(named, name=name)
     groups: dict[int, tuple[list[str], object]] = {}
     for key, param in named.items():
         fp = by_param.get(id(param))
         if fp is None or not isinstance(param, DTensor):
-            raise SharedWeightsError(f"{key!r} is not an FSDP2 parameter: shared-memory weights need every tensor of "
-                                     "the actor's state_dict managed by fully_shard")
+            raise SharedWeightsError(
+                f"{key!r} is not an FSDP2 parameter: shared-memory weights need every tensor of "
+                "the actor's state_dict managed by fully_shard"
+            )
         if not fsdp2.is_whole(fp):
             whole, local = fsdp2.shapes(fp)
-            raise SharedWeightsError(f"{key!r} is sharded or padded ({whole} -> {local}): shared-memory weights "
-                                     "need one rank")
+            raise SharedWeightsError(
+                f"{key!r} is sharded or padded ({whole} -> {local}): shared-memory weights need one rank"
+            )
         groups.setdefault(id(fp), ([], fp))[0].append(key)
 
     def rebind_to(fp):
@@ -322,7 +351,7 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
 
 
 @EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device=DEVICES)
-class RlTpuFSDPEngineWithValueHead(_JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithValueHead):
+class RlTpuFSDPEngineWithValueHead(
+    _JobSettingsHere, _DefaultModelHere, SingleRankPlainModule, HFConfigDtypeOnSave, FSDPEngineWithValueHead
+):
     """FSDP2 critic engine on CPU (gloo) or TPU (TorchTPU); unwrapped on one CPU rank."""
-
-

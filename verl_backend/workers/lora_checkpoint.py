@@ -146,8 +146,9 @@ class HFConfigDtypeOnSave:
     (:func:`save_lora_checkpoint`)."""
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
-                                max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+        super().save_checkpoint(
+            local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep, **kwargs
+        )
         if engine_state(self).lora and local_path is not None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             save_lora_checkpoint(self.module, local_path, rank=rank)

@@ -41,8 +41,11 @@ def _on_sigterm(signum, frame) -> None:
     if _REQUESTED.is_set():
         raise Terminated()  # a second SIGTERM: now
     _REQUESTED.set()
-    print("[rl-tpu] SIGTERM: finishing the step in flight, then a checkpoint of it and exit (SIGTERM again: exit "
-          "now)", file=sys.stderr, flush=True)
+    print(
+        "[rl-tpu] SIGTERM: finishing the step in flight, then a checkpoint of it and exit (SIGTERM again: exit now)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def install() -> None:

@@ -48,9 +48,14 @@ def response_logit_indices(micro_batch: TensorDict) -> torch.Tensor | None:
     return torch.repeat_interleave(starts, response_lens) + within
 
 
-def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor, temperature: torch.Tensor,
-                              keep: torch.Tensor, offsets: torch.Tensor,
-                              entropy: bool | str = False) -> dict[str, torch.Tensor]:
+def packed_response_log_probs(
+    logits: torch.Tensor,
+    labels_rolled: torch.Tensor,
+    temperature: torch.Tensor,
+    keep: torch.Tensor,
+    offsets: torch.Tensor,
+    entropy: bool | str = False,
+) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and entropy) as VeRL's remove-padding path returns them, from logits kept at ``keep``.
 
     Args:
@@ -93,8 +98,9 @@ def packed_response_log_probs(logits: torch.Tensor, labels_rolled: torch.Tensor,
     return out
 
 
-def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, first: int, temperature: torch.Tensor,
-                       entropy: bool | str = False) -> dict[str, torch.Tensor]:
+def response_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, first: int, temperature: torch.Tensor, entropy: bool | str = False
+) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and entropy) as VeRL's engine returns them, from logits kept at positions ``first..``.
 
     Args:
@@ -121,7 +127,7 @@ def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, first: int
     seq_len = first + kept
     offsets = input_ids.offsets()
     ids = torch.nested.to_padded_tensor(input_ids, padding=0, output_size=(batch, seq_len + 1))
-    labels = ids[:, first + 1: first + 1 + kept]
+    labels = ids[:, first + 1 : first + 1 + kept]
     temperature = temperature.reshape(batch, 1, 1).clamp(min=1e-8).to(logits.dtype)
     if not bool((temperature == 1).all()):
         logits = logits / temperature
@@ -137,4 +143,3 @@ def response_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, first: int
     elif entropy:
         out["entropy"] = pack(entropy_from_logits(logits))
     return out
-

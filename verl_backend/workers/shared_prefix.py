@@ -113,8 +113,9 @@ def no_padding_layout(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tens
     return prompt_lens, response_lens, offsets
 
 
-def shared_prefix_inputs(micro_batch: TensorDict, kinds: AttentionKinds,
-                         dtype: torch.dtype = torch.float32) -> tuple[dict, torch.Tensor] | None:
+def shared_prefix_inputs(
+    micro_batch: TensorDict, kinds: AttentionKinds, dtype: torch.dtype = torch.float32
+) -> tuple[dict, torch.Tensor] | None:
     """Model inputs for a packed row that holds each distinct prompt once (GRPO's ``n`` samples share it).
 
     Sequences of the micro batch with the same prompt tokens become one segment: the prompt, then each of their
@@ -164,7 +165,12 @@ def shared_prefix_inputs(micro_batch: TensorDict, kinds: AttentionKinds,
     for g, seqs in enumerate(groups.values()):
         prompt = prompts[seqs[0]]
         p = prompt.numel()
-        ids.append(prompt), pos.append(torch.arange(p)), group.append(torch.full((p,), g)), member.append(torch.zeros(p))
+        (
+            ids.append(prompt),
+            pos.append(torch.arange(p)),
+            group.append(torch.full((p,), g)),
+            member.append(torch.zeros(p)),
+        )
         start = cursor + p
         for j, i in enumerate(seqs):
             r = responses[i].numel()
@@ -176,8 +182,11 @@ def shared_prefix_inputs(micro_batch: TensorDict, kinds: AttentionKinds,
         cursor = start
     group_t, member_t, pos_t = torch.cat(group), torch.cat(member), torch.cat(pos)
     idx = torch.arange(cursor)
-    mask = (idx[:, None] >= idx[None, :]) & (group_t[:, None] == group_t[None, :]) & \
-        ((member_t[None, :] == 0) | (member_t[:, None] == member_t[None, :]))  # (T, T) True = attend
+    mask = (
+        (idx[:, None] >= idx[None, :])
+        & (group_t[:, None] == group_t[None, :])
+        & ((member_t[None, :] == 0) | (member_t[:, None] == member_t[None, :]))
+    )  # (T, T) True = attend
 
     def finish(m: torch.Tensor) -> torch.Tensor:  # (T, T) bool -> (1, 1, T, T) as the implementation takes it
         if kinds.additive:
@@ -189,6 +198,9 @@ def shared_prefix_inputs(micro_batch: TensorDict, kinds: AttentionKinds,
         windowed = mask if window is None else mask & (pos_t[:, None] - pos_t[None, :] < window)
         masks[kind] = finish(windowed)
     keep = torch.cat([keep_of[i] for i in range(len(prompts))])
-    inputs = {"input_ids": torch.cat(ids).to(torch.long).unsqueeze(0), "position_ids": pos_t.unsqueeze(0),
-              "attention_mask": next(iter(masks.values())) if len(masks) == 1 else masks}
+    inputs = {
+        "input_ids": torch.cat(ids).to(torch.long).unsqueeze(0),
+        "position_ids": pos_t.unsqueeze(0),
+        "attention_mask": next(iter(masks.values())) if len(masks) == 1 else masks,
+    }
     return inputs, keep

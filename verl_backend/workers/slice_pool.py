@@ -76,32 +76,46 @@ class RolloutSlice:
 
         if self.placement is None:
             self.placement = reserve_slice_workers(
-                self.spec.accelerator_type, self.spec.topology, chips_per_worker=1, cpus_per_worker=CPUS_PER_WORKER,
-                name="rollout_pool_rl_tpu_slice", timeout_s=self.timeout_s)
-            print(f"[rl-tpu] rollout slice {self.spec.accelerator_type} "
-                  f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu for the standalone "
-                  f"rollout replicas, {self.spec.chips} chips, host of each: {self.placement.bundle_hosts()}",
-                  flush=True)
+                self.spec.accelerator_type,
+                self.spec.topology,
+                chips_per_worker=1,
+                cpus_per_worker=CPUS_PER_WORKER,
+                name="rollout_pool_rl_tpu_slice",
+                timeout_s=self.timeout_s,
+            )
+            print(
+                f"[rl-tpu] rollout slice {self.spec.accelerator_type} "
+                f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu for the standalone "
+                f"rollout replicas, {self.spec.chips} chips, host of each: {self.placement.bundle_hosts()}",
+                flush=True,
+            )
         size = sum(nodes)
         if name not in self.blocks:
             if self.next_bundle + size > self.spec.chips:
                 raise ClusterError(
                     f"rollout replica pool {name} needs {size} chips past the {self.next_bundle} of "
                     f"{self.spec.chips} already given out on rollout slice {self.spec.accelerator_type}; make "
-                    f"actor_rollout_ref.rollout.tensor_model_parallel_size divide {self.spec.chips}")
+                    f"actor_rollout_ref.rollout.tensor_model_parallel_size divide {self.spec.chips}"
+                )
             self.blocks[name] = self.next_bundle
             self.next_bundle += size
-        return SubRayResourcePool(placement_groups=[self.placement.placement_group],
-                                  start_bundle_index=self.blocks[name], subgroup_world_size=size,
-                                  process_on_nodes=[self.spec.chips], use_gpu=True, name_prefix=name,
-                                  max_colocate_count=max_colocate_count)
+        return SubRayResourcePool(
+            placement_groups=[self.placement.placement_group],
+            start_bundle_index=self.blocks[name],
+            subgroup_world_size=size,
+            process_on_nodes=[self.spec.chips],
+            use_gpu=True,
+            name_prefix=name,
+            max_colocate_count=max_colocate_count,
+        )
 
 
 _ROLLOUT_SLICE: list[RolloutSlice] = []  # this process's (the TaskRunner's) reservation, made on first use
 
 
-def rollout_slice_pool(name: str, nodes: list[int], max_colocate_count: int, timeout_s: float,
-                       spec: SliceTopology | None):
+def rollout_slice_pool(
+    name: str, nodes: list[int], max_colocate_count: int, timeout_s: float, spec: SliceTopology | None
+):
     """The pool of standalone rollout replica ``name`` on the job's rollout slice ``spec`` (``rl_tpu.rollout_slice``,
     :func:`slice_of`), or ``None`` when the job has no rollout slice (``spec`` is ``None``) or ``name`` is not a
     standalone rollout pool (:class:`RolloutSlice`; ``timeout_s``: seconds to wait for its reservation)."""
@@ -122,8 +136,9 @@ class SliceResourcePool(RayResourcePool):
     """
 
     def __init__(self, spec: SliceTopology, *, name_prefix: str, max_colocate_count: int, timeout_s: float = 600.0):
-        super().__init__(process_on_nodes=[spec.chips], use_gpu=True, name_prefix=name_prefix,
-                         max_colocate_count=max_colocate_count)
+        super().__init__(
+            process_on_nodes=[spec.chips], use_gpu=True, name_prefix=name_prefix, max_colocate_count=max_colocate_count
+        )
         self.spec = spec
         self.timeout_s = timeout_s
         self.placement = None
@@ -138,13 +153,20 @@ class SliceResourcePool(RayResourcePool):
             from ray_cluster.placement import reserve_slice_workers
 
             self.placement = reserve_slice_workers(
-                self.spec.accelerator_type, self.spec.topology, chips_per_worker=1,
-                cpus_per_worker=CPUS_PER_WORKER, name=name or f"{self.name_prefix}rl_tpu_slice",
-                timeout_s=self.timeout_s)
+                self.spec.accelerator_type,
+                self.spec.topology,
+                chips_per_worker=1,
+                cpus_per_worker=CPUS_PER_WORKER,
+                name=name or f"{self.name_prefix}rl_tpu_slice",
+                timeout_s=self.timeout_s,
+            )
             self.pgs = [self.placement.placement_group]
-            print(f"[rl-tpu] resource pool {self.name_prefix}: slice {self.spec.accelerator_type} "
-                  f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu, "
-                  f"{self.spec.chips} workers, host of each: {self.placement.bundle_hosts()}", flush=True)
+            print(
+                f"[rl-tpu] resource pool {self.name_prefix}: slice {self.spec.accelerator_type} "
+                f"({self.placement.slice_name or 'single host'}) reserved with ray.util.tpu, "
+                f"{self.spec.chips} workers, host of each: {self.placement.bundle_hosts()}",
+                flush=True,
+            )
         return self.pgs
 
 
@@ -174,4 +196,5 @@ def place_pools_on_slices(manager) -> None:
             manager.resource_pool_dict[pool_name] = on_rollout_slice
         elif list(nodes) == [spec.chips_per_host] * spec.hosts:
             manager.resource_pool_dict[pool_name] = SliceResourcePool(
-                spec, name_prefix=pool_name, max_colocate_count=manager.max_colocate_count, timeout_s=timeout_s)
+                spec, name_prefix=pool_name, max_colocate_count=manager.max_colocate_count, timeout_s=timeout_s
+            )

@@ -19,7 +19,9 @@ from verl_backend.data import (
 from verl_backend.data.rewards import guarded_score
 from verl_backend.errors import BadInputError
 
-GSM8K = Path(__file__).resolve().parents[2] / "data" / "gsm8k" / "train_200.jsonl"  # real sample (MIT, LICENSE beside it)
+GSM8K = (
+    Path(__file__).resolve().parents[2] / "data" / "gsm8k" / "train_200.jsonl"
+)  # real sample (MIT, LICENSE beside it)
 
 
 def test_reasoning_gym_rows_have_verl_columns_and_score_with_reasoning_gym(tmp_path):
@@ -38,7 +40,9 @@ def test_reasoning_gym_rows_have_verl_columns_and_score_with_reasoning_gym(tmp_p
         assert truth == str(ds[i]["answer"])
         assert compute_score(row.data_source, f"<answer>{truth}</answer>", truth, row.extra_info)["score"] == 1.0
         wrong = str(int(truth) + 1)
-        assert compute_score(row.data_source, f"<answer>{wrong}</answer>", truth, row.extra_info)["score"] == ds.score_answer(wrong, ds[i])
+        assert compute_score(row.data_source, f"<answer>{wrong}</answer>", truth, row.extra_info)[
+            "score"
+        ] == ds.score_answer(wrong, ds[i])
 
 
 def test_unknown_reasoning_gym_task_is_one_clear_error(tmp_path):
@@ -95,10 +99,20 @@ def test_validate_reports_missing_column_and_bad_row(tmp_path):
     with pytest.raises(BadInputError, match=r"missing column\(s\) \['ability', 'reward_model', 'extra_info'\]"):
         validate_rl_parquet(p)
     rows = [
-        {"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "ability": "a",
-         "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": 0}},
-        {"data_source": "x", "prompt": [], "ability": "a",
-         "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": 1}},
+        {
+            "data_source": "x",
+            "prompt": [{"role": "user", "content": "hi"}],
+            "ability": "a",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"index": 0},
+        },
+        {
+            "data_source": "x",
+            "prompt": [],
+            "ability": "a",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"index": 1},
+        },
     ]
     pd.DataFrame(rows).to_parquet(p)
     with pytest.raises(BadInputError, match="row 1: 'prompt'"):
@@ -113,21 +127,29 @@ def test_extract_final_answer_prefers_tags_then_last_number():
 
 
 def _addition_row(tmp_path):
-    path = reasoning_gym_to_parquet("basic_arithmetic", tmp_path / "a.parquet", size=4, seed=5,
-                                    task_config={"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"]})
+    path = reasoning_gym_to_parquet(
+        "basic_arithmetic",
+        tmp_path / "a.parquet",
+        size=4,
+        seed=5,
+        task_config={"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"]},
+    )
     row = next(pd.read_parquet(path).itertuples())
     return row.data_source, row.reward_model["ground_truth"], row.extra_info
 
 
-@pytest.mark.parametrize("response, score, acc, strict", [
-    ("{t}", 0.5, 1.0, 0.0),                                       # a bare right number: half the reward, lenient only
-    ("so <answer>{t}</answer>", 1.0, 1.0, 1.0),                    # tagged and right: full reward, strict too
-    ("<answer>{w}</answer>", 0.0, 0.0, 0.0),                       # tagged, wrong number
-    ("<answer>{w}</answer> no, <answer>{t}</answer>", 1.0, 1.0, 1.0),  # two tagged answers: the last counts
-    ("<answer>{t}</answer> no, <answer>{w}</answer>", 0.0, 0.0, 0.0),
-    ("{t} is it, <answer>{w}</answer>", 0.0, 0.0, 0.0),            # the tags win over a bare right number
-    ("I do not know", 0.0, 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, score, acc, strict",
+    [
+        ("{t}", 0.5, 1.0, 0.0),  # a bare right number: half the reward, lenient only
+        ("so <answer>{t}</answer>", 1.0, 1.0, 1.0),  # tagged and right: full reward, strict too
+        ("<answer>{w}</answer>", 0.0, 0.0, 0.0),  # tagged, wrong number
+        ("<answer>{w}</answer> no, <answer>{t}</answer>", 1.0, 1.0, 1.0),  # two tagged answers: the last counts
+        ("<answer>{t}</answer> no, <answer>{w}</answer>", 0.0, 0.0, 0.0),
+        ("{t} is it, <answer>{w}</answer>", 0.0, 0.0, 0.0),  # the tags win over a bare right number
+        ("I do not know", 0.0, 0.0, 0.0),
+    ],
+)
 def test_the_reward_asks_for_the_tags_and_accuracy_stays_apart(tmp_path, response, score, acc, strict):
     source, truth, info = _addition_row(tmp_path)
     wrong = str(int(truth) + 10)
@@ -154,8 +176,10 @@ def test_unknown_data_source_is_refused():
 
 def test_guarded_score_turns_raising_and_nan_rewards_into_one_line(tmp_path):
     mod = tmp_path / "my_reward.py"
-    mod.write_text("def bad(*a, **k):\n    raise KeyError('boom')\n\ndef nan(*a, **k):\n    return float('nan')\n"
-                   "def ok(*a, **k):\n    return 0.5\n")
+    mod.write_text(
+        "def bad(*a, **k):\n    raise KeyError('boom')\n\ndef nan(*a, **k):\n    return float('nan')\n"
+        "def ok(*a, **k):\n    return 0.5\n"
+    )
     with pytest.raises(BadInputError, match=r"my_reward.py:bad raised KeyError.*row 4"):
         guarded_score("openai/gsm8k", "1", "1", {"index": 4}, user_fn_path=str(mod), user_fn_name="bad")
     with pytest.raises(BadInputError, match="returned nan"):
@@ -183,9 +207,12 @@ def test_verls_old_top_level_reward_key_is_guarded_too():
 
     assert guard_user_reward(["custom_reward_function.path=/r.py", "custom_reward_function.name=f", "a.b=1"]) == [
         "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py",
-        "+reward.custom_reward_function.reward_kwargs.user_fn_name=f", "a.b=1"]
+        "+reward.custom_reward_function.reward_kwargs.user_fn_name=f",
+        "a.b=1",
+    ]
     assert guard_user_reward(["reward.custom_reward_function.path=/r.py"]) == [
-        "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py"]
+        "+reward.custom_reward_function.reward_kwargs.user_fn_path=/r.py"
+    ]
 
 
 def test_report_reads_metrics_past_a_line_cut_by_a_kill(tmp_path, capsys):

@@ -18,17 +18,41 @@ import pytest
 from verl_backend.driver.aot import run as aot_run
 from verl_backend.driver.aot.graphs import GraphRequest, job_graphs
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0)
-REQUESTS = [GraphRequest("block", 2, 16), GraphRequest("lm_head", 2, 16), GraphRequest("prefill", 2, 16, 48),
-            GraphRequest("decode", 2, 1, 48), GraphRequest("block_forward", 2, 16),
-            GraphRequest("lm_head_forward", 2, 16), GraphRequest("value_head", 2, 16),
-            GraphRequest("value_head_forward", 2, 16)]
-KINDS = {"trainer.block[2x16].fwd", "trainer.block[2x16].bwd", "trainer.lm_head[2x16].fwd",
-         "trainer.lm_head[2x16].bwd", "sampler.prefill[2x16|cache 48]", "sampler.decode[2x1|cache 48]",
-         # the no-grad log-prob forward (old policy, reference policy) and the critic's value head
-         "trainer.block_forward[2x16]", "trainer.lm_head_forward[2x16]", "critic.value_head[2x16].fwd",
-         "critic.value_head[2x16].bwd", "critic.value_head_forward[2x16]"}
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+)
+REQUESTS = [
+    GraphRequest("block", 2, 16),
+    GraphRequest("lm_head", 2, 16),
+    GraphRequest("prefill", 2, 16, 48),
+    GraphRequest("decode", 2, 1, 48),
+    GraphRequest("block_forward", 2, 16),
+    GraphRequest("lm_head_forward", 2, 16),
+    GraphRequest("value_head", 2, 16),
+    GraphRequest("value_head_forward", 2, 16),
+]
+KINDS = {
+    "trainer.block[2x16].fwd",
+    "trainer.block[2x16].bwd",
+    "trainer.lm_head[2x16].fwd",
+    "trainer.lm_head[2x16].bwd",
+    "sampler.prefill[2x16|cache 48]",
+    "sampler.decode[2x1|cache 48]",
+    # the no-grad log-prob forward (old policy, reference policy) and the critic's value head
+    "trainer.block_forward[2x16]",
+    "trainer.lm_head_forward[2x16]",
+    "critic.value_head[2x16].fwd",
+    "critic.value_head[2x16].bwd",
+    "critic.value_head_forward[2x16]",
+}
 
 
 def _aot_python():
@@ -42,21 +66,55 @@ def _aot_python():
 def aot(tmp_path_factory):
     python = _aot_python()
     graphs = [dataclasses.asdict(r) for r in REQUESTS]
-    jobs = [{"label": "qwen3", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "sdpa",
-             "graphs": graphs},
-            # negative control: attention dropout in training mode draws random numbers, which need the TPU's
-            # generator (no chip): the block's forward must fail in one line naming the op
-            {"label": "dropout", "config": {**TINY, "attention_dropout": 0.5}, "model_type": "qwen3",
-             "dtype": "float32", "attention": "eager", "train_mode": True, "graphs": graphs[:1]},
-            # numerics: every graph kind again with math attention (no Mosaic) and real random weights, run on
-            # XLA:CPU against torch eager; the control lowers a prefill traced with a wrong rsqrt decomposition
-            {"label": "numerics", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "eager",
-             "numerics": {}, "graphs": graphs},
-            {"label": "wrong", "config": TINY, "model_type": "qwen3", "dtype": "float32", "attention": "eager",
-             "numerics": {"wrong": "rsqrt"}, "graphs": graphs[2:3]}]
-    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "v5e:2x2", "v7x:2x2x1", "cpu"],
-                                     tmp_path_factory.mktemp("aot"), python=python, lower_timeout_s=600,
-                                     compile_timeout_s=300)
+    jobs = [
+        {
+            "label": "qwen3",
+            "config": TINY,
+            "model_type": "qwen3",
+            "dtype": "float32",
+            "attention": "sdpa",
+            "graphs": graphs,
+        },
+        # negative control: attention dropout in training mode draws random numbers, which need the TPU's
+        # generator (no chip): the block's forward must fail in one line naming the op
+        {
+            "label": "dropout",
+            "config": {**TINY, "attention_dropout": 0.5},
+            "model_type": "qwen3",
+            "dtype": "float32",
+            "attention": "eager",
+            "train_mode": True,
+            "graphs": graphs[:1],
+        },
+        # numerics: every graph kind again with math attention (no Mosaic) and real random weights, run on
+        # XLA:CPU against torch eager; the control lowers a prefill traced with a wrong rsqrt decomposition
+        {
+            "label": "numerics",
+            "config": TINY,
+            "model_type": "qwen3",
+            "dtype": "float32",
+            "attention": "eager",
+            "numerics": {},
+            "graphs": graphs,
+        },
+        {
+            "label": "wrong",
+            "config": TINY,
+            "model_type": "qwen3",
+            "dtype": "float32",
+            "attention": "eager",
+            "numerics": {"wrong": "rsqrt"},
+            "graphs": graphs[2:3],
+        },
+    ]
+    return aot_run.lower_and_compile(
+        jobs,
+        ["v6e:2x2", "v5e:2x2", "v7x:2x2x1", "cpu"],
+        tmp_path_factory.mktemp("aot"),
+        python=python,
+        lower_timeout_s=600,
+        compile_timeout_s=300,
+    )
 
 
 def test_every_graph_kind_lowers_and_compiles_for_v5e_and_v6e(aot):
@@ -82,9 +140,14 @@ def test_every_graph_kind_lowers_and_compiles_for_v5e_and_v6e(aot):
         assert 0.8 < nograd["flops"] / fwd["flops"] < 1.25
         # the critic's head is one output a token: far less work than the LM head's 256-way one
         assert rows["critic.value_head[2x16].fwd"]["flops"] < rows["trainer.lm_head[2x16].fwd"]["flops"] / 20
-    assert {g["device_kind"] for g in (aot.compiled["v6e:2x2"], aot.compiled["v5e:2x2"])} == {"TPU v6 lite",
-                                                                                            "TPU v5 lite"}
-    ours = {**aot.compiled["v6e:2x2"], "graphs": [g for g in aot.compiled["v6e:2x2"]["graphs"] if g["label"] == "qwen3"]}
+    assert {g["device_kind"] for g in (aot.compiled["v6e:2x2"], aot.compiled["v5e:2x2"])} == {
+        "TPU v6 lite",
+        "TPU v5 lite",
+    }
+    ours = {
+        **aot.compiled["v6e:2x2"],
+        "graphs": [g for g in aot.compiled["v6e:2x2"]["graphs"] if g["label"] == "qwen3"],
+    }
     table = aot_run.table(ours, "v6e")
     assert len(table.splitlines()) == 2 + len(KINDS)  # header, rule, a row per graph
 
@@ -147,8 +210,13 @@ def test_torch_tpu_is_not_loaded_by_import_torch_in_the_cpu_interpreter():
     here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert here.stdout.strip() == "False", here.stderr[-500:]
     if python != sys.executable:  # negative control: where torch-tpu is installed, import torch loads it
-        there = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=180,
-                               env={**aot_run._env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+        there = subprocess.run(
+            [python, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**aot_run._env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"},
+        )
         assert there.stdout.strip() == "True", there.stderr[-500:]
         assert find_spec("torch_tpu") is None  # kept out of this (the README's) environment
 
@@ -171,9 +239,11 @@ def test_a_lowering_subprocess_dies_with_verl(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    parent = ("import os, sys; from pathlib import Path; from verl_backend.driver.aot.run import _run; "
-              f"_run([sys.executable, '-c', {child!r}], 'a child', 300, Path({str(tmp_path / 'log')!r}), "
-              "dict(os.environ))")
+    parent = (
+        "import os, sys; from pathlib import Path; from verl_backend.driver.aot.run import _run; "
+        f"_run([sys.executable, '-c', {child!r}], 'a child', 300, Path({str(tmp_path / 'log')!r}), "
+        "dict(os.environ))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", parent])
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
@@ -201,9 +271,10 @@ def test_slice_names_map_to_libtpu_topologies():
 
 
 def test_job_graphs_follow_the_config():
-    config = {"data": {"max_prompt_length": 100, "max_response_length": 200, "train_batch_size": 8},
-              "actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 2},
-                                    "rollout": {"n": 4, "max_num_seqs": 64}}}
+    config = {
+        "data": {"max_prompt_length": 100, "max_response_length": 200, "train_batch_size": 8},
+        "actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 2}, "rollout": {"n": 4, "max_num_seqs": 64}},
+    }
     graphs = job_graphs(config, workers=4)
     assert graphs[0] == GraphRequest("block", 2, 512) and graphs[1] == GraphRequest("lm_head", 2, 512)
     # the old policy's log-probs are recomputed (no bypass), at the update's micro batch when none is set
@@ -217,13 +288,20 @@ def test_job_graphs_follow_the_config():
     config["actor_rollout_ref"]["actor"]["use_kl_loss"] = True
     config["actor_rollout_ref"]["ref"] = {"log_prob_micro_batch_size_per_gpu": 4}
     assert [g for g in job_graphs(config, 4) if g.kind.endswith("_forward")] == [
-        GraphRequest("block_forward", 4, 512), GraphRequest("lm_head_forward", 4, 512)]
+        GraphRequest("block_forward", 4, 512),
+        GraphRequest("lm_head_forward", 4, 512),
+    ]
     config["algorithm"]["adv_estimator"] = "gae"
     config["critic"] = {"ppo_micro_batch_size_per_gpu": 2, "forward_micro_batch_size_per_gpu": 4}
     critic = [g for g in job_graphs(config, 4) if g.kind not in ("prefill", "decode")]
-    assert critic == [GraphRequest("block", 2, 512), GraphRequest("lm_head", 2, 512),
-                      GraphRequest("block_forward", 4, 512), GraphRequest("lm_head_forward", 4, 512),
-                      GraphRequest("value_head", 2, 512), GraphRequest("value_head_forward", 4, 512)]
+    assert critic == [
+        GraphRequest("block", 2, 512),
+        GraphRequest("lm_head", 2, 512),
+        GraphRequest("block_forward", 4, 512),
+        GraphRequest("lm_head_forward", 4, 512),
+        GraphRequest("value_head", 2, 512),
+        GraphRequest("value_head_forward", 4, 512),
+    ]
     assert critic[4].name == "critic.value_head[2x512]"
     config["critic"]["enable"] = False  # the control: no critic, no value head
     assert not [g for g in job_graphs(config, 4) if g.kind.startswith("value_head")]
@@ -233,8 +311,10 @@ def test_patch_record_pins_torch_tpu():
     from verl_backend.patches.torch_tpu_aot import PATCH
 
     assert PATCH.supports("0.2.0") and not PATCH.supports("0.2.1")
-    assert PATCH.refusal("0.3.0") == ("torch-tpu 0.3.0 is outside the tested range ==0.2.0 of rl-tpu's patch "
-                                      "torch_tpu._internal.export.export.fx_to_mlir; install torch-tpu==0.2.0")
+    assert PATCH.refusal("0.3.0") == (
+        "torch-tpu 0.3.0 is outside the tested range ==0.2.0 of rl-tpu's patch "
+        "torch_tpu._internal.export.export.fx_to_mlir; install torch-tpu==0.2.0"
+    )
 
 
 def test_numerics_every_graph_kind_matches_torch_eager_on_xla_cpu(aot):
@@ -254,12 +334,27 @@ def test_numerics_every_graph_kind_matches_torch_eager_on_xla_cpu(aot):
 #: families beyond tests/families.py that the TPU path must take too: a dense-first mixture of experts (two kinds of
 #: block), Mixtral and Qwen2-MoE (shared expert), SmolLM3 (blocks without RoPE)
 EXTRA_FAMILIES = {
-    "qwen3_moe_dense_first": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                            "moe_intermediate_size": 32, "mlp_only_layers": [0],
-                                            "num_hidden_layers": 3}),
+    "qwen3_moe_dense_first": (
+        "qwen3_moe",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [0],
+            "num_hidden_layers": 3,
+        },
+    ),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                "shared_expert_intermediate_size": 64}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
     "smollm3": ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
@@ -279,8 +374,10 @@ def family_configs() -> dict[str, tuple[str, dict]]:
 
     out = {}
     for family, (config_class, _, extra) in FAMILIES.items():
-        out[family] = (getattr(transformers, config_class).model_type,
-                       {**{k: v for k, v in TINY.items() if k != "head_dim"}, **extra})
+        out[family] = (
+            getattr(transformers, config_class).model_type,
+            {**{k: v for k, v in TINY.items() if k != "head_dim"}, **extra},
+        )
     for family, (model_type, extra) in EXTRA_FAMILIES.items():
         if family in CI_EXTRA_FAMILIES or os.environ.get("RL_TPU_AOT_ALL_FAMILIES") == "1":
             out[family] = (model_type, {**{k: v for k, v in TINY.items() if k != "head_dim"}, **extra})
@@ -294,13 +391,36 @@ def families(tmp_path_factory):
     numerics = compiled  # a prefill runs the decode step's code at more tokens: test_aot_blocks.py runs one
     jobs = []
     for family, (model_type, config) in family_configs().items():
-        jobs.append({"label": family, "config": config, "model_type": model_type, "dtype": "bfloat16",
-                     "attention": "sdpa", "graphs": compiled})
-        jobs.append({"label": f"{family}/numerics", "config": config, "model_type": model_type, "dtype": "float32",
-                     "attention": "eager", "numerics": {}, "graphs": numerics})
+        jobs.append(
+            {
+                "label": family,
+                "config": config,
+                "model_type": model_type,
+                "dtype": "bfloat16",
+                "attention": "sdpa",
+                "graphs": compiled,
+            }
+        )
+        jobs.append(
+            {
+                "label": f"{family}/numerics",
+                "config": config,
+                "model_type": model_type,
+                "dtype": "float32",
+                "attention": "eager",
+                "numerics": {},
+                "graphs": numerics,
+            }
+        )
     # v6e only here (v5e compiles the same graphs in the other fixtures; docs/tpu.md's table has both): CI time
-    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "cpu"], tmp_path_factory.mktemp("families"),
-                                     python=python, lower_timeout_s=1800, compile_timeout_s=1200)
+    return aot_run.lower_and_compile(
+        jobs,
+        ["v6e:2x2", "cpu"],
+        tmp_path_factory.mktemp("families"),
+        python=python,
+        lower_timeout_s=1800,
+        compile_timeout_s=1200,
+    )
 
 
 @pytest.mark.slow
@@ -326,31 +446,54 @@ def test_every_family_compiles_for_v6e_and_runs_on_xla_cpu_equal_to_eager(famili
         for g in checked:
             assert g["ok"] and g["max_abs_diff"] <= RTOL * g["max_abs_ref"], (family, g)
     # two kinds of block where the model has them
-    kinds = {f: {r["block"] for r in families.lowered if r["label"] == f and r["kind"] == "block"}
-             for f in ("gemma3", "qwen2_sliding", "qwen3_moe_dense_first", "smollm3", "llama")}
-    assert kinds == {"gemma3": {"sliding", "full"}, "qwen2_sliding": {"full", "sliding"},
-                     "qwen3_moe_dense_first": {"dense", "moe"}, "smollm3": {"rope", "norope"}, "llama": {""}}
+    kinds = {
+        f: {r["block"] for r in families.lowered if r["label"] == f and r["kind"] == "block"}
+        for f in ("gemma3", "qwen2_sliding", "qwen3_moe_dense_first", "smollm3", "llama")
+    }
+    assert kinds == {
+        "gemma3": {"sliding", "full"},
+        "qwen2_sliding": {"full", "sliding"},
+        "qwen3_moe_dense_first": {"dense", "moe"},
+        "smollm3": {"rope", "norope"},
+        "llama": {""},
+    }
 
 
 # One CHLO op a module, as TorchTPU 0.2.0 writes them (from Qwen3-MoE's lowered block forward): which of the ops in
 # Qwen3-MoE's failing graphs libtpu's plugin refuses. main's argument is tensor<4x8xf32> or, for the scan,
 # tensor<4xi32>.
 _CHLO_MODULES = {
-    "chlo.scan": ("tensor<4xi32>", "tensor<4xi32>", """%c = stablehlo.constant dense<0> : tensor<i32>
+    "chlo.scan": (
+        "tensor<4xi32>",
+        "tensor<4xi32>",
+        """%c = stablehlo.constant dense<0> : tensor<i32>
     %0:2 = chlo.scan(%arg0) inits (%c) dimension=0  attributes {is_associative = true, is_reverse = false, scan_dim_size = 4 : i64} {
     ^bb0(%input: tensor<i32>, %carry: tensor<i32>):
       %1 = stablehlo.add %input, %carry : tensor<i32>
       stablehlo.return %1, %1 : tensor<i32>, tensor<i32>
     } : (tensor<4xi32>, tensor<i32>) -> (tensor<4xi32>, tensor<i32>)
-    return %0#0 : tensor<4xi32>"""),
-    "chlo.top_k": ("tensor<4x8xf32>", "tensor<4x2xf32>", """%0:2 = chlo.top_k(%arg0, k = 2, is_stable = false) : tensor<4x8xf32> -> (tensor<4x2xf32>, tensor<4x2xi32>)
-    return %0#0 : tensor<4x2xf32>"""),
-    "chlo.is_neg_inf": ("tensor<4x8xf32>", "tensor<4x8xi1>", """%0 = chlo.is_neg_inf %arg0 : tensor<4x8xf32> -> tensor<4x8xi1>
-    return %0 : tensor<4x8xi1>"""),
-    "chlo.ragged_dot": ("tensor<4x8xf32>", "tensor<4x8xf32>", """%w = stablehlo.constant dense<1.0> : tensor<2x8x8xf32>
+    return %0#0 : tensor<4xi32>""",
+    ),
+    "chlo.top_k": (
+        "tensor<4x8xf32>",
+        "tensor<4x2xf32>",
+        """%0:2 = chlo.top_k(%arg0, k = 2, is_stable = false) : tensor<4x8xf32> -> (tensor<4x2xf32>, tensor<4x2xi32>)
+    return %0#0 : tensor<4x2xf32>""",
+    ),
+    "chlo.is_neg_inf": (
+        "tensor<4x8xf32>",
+        "tensor<4x8xi1>",
+        """%0 = chlo.is_neg_inf %arg0 : tensor<4x8xf32> -> tensor<4x8xi1>
+    return %0 : tensor<4x8xi1>""",
+    ),
+    "chlo.ragged_dot": (
+        "tensor<4x8xf32>",
+        "tensor<4x8xf32>",
+        """%w = stablehlo.constant dense<1.0> : tensor<2x8x8xf32>
     %g = stablehlo.constant dense<2> : tensor<2xi32>
     %0 = "chlo.ragged_dot"(%arg0, %w, %g) <{precision_config = [#chlo<precision DEFAULT>, #chlo<precision DEFAULT>], ragged_dot_dimension_numbers = #chlo.ragged_dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [1], lhs_ragged_dimensions = [0], rhs_group_dimensions = [0]>}> : (tensor<4x8xf32>, tensor<2x8x8xf32>, tensor<2xi32>) -> tensor<4x8xf32>
-    return %0 : tensor<4x8xf32>"""),
+    return %0 : tensor<4x8xf32>""",
+    ),
 }
 
 
@@ -367,8 +510,13 @@ def test_which_chlo_op_libtpu_refuses(tmp_path):
     (tmp_path / "lowered.json").write_text(json.dumps(records))
     out = tmp_path / "compiled.json"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1"}
-    proc = subprocess.run([python, "-m", "verl_backend.driver.aot.compile", str(tmp_path / "lowered.json"), "v6e:2x2",
-                           str(out)], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [python, "-m", "verl_backend.driver.aot.compile", str(tmp_path / "lowered.json"), "v6e:2x2", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {g["graph"]: g for g in json.loads(out.read_text())["graphs"]}
     assert set(rows) == set(_CHLO_MODULES)

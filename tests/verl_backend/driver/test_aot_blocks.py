@@ -14,13 +14,32 @@ import pytest
 from verl_backend.driver.aot import run as aot_run
 from verl_backend.driver.aot.graphs import GraphRequest
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+)
 #: Qwen3-MoE whose first block is dense (``mlp_only_layers=[0]``) and the other two MoE: 4 experts, 2 a token
-DENSE_FIRST_MOE = {**TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "decoder_sparse_step": 1, "mlp_only_layers": [0]}
-BLOCKS = {"trainer.block[2x16|dense].fwd", "trainer.block[2x16|dense].bwd", "trainer.block[2x16|moe].fwd",
-          "trainer.block[2x16|moe].bwd"}
+DENSE_FIRST_MOE = {
+    **TINY,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+}
+BLOCKS = {
+    "trainer.block[2x16|dense].fwd",
+    "trainer.block[2x16|dense].bwd",
+    "trainer.block[2x16|moe].fwd",
+    "trainer.block[2x16|moe].bwd",
+}
 DECODE = "sampler.decode[2x1|cache 48]"
 
 
@@ -39,13 +58,32 @@ def moe(tmp_path_factory):
     jobs = [  # the TPU job's experts (batched_mm, the default here), bf16 as the job trains
         {**base, "label": "moe", "dtype": "bfloat16", "attention": "sdpa", "graphs": _graphs(block, decode)},
         # negative control: transformers' default experts, grouped_mm (torch.cumsum -> chlo.scan)
-        {**base, "label": "grouped_mm", "dtype": "bfloat16", "attention": "sdpa", "experts": "grouped_mm",
-         "graphs": _graphs(block, decode)},
+        {
+            **base,
+            "label": "grouped_mm",
+            "dtype": "bfloat16",
+            "attention": "sdpa",
+            "experts": "grouped_mm",
+            "graphs": _graphs(block, decode),
+        },
         # XLA:CPU against torch eager: fp32, math attention, real random weights
-        {**base, "label": "numerics", "dtype": "float32", "attention": "eager", "numerics": {},
-         "graphs": _graphs(block, GraphRequest("prefill", 2, 16, 48), decode)}]
-    return aot_run.lower_and_compile(jobs, ["v6e:2x2", "v5e:2x2", "cpu"], tmp_path_factory.mktemp("moe"),
-                                     python=python, lower_timeout_s=600, compile_timeout_s=600)
+        {
+            **base,
+            "label": "numerics",
+            "dtype": "float32",
+            "attention": "eager",
+            "numerics": {},
+            "graphs": _graphs(block, GraphRequest("prefill", 2, 16, 48), decode),
+        },
+    ]
+    return aot_run.lower_and_compile(
+        jobs,
+        ["v6e:2x2", "v5e:2x2", "cpu"],
+        tmp_path_factory.mktemp("moe"),
+        python=python,
+        lower_timeout_s=600,
+        compile_timeout_s=600,
+    )
 
 
 def _rows(result, topo, label):
@@ -98,17 +136,24 @@ def test_without_batched_mm_moe_is_refused_in_one_line_naming_chlo_scan(moe):
 def test_a_failure_several_graphs_share_is_one_line():
     """``errors`` keeps one line per cause: the same op and module failing in a prefill and three decode buckets is
     the first graph's line and the count of the others; a different cause keeps its own line (the control)."""
+
     def row(graph, op="aten.cumsum.default"):
-        return {"graph": graph, "label": "x", "error": f"TorchTPU cannot lower {op} in model.layers.1.mlp (Moe) of "
-                                                       f"graph {graph}: no lowering"}
+        return {
+            "graph": graph,
+            "label": "x",
+            "error": f"TorchTPU cannot lower {op} in model.layers.1.mlp (Moe) of graph {graph}: no lowering",
+        }
 
     graphs = ["sampler.prefill[4x16|cache 48]"] + [f"sampler.decode[{b}x1|cache 48]" for b in (4, 2, 1)]
-    result = aot_run.AotResult([row(g) for g in graphs] + [row("trainer.block[2x16].fwd", "aten.sort.default")],
-                               {}, None)
+    result = aot_run.AotResult(
+        [row(g) for g in graphs] + [row("trainer.block[2x16].fwd", "aten.sort.default")], {}, None
+    )
     lines = aot_run.errors(result)
-    assert lines == [row(graphs[0])["error"] + " (also 3 more graphs: sampler.decode[4x1|cache 48], "
-                                              "sampler.decode[2x1|cache 48], ...)",
-                     row("trainer.block[2x16].fwd", "aten.sort.default")["error"]]
+    assert lines == [
+        row(graphs[0])["error"] + " (also 3 more graphs: sampler.decode[4x1|cache 48], "
+        "sampler.decode[2x1|cache 48], ...)",
+        row("trainer.block[2x16].fwd", "aten.sort.default")["error"],
+    ]
 
 
 def test_a_tracing_failure_names_the_op_and_the_module():
@@ -156,11 +201,16 @@ def test_block_kinds_of_the_families():
     assert kinds("qwen3_moe", **moe, mlp_only_layers=[0]) == [("dense", 0, 1), ("moe", 1, 2)]
     assert kinds("qwen3_moe", **moe, decoder_sparse_step=2, num_hidden_layers=4) == [("dense", 0, 2), ("moe", 1, 2)]
     assert kinds("qwen3_moe", **moe, mlp_only_layers=[]) == [("", 0, 3)]  # all MoE: one kind
-    assert kinds("gemma3_text", sliding_window=5, query_pre_attn_scalar=16,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]) == [
-        ("sliding", 0, 2), ("full", 1, 1)]
+    assert kinds(
+        "gemma3_text",
+        sliding_window=5,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ) == [("sliding", 0, 2), ("full", 1, 1)]
     assert kinds("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1) == [
-        ("full", 0, 1), ("sliding", 1, 2)]
+        ("full", 0, 1),
+        ("sliding", 1, 2),
+    ]
     assert kinds("llama") == [("", 0, 3)]
 
 
@@ -182,7 +232,7 @@ def test_the_tpu_job_builds_its_moe_with_batched_mm(tmp_path):
 
     def built(backend: str, model: str = "actor_rollout_ref.model"):
         prefix = f"+{model}.override_config."
-        overrides = {k[len(prefix):]: v for k, v in profile(backend).overrides.items() if k.startswith(prefix)}
+        overrides = {k[len(prefix) :]: v for k, v in profile(backend).overrides.items() if k.startswith(prefix)}
         hf = AutoConfig.from_pretrained(tmp_path, attn_implementation=overrides.get("attn_implementation"))
         update_model_config(hf, overrides)  # what VeRL's HFModelConfig does with override_config
         return AutoModelForCausalLM.from_pretrained(tmp_path, config=hf, dtype=torch.float32)
@@ -203,10 +253,20 @@ def test_the_tpu_job_builds_its_moe_with_batched_mm(tmp_path):
 
 
 #: Qwen3-30B-A3B's config.json shapes: 48 blocks of 128 experts, 8 a token, expert width 768
-QWEN3_30B_A3B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "max_position_embeddings": 40960,
-                 "tie_word_embeddings": False}
+QWEN3_30B_A3B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
 #: libtpu 0.0.52's refusal of Qwen3-30B-A3B's block update graph at 1 x 512 tokens with batched_mm experts, for v6e
 #: (docs/tpu.md, "MoE on TPU"): "CompileTimeHbmOom: ... HLO temporaries (61.32G) exceeds available HBM (31.24G)"
 XLA_A3B_UPDATE_TEMPORARIES = 61.32e9
@@ -224,10 +284,16 @@ def test_the_memory_plan_counts_the_gathered_expert_weights(tmp_path):
     from verl_backend.driver.profiles import PROFILES
 
     Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(tmp_path)  # config.json only
-    keys = {"trainer.n_gpus_per_node": 8, "algorithm.adv_estimator": "grpo", "data.train_batch_size": 8,
-            "data.max_prompt_length": 256, "data.max_response_length": 256,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
-            "actor_rollout_ref.model.path": str(tmp_path)}
+    keys = {
+        "trainer.n_gpus_per_node": 8,
+        "algorithm.adv_estimator": "grpo",
+        "data.train_batch_size": 8,
+        "data.max_prompt_length": 256,
+        "data.max_response_length": 256,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+        "actor_rollout_ref.model.path": str(tmp_path),
+    }
     tpu = PROFILES["tpu"]
     config = compose_config([f"{k}={v}" for k, v in {**tpu.overrides, **{k: str(v) for k, v in keys.items()}}.items()])
     plan = plan_memory(config, "v6e-8", tpu)

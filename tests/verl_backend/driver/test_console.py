@@ -15,8 +15,10 @@ import pytest
 from verl_backend.driver.console import ConsoleFilter, console_lines, console_problems, step_line
 from verl_backend.driver.report import accuracy_lines, paired_difference, validation_change
 
-QUIET = ("[rl-tpu] step 2/2 | reward 0.250 (4-step mean 0.375) | accuracy strict 12.5% lenient 25.0% | response 12 "
-         "tokens | 3.1 s/step")
+QUIET = (
+    "[rl-tpu] step 2/2 | reward 0.250 (4-step mean 0.375) | accuracy strict 12.5% lenient 25.0% | response 12 "
+    "tokens | 3.1 s/step"
+)
 
 
 def test_checker_passes_a_quiet_console():
@@ -28,8 +30,16 @@ def test_checker_fails_on_a_duplicated_warning():  # negative control
     assert any("shown twice" in p for p in console_problems(f"{warning}\n{QUIET}\n{warning}\n"))
 
 
-@pytest.mark.parametrize("line", ["Failed to load torchao/_C_mxfp8.so", "Traceback (most recent call last):",
-                                  "RuntimeError: boom", "an Exception here", "ERROR worker died"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Failed to load torchao/_C_mxfp8.so",
+        "Traceback (most recent call last):",
+        "RuntimeError: boom",
+        "an Exception here",
+        "ERROR worker died",
+    ],
+)
 def test_checker_fails_on_an_error_looking_line(line):  # negative control
     assert any("error-looking" in p for p in console_problems(f"{QUIET}\n{line}\n"))
 
@@ -47,8 +57,13 @@ def test_filter_shows_each_rl_tpu_warning_once_without_rays_prefix():
     assert f.show(f"(pid=77) {w}") is None
     assert f.show(w) is None
     assert f.show("[rl-tpu] warning: another one") == "[rl-tpu] warning: another one"
-    for noise in ("UserWarning: megatron engine is not available", "INFO worker.py -- Started a local Ray instance",
-                  "Failed to load /x/torchao/_C_mxfp8.so", "[rl-tpu] actor: one CPU rank", "Training Progress: 50%"):
+    for noise in (
+        "UserWarning: megatron engine is not available",
+        "INFO worker.py -- Started a local Ray instance",
+        "Failed to load /x/torchao/_C_mxfp8.so",
+        "[rl-tpu] actor: one CPU rank",
+        "Training Progress: 50%",
+    ):
         assert f.show(noise) is None, noise
     assert ConsoleFilter(verbose=True).show("anything") == "anything"
     resumed = "[rl-tpu] resuming from the checkpoint of step 6 in /x (VeRL's trainer.resume_mode=auto); ..."
@@ -70,17 +85,20 @@ def test_step_lines_read_strict_and_lenient_apart_from_the_reward_and_a_running_
 
     rollouts, metrics = tmp_path / "rollouts", tmp_path / "metrics.jsonl"
     rollouts.mkdir()
-    rows = [{"output": "<answer>3</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
-            {"output": "3", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
-            {"output": "4", "score": 0.0, "acc": 0.0, "acc_strict": 0.0},
-            {"output": "<answer>4</answer>", "score": 0.0, "acc": 0.0, "acc_strict": 0.0}]
+    rows = [
+        {"output": "<answer>3</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
+        {"output": "3", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
+        {"output": "4", "score": 0.0, "acc": 0.0, "acc_strict": 0.0},
+        {"output": "<answer>4</answer>", "score": 0.0, "acc": 0.0, "acc_strict": 0.0},
+    ]
     (rollouts / "1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plain = [{"output": "<answer>3</answer>", "score": 1.0}, {"output": "3", "score": 1.0}, {"output": "4", "score": 0}]
     (rollouts / "2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain))
     said = []
     lines = StepLines(metrics, 2, said.append, rollouts=rollouts, poll_s=0.05)  # reads what is written after it
-    metrics.write_text("".join(json.dumps({"step": s, "data": {"critic/score/mean": r}}) + "\n"
-                               for s, r in ((1, 0.375), (2, 0.625))))
+    metrics.write_text(
+        "".join(json.dumps({"step": s, "data": {"critic/score/mean": r}}) + "\n" for s, r in ((1, 0.375), (2, 0.625)))
+    )
     lines._read()
     assert said[0] == "[rl-tpu] step 1/2 | reward 0.375 | accuracy strict 25.0% lenient 50.0%", said
     assert said[1] == "[rl-tpu] step 2/2 | reward 0.625 (4-step mean 0.500) | accuracy strict 33.3% lenient 66.7%", said
@@ -93,7 +111,7 @@ def test_capture_sends_fds_to_the_log_and_only_said_lines_and_warnings_to_the_te
         import os, subprocess, sys
         from pathlib import Path
         from verl_backend.driver.console import capture
-        with capture(Path({str(tmp_path / 'train.log')!r})) as console:
+        with capture(Path({str(tmp_path / "train.log")!r})) as console:
             print("phase one noise"); os.write(2, b"Failed to load something\\n")
             console.pump()
             print("python noise", flush=True)
@@ -103,22 +121,36 @@ def test_capture_sends_fds_to_the_log_and_only_said_lines_and_warnings_to_the_te
             sys.stderr.write("\\rbar 1\\rbar 2\\n"); sys.stderr.flush()
         print("after")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=str(Path(__file__).resolve().parents[3]))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).resolve().parents[3]),
+    )
     assert proc.returncode == 0, proc.stderr
     shown = proc.stdout + proc.stderr
-    assert console_lines(shown) == ["[rl-tpu] warning: once", "[rl-tpu] said", "after"] or \
-        sorted(console_lines(shown)) == sorted(["[rl-tpu] warning: once", "[rl-tpu] said", "after"]), shown
+    assert console_lines(shown) == ["[rl-tpu] warning: once", "[rl-tpu] said", "after"] or sorted(
+        console_lines(shown)
+    ) == sorted(["[rl-tpu] warning: once", "[rl-tpu] said", "after"]), shown
     log = (tmp_path / "train.log").read_text()
-    for text in ("phase one noise", "Failed to load something", "python noise", "child noise", "bar 2",
-                 "[rl-tpu] said"):
+    for text in (
+        "phase one noise",
+        "Failed to load something",
+        "python noise",
+        "child noise",
+        "bar 2",
+        "[rl-tpu] said",
+    ):
         assert text in log, text
 
 
 def _dump(folder, step, scores, outputs=None):
     folder.mkdir(exist_ok=True)
-    rows = [{"input": f"q{i}", "output": (outputs or {}).get(i, f"<answer>{s}</answer>"), "score": s}
-            for i, s in enumerate(scores)]
+    rows = [
+        {"input": f"q{i}", "output": (outputs or {}).get(i, f"<answer>{s}</answer>"), "score": s}
+        for i, s in enumerate(scores)
+    ]
     (folder / f"{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -140,10 +172,14 @@ def test_paired_interval_over_the_same_items(tmp_path):
 def test_validation_accuracy_is_the_dumps_acc_not_the_reward(tmp_path):
     """With the format reward a right bare number scores 0.5: it is right leniently (``acc``), not strictly
     (``acc_strict``). Control: the same items judged by their reward would count it wrong."""
-    before = [{"input": "q0", "output": "7", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
-              {"input": "q1", "output": "8", "score": 0.0, "acc": 0.0, "acc_strict": 0.0}]
-    after = [{"input": "q0", "output": "<answer>7</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
-             {"input": "q1", "output": "<answer>9</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0}]
+    before = [
+        {"input": "q0", "output": "7", "score": 0.5, "acc": 1.0, "acc_strict": 0.0},
+        {"input": "q1", "output": "8", "score": 0.0, "acc": 0.0, "acc_strict": 0.0},
+    ]
+    after = [
+        {"input": "q0", "output": "<answer>7</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
+        {"input": "q1", "output": "<answer>9</answer>", "score": 1.0, "acc": 1.0, "acc_strict": 1.0},
+    ]
     for step, rows in ((0, before), (12, after)):
         (tmp_path / f"{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     change = validation_change(tmp_path)
@@ -158,8 +194,16 @@ def test_validation_accuracy_is_the_dumps_acc_not_the_reward(tmp_path):
 def test_summary_keeps_strict_apart_and_smooths_the_reward_curve():
     from verl_backend.driver.report import running_mean, summarize
 
-    rows = [{"step": 0, "data": {"val-core/rg/acc/mean@1": 0.4, "val-aux/rg/acc_strict/mean@1": 0.0,
-                                 "val-aux/rg/reward/mean@1": 0.2}}]
+    rows = [
+        {
+            "step": 0,
+            "data": {
+                "val-core/rg/acc/mean@1": 0.4,
+                "val-aux/rg/acc_strict/mean@1": 0.0,
+                "val-aux/rg/reward/mean@1": 0.2,
+            },
+        }
+    ]
     rows += [{"step": s, "data": {"critic/score/mean": r}} for s, r in zip(range(1, 6), (0.2, 0.6, 0.2, 0.6, 1.0))]
     rows += [{"step": 5, "data": {"val-core/rg/acc/mean@1": 0.7, "val-aux/rg/acc_strict/mean@1": 0.5}}]
     summary = summarize(rows)
@@ -186,8 +230,9 @@ def test_a_single_validation_is_not_called_before():
     to compare; negative control: two validations still give before -> after."""
     one = accuracy_lines({"val_accuracy_before": 0.738, "val_accuracy_after": None, "val_points": [(12, 0.738)]})[0]
     assert "at step 12: 73.8%" in one and "before" not in one, one
-    two = accuracy_lines({"val_accuracy_before": 0.5, "val_accuracy_after": 0.7,
-                          "val_points": [(0, 0.5), (12, 0.7)]})[0]
+    two = accuracy_lines({"val_accuracy_before": 0.5, "val_accuracy_after": 0.7, "val_points": [(0, 0.5), (12, 0.7)]})[
+        0
+    ]
     assert "before 50.0% -> after 70.0%" in two, two
 
 
@@ -196,14 +241,18 @@ def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
 
     from verl_backend.driver.console import job_line
 
-    config = OmegaConf.create({
-        "algorithm": {"adv_estimator": "grpo"}, "data": {"train_files": "/o/data/basic_arithmetic_train.parquet",
-                                                         "train_batch_size": 4},
-        "actor_rollout_ref": {"model": {"path": "/c/SmolLM2-135M-Instruct"}, "rollout": {"n": 4}},
-        "trainer": {"total_training_steps": 12}})
+    config = OmegaConf.create(
+        {
+            "algorithm": {"adv_estimator": "grpo"},
+            "data": {"train_files": "/o/data/basic_arithmetic_train.parquet", "train_batch_size": 4},
+            "actor_rollout_ref": {"model": {"path": "/c/SmolLM2-135M-Instruct"}, "rollout": {"n": 4}},
+            "trainer": {"total_training_steps": 12},
+        }
+    )
     assert job_line(config, "cpu", 1, tmp_path) == (
         "[rl-tpu] GRPO on SmolLM2-135M-Instruct, basic_arithmetic: 12 steps of 4 prompts x 4 samples, cpu backend, "
-        f"1 thread; full log: {tmp_path / 'train.log'}")
+        f"1 thread; full log: {tmp_path / 'train.log'}"
+    )
 
 
 def test_no_item_changed_gives_the_rule_of_three_not_a_zero_width_interval():

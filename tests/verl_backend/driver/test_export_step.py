@@ -18,13 +18,22 @@ from verl_backend.errors import BadInputError
 
 
 def _config(**over):
-    config = OmegaConf.create({
-        "trainer": {"save_freq": 6},
-        "actor_rollout_ref": {"actor": {"checkpoint": {"save_contents": ["model", "optimizer", "extra", "hf_model"]}}},
-        "data": {"max_prompt_length": 128, "max_response_length": 64, "val_files": []},
-        "reward": {"custom_reward_function": {"path": "pkg://verl_backend.data.rewards", "name": "guarded_score",
-                                              "reward_kwargs": {}}},
-    })
+    config = OmegaConf.create(
+        {
+            "trainer": {"save_freq": 6},
+            "actor_rollout_ref": {
+                "actor": {"checkpoint": {"save_contents": ["model", "optimizer", "extra", "hf_model"]}}
+            },
+            "data": {"max_prompt_length": 128, "max_response_length": 64, "val_files": []},
+            "reward": {
+                "custom_reward_function": {
+                    "path": "pkg://verl_backend.data.rewards",
+                    "name": "guarded_score",
+                    "reward_kwargs": {},
+                }
+            },
+        }
+    )
     for key, value in over.items():
         OmegaConf.update(config, key, value)
     return config
@@ -47,13 +56,16 @@ def test_flags_are_shortcuts_for_the_export_keys():
         job_settings.resolve({"export_quantize": "int3"}, {})
 
 
-@pytest.mark.parametrize("values, config_over, match", [
-    ({"export": "model.onnx"}, {}, r"\.litertlm .*or \.tflite"),
-    ({"export": "m.litertlm"}, {"trainer.save_freq": -1}, r"trainer.save_freq=-1 saves no checkpoint"),
-    ({"export": "m.litertlm"}, {"actor_rollout_ref.actor.checkpoint.save_contents": ["model"]}, r"no hf_model"),
-    ({"export_quantize": "dynamic-int8"}, {}, r"rl_tpu.export_quantize=dynamic-int8 applies to the export"),
-    ({"export_max_drop": 1.0}, {}, r"rl_tpu.export_max_drop=1.0 applies"),
-])
+@pytest.mark.parametrize(
+    "values, config_over, match",
+    [
+        ({"export": "model.onnx"}, {}, r"\.litertlm .*or \.tflite"),
+        ({"export": "m.litertlm"}, {"trainer.save_freq": -1}, r"trainer.save_freq=-1 saves no checkpoint"),
+        ({"export": "m.litertlm"}, {"actor_rollout_ref.actor.checkpoint.save_contents": ["model"]}, r"no hf_model"),
+        ({"export_quantize": "dynamic-int8"}, {}, r"rl_tpu.export_quantize=dynamic-int8 applies to the export"),
+        ({"export_max_drop": 1.0}, {}, r"rl_tpu.export_max_drop=1.0 applies"),
+    ],
+)
 def test_refused_before_training(tmp_path, monkeypatch, values, config_over, match):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadInputError, match=match):
@@ -83,8 +95,9 @@ def test_a_good_request_passes(tmp_path):
 
 def test_scorer_is_the_runs_reward_function():
     assert export_step.scorer_for(_config()) == "verl_backend.data.rewards:compute_score"
-    user = _config(**{"reward.custom_reward_function.reward_kwargs": {"user_fn_path": "/r/my.py",
-                                                                     "user_fn_name": "score"}})
+    user = _config(
+        **{"reward.custom_reward_function.reward_kwargs": {"user_fn_path": "/r/my.py", "user_fn_name": "score"}}
+    )
     assert export_step.scorer_for(user) == "/r/my.py:score"
     plain = _config(**{"reward.custom_reward_function.path": None})
     assert export_step.scorer_for(plain) == "verl.utils.reward_score:default_compute_score"
@@ -113,8 +126,10 @@ def test_a_reward_file_is_a_scorer(tmp_path):
     from edge_export.evaluate import load_scorer
 
     reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.strip() == ground_truth)\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.strip() == ground_truth)\n"
+    )
     score = load_scorer(f"{reward}:compute_score")
     assert score("7", "7", {}) == 1.0 and score("8", "7", {}) == 0.0
 

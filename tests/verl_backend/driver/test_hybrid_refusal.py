@@ -16,25 +16,50 @@ from pathlib import Path
 import pytest
 
 KEY = "actor_rollout_ref.model.path"
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "vocab_size": 128}
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
 
 # family -> (config class, keys, the layer type refused and its count in the message)
 HYBRIDS = {
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 3, "full_attn_idxs": [1]}, "2 of 3 short-convolution layers"),
-    "jamba": ("JambaConfig", {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2},
-              "3 of 4 Mamba state-space layers"),
-    "bamba": ("BambaConfig", {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 8}, "2 of 3 Mamba state-space layers"),
-    "falcon_h1": ("FalconH1Config", {"num_hidden_layers": 2, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_ssm": 64},
-                  "2 of 2 layers with a Mamba state-space mixer beside their attention"),
-    "qwen3_next": ("Qwen3NextConfig", {"num_hidden_layers": 4, "full_attention_interval": 4},
-                   "3 of 4 linear-attention (recurrent-state) layers"),
+    "jamba": (
+        "JambaConfig",
+        {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2},
+        "3 of 4 Mamba state-space layers",
+    ),
+    "bamba": (
+        "BambaConfig",
+        {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 8},
+        "2 of 3 Mamba state-space layers",
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        {"num_hidden_layers": 2, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_ssm": 64},
+        "2 of 2 layers with a Mamba state-space mixer beside their attention",
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"num_hidden_layers": 4, "full_attention_interval": 4},
+        "3 of 4 linear-attention (recurrent-state) layers",
+    ),
     "mamba": ("MambaConfig", {"num_hidden_layers": 2}, "2 of 2 Mamba state-space layers"),
     "recurrent_gemma": ("RecurrentGemmaConfig", {"num_hidden_layers": 3}, "recurrent (RG-LRU) layers"),
 }
 CONTROLS = {
-    "gemma3_text": ("Gemma3TextConfig", {"num_hidden_layers": 3, "sliding_window": 8, "head_dim": 8,
-                                         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "head_dim": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    ),
     "qwen2": ("Qwen2Config", {"num_hidden_layers": 2}),
 }
 
@@ -102,8 +127,20 @@ def test_every_causal_lm_family_in_transformers_is_classified():
             except Exception:  # a config that needs arguments: not classified here
                 continue
         (refused if non_attention_layers(config) else accepted).add(name)
-    assert {"jamba", "bamba", "falcon_h1", "mamba", "mamba2", "falcon_mamba", "qwen3_next", "zamba", "zamba2",
-            "nemotron_h", "granitemoehybrid", "recurrent_gemma"} <= refused
+    assert {
+        "jamba",
+        "bamba",
+        "falcon_h1",
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "qwen3_next",
+        "zamba",
+        "zamba2",
+        "nemotron_h",
+        "granitemoehybrid",
+        "recurrent_gemma",
+    } <= refused
     assert {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "mistral", "gemma2"} <= accepted
 
 
@@ -117,9 +154,23 @@ def test_the_cli_refuses_a_hybrid_before_ray_starts(tmp_path, tiny_model_dir):
             shutil.copy(f, folder / f.name)
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu",
-                           "--output-dir", str(tmp_path / "out"), f"{KEY}={folder}"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_backend.driver.cli",
+            "train",
+            "--backend",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / "out"),
+            f"{KEY}={folder}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]
     assert len(errors) == 1 and "short-convolution layers" in errors[0], proc.stderr[-2000:]

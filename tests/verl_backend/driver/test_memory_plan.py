@@ -34,9 +34,17 @@ from verl_backend.errors import BadInputError
 TPU = PROFILES["tpu"]
 # Qwen3-8B (Qwen/Qwen3-8B config.json): 36 layers, hidden 4096, MLP 12288, 32 query / 8 key-value heads of 128,
 # vocabulary 151936, untied LM head.
-QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-            "tie_word_embeddings": False}
+QWEN3_8B = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +59,19 @@ def qwen3_8b_dir(tmp_path_factory):
 def _job(model_dir, chips: int, **keys) -> object:
     """A GRPO job with the TPU profile's defaults on ``chips`` workers (one host of them), composed by VeRL."""
     job = {
-        "trainer.nnodes": 1, "trainer.n_gpus_per_node": chips, "algorithm.adv_estimator": "grpo",
-        "data.train_batch_size": 16, "actor_rollout_ref.rollout.n": 8, "data.max_prompt_length": 1024,
-        "data.max_response_length": 1024, "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1, "actor_rollout_ref.actor.use_kl_loss": "true",
+        "trainer.nnodes": 1,
+        "trainer.n_gpus_per_node": chips,
+        "algorithm.adv_estimator": "grpo",
+        "data.train_batch_size": 16,
+        "actor_rollout_ref.rollout.n": 8,
+        "data.max_prompt_length": 1024,
+        "data.max_response_length": 1024,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+        "actor_rollout_ref.actor.use_kl_loss": "true",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 2, "actor_rollout_ref.model.path": str(model_dir),
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.model.path": str(model_dir),
         **keys,
     }
     overrides = {**TPU.overrides, **{k: str(v) for k, v in job.items()}}
@@ -91,9 +106,17 @@ def test_qwen3_8b_does_not_fit_a_v6e_4_and_is_refused_before_it_starts(qwen3_8b_
         check_memory_fits(config, "v6e-4:2x2", TPU)
     line = str(err.value)
     assert "\n" not in line
-    for part in ("Qwen3ForCausalLM", str(qwen3_8b_dir), "v6e-4", f"{plan.peak / GIB:.1f} GiB",
-                 "28.8 GiB usable", "biggest term", "more chips (v6e-", "optimizer_offload",
-                 "ppo_micro_batch_size_per_gpu"):
+    for part in (
+        "Qwen3ForCausalLM",
+        str(qwen3_8b_dir),
+        "v6e-4",
+        f"{plan.peak / GIB:.1f} GiB",
+        "28.8 GiB usable",
+        "biggest term",
+        "more chips (v6e-",
+        "optimizer_offload",
+        "ppo_micro_batch_size_per_gpu",
+    ):
         assert part in line, (part, line)
     assert "enable_gradient_checkpointing" not in line  # the TPU profile's job has it on already
     # the CPU backend's dry run of the same slice is held to this host's memory instead: 4 host processes of an 8B
@@ -117,8 +140,9 @@ def test_qwen3_8b_fits_a_v5p_slice(qwen3_8b_dir):
 
 def test_terms_scale_with_micro_batch_and_shards(qwen3_8b_dir):
     one = plan_memory(_job(qwen3_8b_dir, 4), "v6e-4", TPU)
-    two = plan_memory(_job(qwen3_8b_dir, 4, **{"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2}), "v6e-4",
-                      TPU)
+    two = plan_memory(
+        _job(qwen3_8b_dir, 4, **{"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2}), "v6e-4", TPU
+    )
     # a + b x micro: the parameters the compiled forward returns (a copy of the block's, of the LM head's) do not grow
     block = [a for a in one.model.block_graph(1, 2048, 2)["returned"] if a[0] == "block parameter"]
     head = [a for a in one.model.head_graph(1, 2048, 2)["returned"] if a[0] == "LM head parameter"]
@@ -129,11 +153,13 @@ def test_terms_scale_with_micro_batch_and_shards(qwen3_8b_dir):
     for name in ("parameters", "gradients", "optimizer", "reference policy"):
         assert single.term(name) == 4 * one.term(name), name
     assert single.term("sampler weights") == one.term("sampler weights")  # unsharded either way
-    ckpt = plan_memory(_job(qwen3_8b_dir, 4, **{"actor_rollout_ref.model.enable_gradient_checkpointing": "false"}),
-                       "v6e-4", TPU)
+    ckpt = plan_memory(
+        _job(qwen3_8b_dir, 4, **{"actor_rollout_ref.model.enable_gradient_checkpointing": "false"}), "v6e-4", TPU
+    )
     assert ckpt.term("activations") > 10 * one.term("activations")  # 36 blocks kept instead of their inputs
-    offload = plan_memory(_job(qwen3_8b_dir, 4, **{"actor_rollout_ref.actor.fsdp_config.optimizer_offload": "true"}),
-                          "v6e-4", TPU)
+    offload = plan_memory(
+        _job(qwen3_8b_dir, 4, **{"actor_rollout_ref.actor.fsdp_config.optimizer_offload": "true"}), "v6e-4", TPU
+    )
     assert offload.term("optimizer") == 0 and offload.peak < one.peak
 
 
@@ -142,21 +168,48 @@ def test_print_config_shows_the_plan_as_comments(tmp_path, tiny_model_dir):
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("VERL_PLATFORM", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "tpu", "--print-config", "--slice",
-         "v6e-4", "--output-dir", str(tmp_path), f"actor_rollout_ref.model.path={tiny_model_dir}",
-         "algorithm.adv_estimator=grpo",
-         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
-        check=False, capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "verl_backend.driver.cli",
+            "train",
+            "--backend",
+            "tpu",
+            "--print-config",
+            "--slice",
+            "v6e-4",
+            "--output-dir",
+            str(tmp_path),
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    table = out[out.index("# memory plan per chip: LlamaForCausalLM"):]
-    for row in ("parameters (fp32)", "gradients", "optimizer (AdamW", "sampler KV cache", "activations",
-                "LM head logits", "peak estimate", "usable HBM", "90% of 32 GiB per chip: fits"):
+    table = out[out.index("# memory plan per chip: LlamaForCausalLM") :]
+    for row in (
+        "parameters (fp32)",
+        "gradients",
+        "optimizer (AdamW",
+        "sampler KV cache",
+        "activations",
+        "LM head logits",
+        "peak estimate",
+        "usable HBM",
+        "90% of 32 GiB per chip: fits",
+    ):
         assert row in table, row
-    cfg = yaml.safe_load(out[out.index("actor_rollout_ref:"):])  # the plan's lines are comments: still the config
+    cfg = yaml.safe_load(out[out.index("actor_rollout_ref:") :])  # the plan's lines are comments: still the config
     assert cfg["trainer"]["n_gpus_per_node"] == 4
 
 
@@ -175,8 +228,16 @@ def test_the_compiled_trainer_plans_its_bucketed_micro_batches(qwen3_8b_dir):
 
 # Qwen3-1.7B and Qwen3-0.6B (their config.json) with the default tokenizer's vocabulary (49152), as the scale
 # benchmark builds them: 28 layers each; hidden 2048 / 1024, MLP 6144 / 3072, 16 query / 8 key-value heads of 128.
-QWEN3_1_7B = {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
+QWEN3_1_7B = {
+    "vocab_size": 49152,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
 QWEN3_0_6B = {**QWEN3_1_7B, "hidden_size": 1024, "intermediate_size": 3072}
 HOST = 23.5 * GIB  # this machine's 24 GiB (MemTotal), fixed so the test does not depend on where it runs
 
@@ -187,20 +248,24 @@ def _cpu_job(model_dir, **keys):
     default = yaml.safe_load(cpu.default_config.read_text())
     aro = default["actor_rollout_ref"]
     job = {
-        "trainer.nnodes": 1, "trainer.n_gpus_per_node": 1, "algorithm.adv_estimator": "grpo",
-        "data.train_batch_size": default["data"]["train_batch_size"], "actor_rollout_ref.rollout.n": aro["rollout"]["n"],
+        "trainer.nnodes": 1,
+        "trainer.n_gpus_per_node": 1,
+        "algorithm.adv_estimator": "grpo",
+        "data.train_batch_size": default["data"]["train_batch_size"],
+        "actor_rollout_ref.rollout.n": aro["rollout"]["n"],
         "data.max_prompt_length": default["data"]["max_prompt_length"],
         "data.max_response_length": default["data"]["max_response_length"],
         "actor_rollout_ref.actor.ppo_mini_batch_size": aro["actor"]["ppo_mini_batch_size"],
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": aro["actor"]["ppo_micro_batch_size_per_gpu"],
-        "actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.model.path": str(model_dir), **keys,
+        "actor_rollout_ref.actor.use_kl_loss": "true",
+        "actor_rollout_ref.model.path": str(model_dir),
+        **keys,
     }
     overrides = {**cpu.overrides, **{k: str(v) for k, v in job.items()}}
     return compose_config([f"{k}={v}" for k, v in overrides.items()])
 
 
-@pytest.mark.parametrize("shape,lora,refused", [(QWEN3_1_7B, 0, True), (QWEN3_1_7B, 16, False),
-                                                (QWEN3_0_6B, 0, False)])
+@pytest.mark.parametrize("shape,lora,refused", [(QWEN3_1_7B, 0, True), (QWEN3_1_7B, 16, False), (QWEN3_0_6B, 0, False)])
 def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, lora, refused):
     """Qwen3-1.7B-shaped full fine-tuning (fp32 weights, gradients, AdamW and the reference: 20 B a parameter,
     ~29 GiB) cannot fit 24 GiB and is refused naming LoRA; with LoRA, and at 0.6B, it is not."""
@@ -221,14 +286,26 @@ def test_a_cpu_job_past_the_host_memory_is_refused_in_one_line(tmp_path, shape, 
     syncing = sum(t.bytes for t in plan.host_terms if t.when == "host sync")
     assert bool(syncing) == bool(lora)
     resident = plan.resident - plan.term("gradients")
-    assert plan.host_need == pytest.approx(max(plan.peak, resident + generating, resident + syncing) + server.bytes
-                                           + TRAINER_RUNTIME_BYTES + JOB_RUNTIME_BYTES)
+    assert plan.host_need == pytest.approx(
+        max(plan.peak, resident + generating, resident + syncing)
+        + server.bytes
+        + TRAINER_RUNTIME_BYTES
+        + JOB_RUNTIME_BYTES
+    )
     line = host_refusal(plan, str(tmp_path), HOST)
     assert (line is not None) == refused, (plan.format(), line)
     if refused:
         assert "\n" not in line
-        for part in ("Qwen3ForCausalLM", str(tmp_path), f"{plan.peak / GIB:.1f} GiB", f"{HOST * USABLE_FRACTION / GIB:.1f} GiB usable",
-                     "biggest term: optimizer", "lora_rank=16", "use_kl_loss=false", "enable_gradient_checkpointing"):
+        for part in (
+            "Qwen3ForCausalLM",
+            str(tmp_path),
+            f"{plan.peak / GIB:.1f} GiB",
+            f"{HOST * USABLE_FRACTION / GIB:.1f} GiB usable",
+            "biggest term: optimizer",
+            "lora_rank=16",
+            "use_kl_loss=false",
+            "enable_gradient_checkpointing",
+        ):
             assert part in line, (part, line)
 
 
@@ -282,9 +359,18 @@ def test_tpu_bytes_is_what_xla_lays_out():
 # XLA's numbers for the two jobs of docs/tpu.md, as `verl train --backend tpu --aot-only --slice v6e-8` compiled
 # them with libtpu 0.0.52 (the per-graph rows of compiled-v6e_2x4.json; per-array sizes kept for the block forward)
 XLA_V6E8 = Path(__file__).parent / "fixtures" / "aot_v6e8_compiled.json"
-ROWS = {"block forward arguments", "activations", "block backward outputs", "update temporaries",
-        "LM head forward arguments", "LM head logits", "LM head backward outputs", "sampler weights + KV cache",
-        "sampler step outputs", "sampler temporaries"}
+ROWS = {
+    "block forward arguments",
+    "activations",
+    "block backward outputs",
+    "update temporaries",
+    "LM head forward arguments",
+    "LM head logits",
+    "LM head backward outputs",
+    "sampler weights + KV cache",
+    "sampler step outputs",
+    "sampler temporaries",
+}
 
 
 def _aot_config(monkeypatch, tmp_path, argv):
@@ -294,10 +380,14 @@ def _aot_config(monkeypatch, tmp_path, argv):
 
     caught = {}
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(job, "run_aot_only", lambda config, slice_name, model_path=None: caught.update(
-        config=config, model_path=model_path) or 0)
-    assert main(["train", "--backend", "tpu", "--aot-only", "--slice", "v6e-8", "--output-dir", str(tmp_path),
-                 *argv]) == 0
+    monkeypatch.setattr(
+        job,
+        "run_aot_only",
+        lambda config, slice_name, model_path=None: caught.update(config=config, model_path=model_path) or 0,
+    )
+    assert (
+        main(["train", "--backend", "tpu", "--aot-only", "--slice", "v6e-8", "--output-dir", str(tmp_path), *argv]) == 0
+    )
     return caught["config"], caught["model_path"]
 
 
@@ -315,8 +405,11 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
     from verl_backend.driver.aot.job import comparison_table, planned_as_compiled
     from verl_backend.driver.aot.run import plan_comparison
 
-    argv = ([f"actor_rollout_ref.model.path={default_model_dir}"] if job == "default" else
-            ["--config", "examples/qwen3_8b_tpu.yaml", "actor_rollout_ref.model.path=examples/models/qwen3-8b"])
+    argv = (
+        [f"actor_rollout_ref.model.path={default_model_dir}"]
+        if job == "default"
+        else ["--config", "examples/qwen3_8b_tpu.yaml", "actor_rollout_ref.model.path=examples/models/qwen3-8b"]
+    )
     monkeypatch.chdir(Path(__file__).parents[3])  # the repository root
     config, model_path = _aot_config(monkeypatch, tmp_path, argv)
     compiled = json.loads(XLA_V6E8.read_text())[job]
@@ -422,8 +515,11 @@ def test_the_tpu_default_job_fits_a_v6e_chip_with_the_profiles_micro_batches(mon
     assert not control.fits and control.term("log-prob forward") > 30 * GIB
     assert next(t.how for t in control.terms if t.name == "log-prob forward").startswith("128 seqs")
 
-    given, _ = _aot_config(monkeypatch, tmp_path / "c", [model, "actor_rollout_ref.actor.ppo_micro_batch_size=16",
-                                                         "rl_tpu.compile_sampler=false"])
+    given, _ = _aot_config(
+        monkeypatch,
+        tmp_path / "c",
+        [model, "actor_rollout_ref.actor.ppo_micro_batch_size=16", "rl_tpu.compile_sampler=false"],
+    )
     actor = given.actor_rollout_ref.actor
     assert actor.ppo_micro_batch_size == 16 and actor.ppo_micro_batch_size_per_gpu is None
     assert given.critic.ppo_micro_batch_size_per_gpu == 8  # the other sections keep the profile's
@@ -444,25 +540,35 @@ def test_a_lora_cpu_job_plans_the_rollouts_refill_from_the_model_files(tmp_path)
     from verl_backend.driver.memory_plan import job_settings_of
 
     Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path)
-    lora = {"actor_rollout_ref.model.lora_rank": 16, "actor_rollout_ref.model.target_modules": "all-linear",
-            "+actor_rollout_ref.rollout.engine_kwargs.native.packed_weights": "false"}
+    lora = {
+        "actor_rollout_ref.model.lora_rank": 16,
+        "actor_rollout_ref.model.target_modules": "all-linear",
+        "+actor_rollout_ref.rollout.engine_kwargs.native.packed_weights": "false",
+    }
     plan = plan_memory(_cpu_job(tmp_path, **lora), None, PROFILES["cpu"])
     [sync] = [t for t in plan.host_terms if t.when == "host sync"]
     assert sync.bytes == plan.model.params * 4  # no files here: the fp32 model's bytes stand in
     assert plan.host_phase == "sync" and abs(plan.host_need / (19.53 * GIB) - 1) <= 0.15, plan.host_need / GIB
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)  # with files, their size
-    assert [t.bytes for t in plan_memory(_cpu_job(tmp_path, **lora), None, PROFILES["cpu"]).host_terms
-            if t.when == "host sync"] == [4096]
+    assert [
+        t.bytes
+        for t in plan_memory(_cpu_job(tmp_path, **lora), None, PROFILES["cpu"]).host_terms
+        if t.when == "host sync"
+    ] == [4096]
     full = plan_memory(_cpu_job(tmp_path), None, PROFILES["cpu"])
     assert not [t for t in full.host_terms if t.when == "host sync"] and full.host_phase != "sync"
     config = _cpu_job(tmp_path, **lora)
     unshared = dataclasses.replace(job_settings_of(config), shared_weights=False)
-    assert [t.bytes for t in plan_memory(config, None, PROFILES["cpu"], settings=unshared).host_terms
-            if t.when == "host sync"] == [4096]
+    assert [
+        t.bytes
+        for t in plan_memory(config, None, PROFILES["cpu"], settings=unshared).host_terms
+        if t.when == "host sync"
+    ] == [4096]
 
 
-def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(monkeypatch, tmp_path, default_model_dir,
-                                                                             capsys):
+def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(
+    monkeypatch, tmp_path, default_model_dir, capsys
+):
     """The TPU profile's micro batches of 8 under what the user says: a VeRL global micro batch with a value replaces
     the per-chip key (a ``null`` one does not: VeRL's own YAML lists them null), and the plan reads the global one
     split over the ranks (it counted a worker's whole share, 41 GiB, and refused the job); a fitted value divides the
@@ -478,8 +584,11 @@ def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(mon
 
     model = f"actor_rollout_ref.model.path={default_model_dir}"
     grpo = "algorithm.adv_estimator=grpo"
-    globals_ = [f"{actor}=64", "actor_rollout_ref.rollout.log_prob_micro_batch_size=64",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size=64"]
+    globals_ = [
+        f"{actor}=64",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size=64",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size=64",
+    ]
     config, _ = _aot_config(monkeypatch, tmp_path / "a", [model, grpo, *globals_])
     plan = plan_memory(config, "v6e-8", TPU)
     assert plan.fits and next(t.how for t in plan.terms if t.name == "log-prob forward").startswith("8 seqs")
@@ -492,8 +601,11 @@ def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(mon
     assert config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 1  # 20 / 4 ranks = 5 a rank
     assert f"{actor}_per_gpu lowered from 8 (the TPU profile's default) to 1: each of the 4 data-parallel ranks" in out
     assert "critic.ppo_micro_batch_size_per_gpu lowered" not in out  # GRPO: no critic
-    dynamic = ["data.train_batch_size=48", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-               "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    dynamic = [
+        "data.train_batch_size=48",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    ]
     config, _ = _aot_config(monkeypatch, tmp_path / "c", [model, grpo, *dynamic])
     # VeRL reads no micro batch under dynamic batch sizes (its log-prob ones follow the actor's): all left at 8,
     # though 8 does not divide the 6 sequences a worker scores

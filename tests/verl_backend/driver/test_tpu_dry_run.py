@@ -54,19 +54,23 @@ def peaked_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 # --- the profile and the setting -------------------------------------------------------------------------------------
 
+
 def test_the_dry_run_is_the_tpu_row_with_the_device_keys_swapped():
     from verl_backend.driver.profiles import PROFILES, tpu_dry_run
 
     dry, tpu = tpu_dry_run(PROFILES["cpu"]), PROFILES["tpu"]
-    assert {k: v for k, v in dry.overrides.items() if k != "trainer.device"} == \
-        {k: v for k, v in tpu.overrides.items() if k != "trainer.device"}
+    assert {k: v for k, v in dry.overrides.items() if k != "trainer.device"} == {
+        k: v for k, v in tpu.overrides.items() if k != "trainer.device"
+    }
     assert dry.overrides["trainer.device"] == "cpu" and dry.platform == "cpu"
     o = dry.overrides
     assert o["actor_rollout_ref.model.use_remove_padding"] == "false"
     assert o["actor_rollout_ref.rollout.dtype"] == "bfloat16"
     assert not [k for k in o if "mixed_precision" in k]  # VeRL's default bf16 FSDP mixed precision
-    assert o["+actor_rollout_ref.rollout.engine_kwargs.native"] == \
-        "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
+    assert (
+        o["+actor_rollout_ref.rollout.engine_kwargs.native"]
+        == "{sampler_placement:worker,packed_prefill:false,lean_decode:false,packed_weights:false}"
+    )
     assert o["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "native"
     assert o["algorithm.rollout_correction.bypass_mode"] == "false"
     assert o["actor_rollout_ref.actor.use_prefix_grouper"] == "false"
@@ -85,13 +89,16 @@ def test_the_setting_and_its_flag_resolve_and_are_recorded():
     assert "rl_tpu.tpu_dry_run=false" in settings.help_table()
 
 
-@pytest.mark.parametrize("backend, values, env, needle", [
-    ("tpu", {}, {"RAY_ADDRESS": "127.0.0.1:1"}, "use it with --backend cpu, not --backend tpu"),
-    ("cuda", {}, {"RAY_ADDRESS": "127.0.0.1:1"}, "use it with --backend cpu, not --backend cuda"),
-    ("cpu", {"compact_malloc": True}, {"RAY_ADDRESS": "127.0.0.1:1"}, "rl_tpu.compact_malloc=true"),
-    ("cpu", {"slice": "v6e-1"}, {"RAY_ADDRESS": "127.0.0.1:1"}, "v6e-1 (1 chip)"),
-    ("cpu", {}, {}, "rl-tpu cluster up --fake-slice v6e-4"),
-])
+@pytest.mark.parametrize(
+    "backend, values, env, needle",
+    [
+        ("tpu", {}, {"RAY_ADDRESS": "127.0.0.1:1"}, "use it with --backend cpu, not --backend tpu"),
+        ("cuda", {}, {"RAY_ADDRESS": "127.0.0.1:1"}, "use it with --backend cpu, not --backend cuda"),
+        ("cpu", {"compact_malloc": True}, {"RAY_ADDRESS": "127.0.0.1:1"}, "rl_tpu.compact_malloc=true"),
+        ("cpu", {"slice": "v6e-1"}, {"RAY_ADDRESS": "127.0.0.1:1"}, "v6e-1 (1 chip)"),
+        ("cpu", {}, {}, "rl-tpu cluster up --fake-slice v6e-4"),
+    ],
+)
 def test_what_the_dry_run_cannot_be_is_one_line_naming_the_key(monkeypatch, backend, values, env, needle):
     from verl_backend import settings
     from verl_backend.driver.profiles import PROFILES
@@ -101,8 +108,9 @@ def test_what_the_dry_run_cannot_be_is_one_line_naming_the_key(monkeypatch, back
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(BadInputError) as err:
-        _tpu_dry_run(PROFILES[backend], settings.RlTpuSettings(tpu_dry_run=True, **values),
-                     SimpleNamespace(print_config=False))
+        _tpu_dry_run(
+            PROFILES[backend], settings.RlTpuSettings(tpu_dry_run=True, **values), SimpleNamespace(print_config=False)
+        )
     line = str(err.value)
     assert "\n" not in line and "tpu_dry_run" in line and needle in line, line
 
@@ -135,6 +143,7 @@ def test_a_fast_path_key_that_is_not_a_bool_is_refused():
 
 # --- the bf16 bucketed sampler against an fp32 forward, and the negative control ---------------------------------------
 
+
 def _mismatch(sampler, model_dir: Path) -> tuple[float, float, int]:
     """Sample 4 chat prompts x 24 tokens (temperature 1, seeded) and compare each sampled token's log-prob with an
     fp32 Hugging Face forward of the same model over prompt + response: (mean |Δ|, max |Δ|, tokens)."""
@@ -144,15 +153,21 @@ def _mismatch(sampler, model_dir: Path) -> tuple[float, float, int]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     questions = ["What is 12 + 7?", "Name a colour.", "Write a haiku about rain.", "What is the capital of France?"]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]) for q in questions]
+    prompts = [
+        list(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for q in questions
+    ]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = sampler.generate(prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=24, seed=0))
     diffs = []
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             logp = torch.log_softmax(reference(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
-        at = logp[len(prompt) - 1: len(prompt) - 1 + len(out.token_ids)]
+        at = logp[len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]
         fp32 = at.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         diffs.append((fp32 - torch.tensor(out.logprobs, dtype=torch.float32)).abs())
     d = torch.cat(diffs)
@@ -166,9 +181,15 @@ def test_bf16_bucketed_sampler_is_within_the_bound_and_a_reinitialised_layer_is_
     from verl_backend.rollout.sampling import build_sampler
 
     native = tpu_dry_run(PROFILES["cpu"]).overrides["+actor_rollout_ref.rollout.engine_kwargs.native"]
-    rollout = OmegaConf.create({"dtype": "bfloat16", "prompt_length": 64, "response_length": 32, "max_num_seqs": 8,
-                                "engine_kwargs": {"native": OmegaConf.create(yaml.safe_load(
-                                    native.replace(":", ": ").replace(",", ", ")))}})
+    rollout = OmegaConf.create(
+        {
+            "dtype": "bfloat16",
+            "prompt_length": 64,
+            "response_length": 32,
+            "max_num_seqs": 8,
+            "engine_kwargs": {"native": OmegaConf.create(yaml.safe_load(native.replace(":", ": ").replace(",", ", ")))},
+        }
+    )
     sampler = build_sampler(str(peaked_model_dir), rollout, "cpu")
     # the TPU profile's sampler on a CPU device: no fast path, bucketed padded prefill, bf16
     assert (sampler.packed_prefill, sampler.lean_decode, sampler.packed) == (False, False, None)
@@ -191,6 +212,7 @@ def test_bf16_bucketed_sampler_is_within_the_bound_and_a_reinitialised_layer_is_
 
 # --- end to end: 2 steps on a fake v6e-4 slice -----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fake_v6e_4(tmp_path_factory):
     """A fake v6e-4 slice (head + one 4-chip host) for this module, stopped by pid at the end."""
@@ -209,20 +231,41 @@ def dry_run(fake_v6e_4, peaked_model_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tpu_dry_run")
     env = dict(train_env(), RAY_ADDRESS=fake_v6e_4.address, RAY_DEDUP_LOGS="0")  # every rank's lines, undeduplicated
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--tpu-dry-run",
-           "--output-dir", str(out), "--max-restarts", "0", f"actor_rollout_ref.model.path={peaked_model_dir}",
-           "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-           "trainer.save_freq=2", "rl_tpu.train_size=8", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=180",
-           # 2 prompts x 2 samples = 4 sequences: one per rank
-           "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", "data.max_response_length=16",
-           "actor_rollout_ref.actor.optim.lr=1e-3",
-           "rl_tpu.compile_trainer=true",  # the TPU profile's compiled training step, on its padded micro batches
-           # VeRL's token-level log-ratio diagnostics (module docstring); these thresholds reject nothing
-           "algorithm.rollout_correction.rollout_rs='token_k1,token_k2'",
-           "algorithm.rollout_correction.rollout_rs_threshold='1e-9_1e9,1e9'", *write_reward(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--tpu-dry-run",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={peaked_model_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=2",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "rl_tpu.slice_timeout_s=180",
+        # 2 prompts x 2 samples = 4 sequences: one per rank
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "rl_tpu.compile_trainer=true",  # the TPU profile's compiled training step, on its padded micro batches
+        # VeRL's token-level log-ratio diagnostics (module docstring); these thresholds reject nothing
+        "algorithm.rollout_correction.rollout_rs='token_k1,token_k2'",
+        "algorithm.rollout_correction.rollout_rs_threshold='1e-9_1e9,1e9'",
+        *write_reward(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
     (out / "driver.log").write_text(proc.stdout + proc.stderr)  # kept for a look after a failure
     return out, proc, proc.stdout + proc.stderr
@@ -248,19 +291,32 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert config["algorithm"]["rollout_correction"]["bypass_mode"] is False
     assert aro["actor"]["use_prefix_grouper"] is False
     assert not config["ray_kwargs"]["ray_init"]["runtime_env"].get("py_executable")  # no fork server
-    assert re.search(r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
-                     r"4 workers, host of each: \[0, 0, 0, 0\]", log), log[-3000:]
+    assert re.search(
+        r"resource pool global_pool: slice v6e-4 \(fake-v6e-4-[^)]*\) reserved with ray\.util\.tpu, "
+        r"4 workers, host of each: \[0, 0, 0, 0\]",
+        log,
+    ), log[-3000:]
     # four ranks, each with its own bf16 sampler, fast paths off, synced in process
-    samplers = re.findall(r"\[rl-tpu\] native sampler \(torch\.bfloat16, cpu\): packed prefill off, lean decode off, "
-                          r"packed weights off, compiled off", log)
+    samplers = re.findall(
+        r"\[rl-tpu\] native sampler \(torch\.bfloat16, cpu\): packed prefill off, lean decode off, "
+        r"packed weights off, compiled off",
+        log,
+    )
     assert len(samplers) == 4, samplers
-    routes = set(re.findall(r"weight sync route: planned in_worker, took in_worker, because [^\n]*?"
-                         r"\(trainer rank (\d) -> rollout replica \d: in the trainer worker", log))
+    routes = set(
+        re.findall(
+            r"weight sync route: planned in_worker, took in_worker, because [^\n]*?"
+            r"\(trainer rank (\d) -> rollout replica \d: in the trainer worker",
+            log,
+        )
+    )
     assert routes == {"0", "1", "2", "3"}, routes
     assert re.search(r"\[rl-tpu\] actor: FSDP2 wraps the model \(several ranks", log)  # said by rank 0
     assert "so the model runs unwrapped" not in log
     # compiled blocks (rl_tpu.compile_trainer) in every actor and reference policy, graphs bounded, never eager again
-    assert len(re.findall(r"\[rl-tpu\] compiled trainer blocks: 2 blocks of the actor compile per input shape", log)) == 4
+    assert (
+        len(re.findall(r"\[rl-tpu\] compiled trainer blocks: 2 blocks of the actor compile per input shape", log)) == 4
+    )
     assert "runs eagerly" not in log
     graphs = [int(n) for n in re.findall(r"compiled trainer blocks: graph (\d+) of at most 16", log)]
     assert graphs and max(graphs) <= 4, graphs  # per process: buckets x {update, no-grad forward}, over 2 steps
@@ -318,8 +374,10 @@ def test_dry_run_trains_and_its_bf16_rollout_matches_the_trainer(dry_run):
         rms = math.sqrt(2 * m["rollout_corr/rollout_rs_token_k2_mean"])
         worst_rms, worst_max = max(worst_rms, rms), max(worst_max, r_max)
         worst_seq = max(worst_seq, m["rollout_corr/log_ppl_abs_diff"])
-    print(f"dry run, bf16 rollout vs bf16-mixed-precision trainer: root mean square {worst_rms:.4f} (>= mean |Δ|), "
-          f"max {worst_max:.4f}, per-sequence |mean Δ| {worst_seq:.4f} (<= mean |Δ|) nats per token")
+    print(
+        f"dry run, bf16 rollout vs bf16-mixed-precision trainer: root mean square {worst_rms:.4f} (>= mean |Δ|), "
+        f"max {worst_max:.4f}, per-sequence |mean Δ| {worst_seq:.4f} (<= mean |Δ|) nats per token"
+    )
     assert worst_max > 0  # the rollout's own log-probs were compared, not the trainer's twice
     assert worst_rms <= RMS_BOUND and worst_max <= MAX_BOUND, (worst_rms, worst_max)
     assert worst_seq <= MEAN_BOUND, worst_seq
@@ -334,7 +392,8 @@ def test_dry_run_checkpoint_loads_and_weights_changed(dry_run, peaked_model_dir)
     ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(peaked_model_dir, dtype=torch.float32)
-    deltas = [(a - b).abs().max().item()
-              for (_, a), (_, b) in zip(trained.state_dict().items(), initial.state_dict().items())]
+    deltas = [
+        (a - b).abs().max().item() for (_, a), (_, b) in zip(trained.state_dict().items(), initial.state_dict().items())
+    ]
     assert max(deltas) > 1e-4
     assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -17,8 +17,12 @@ from verl_backend.driver.aot.dry_run import SKIPPED_NO_TORCH_TPU, DryRunCompile,
 from verl_backend.driver.aot.graphs import graph_list, graph_list_differences
 
 # the e2e dry run's job (test_tpu_dry_run.py), its micro batches left to fit_default_micro_batches (4 workers)
-JOB = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-       "data.max_response_length=16"]
+JOB = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "data.max_response_length=16",
+]
 
 
 def _composed(monkeypatch, tmp_path: Path, argv: list[str], where: str):
@@ -38,8 +42,11 @@ def _composed(monkeypatch, tmp_path: Path, argv: list[str], where: str):
     else:
         import verl_backend.driver.train as train
 
-        monkeypatch.setattr(train, "show_memory_plan", lambda config, slice_name, backend: caught.update(
-            config=config, slice=slice_name))
+        monkeypatch.setattr(
+            train,
+            "show_memory_plan",
+            lambda config, slice_name, backend: caught.update(config=config, slice=slice_name),
+        )
     assert main(["train", *argv, "--output-dir", str(tmp_path)]) == 0
     return caught
 
@@ -53,38 +60,60 @@ def test_the_dry_runs_graph_list_is_aot_onlys_and_a_missing_bucket_is_found(monk
     model = f"actor_rollout_ref.model.path={tiny_model_dir}"
     # the dry run's job is the embedded default config's (--backend cpu's): --aot-only is given it as --config
     default = str(PROFILES["cpu"].default_config)
-    aot = _composed(monkeypatch, tmp_path / "aot", ["--backend", "tpu", "--aot-only", "--slice", "v6e-4", "--config",
-                                                    default, model, *JOB], "aot")
-    dry = _composed(monkeypatch, tmp_path / "dry", ["--backend", "cpu", "--tpu-dry-run", "--print-config", model,
-                                                    *JOB], "plan")
+    aot = _composed(
+        monkeypatch,
+        tmp_path / "aot",
+        ["--backend", "tpu", "--aot-only", "--slice", "v6e-4", "--config", default, model, *JOB],
+        "aot",
+    )
+    dry = _composed(
+        monkeypatch, tmp_path / "dry", ["--backend", "cpu", "--tpu-dry-run", "--print-config", model, *JOB], "plan"
+    )
     assert aot["slice"] == dry["slice"] == "v6e-4:2x2"
     # what the dry run records (DryRunCompile.start writes aot/graphs.json before anything else)
     DryRunCompile(dry["config"], dry["slice"], tmp_path / "run", enabled=False).start()
     recorded = json.loads((tmp_path / "run" / "aot" / "graphs.json").read_text())
     assert recorded == graph_list(dry["config"])
     # what --aot-only lowers for the same job: the graphs of its lowering subprocess's jobs
-    lowered = [g for j in aot_jobs(aot["config"], job_workers(aot["config"]), model_path=aot["model_path"])
-               for g in j["graphs"]]
+    lowered = [
+        g
+        for j in aot_jobs(aot["config"], job_workers(aot["config"]), model_path=aot["model_path"])
+        for g in j["graphs"]
+    ]
     assert len(lowered) == len(recorded) >= 4
     assert graph_list_differences(recorded, lowered) == []
     # the update, the no-grad log-prob forward (old policy recomputed, KL loss's reference), the sampler
-    assert {g["kind"] for g in recorded} == {"block", "lm_head", "block_forward", "lm_head_forward", "prefill", "decode"}
+    assert {g["kind"] for g in recorded} == {
+        "block",
+        "lm_head",
+        "block_forward",
+        "lm_head_forward",
+        "prefill",
+        "decode",
+    }
     # negative control: one of --aot-only's decode buckets left out is reported, naming it
     decodes = [i for i, g in enumerate(lowered) if g["kind"] == "decode"]
     assert decodes
-    fewer = lowered[:decodes[-1]] + lowered[decodes[-1] + 1:]
+    fewer = lowered[: decodes[-1]] + lowered[decodes[-1] + 1 :]
     assert graph_list_differences(recorded, fewer) == [f"only in the first list: {recorded[decodes[-1]]['graph']}"]
     # and at other shapes, and in another order
     bigger = [dict(g, batch=g["batch"] * 2) if g["kind"] == "prefill" else g for g in lowered]
-    assert any(line.startswith("only in the second list: sampler.prefill[")
-               for line in graph_list_differences(recorded, bigger))
+    assert any(
+        line.startswith("only in the second list: sampler.prefill[")
+        for line in graph_list_differences(recorded, bigger)
+    )
     assert graph_list_differences(recorded, lowered[::-1]) == ["the same graphs in another order"]
 
 
-CONFIG = {"actor_rollout_ref": {"model": {"path": None}, "actor": {"ppo_micro_batch_size_per_gpu": 1},
-                                "rollout": {"n": 2, "max_num_seqs": 64, "prompt_length": 16, "response_length": 16}},
-          "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 16},
-          "trainer": {"n_gpus_per_node": 4, "nnodes": 1}}
+CONFIG = {
+    "actor_rollout_ref": {
+        "model": {"path": None},
+        "actor": {"ppo_micro_batch_size_per_gpu": 1},
+        "rollout": {"n": 2, "max_num_seqs": 64, "prompt_length": 16, "response_length": 16},
+    },
+    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 16},
+    "trainer": {"n_gpus_per_node": 4, "nnodes": 1},
+}
 
 
 @pytest.fixture
@@ -142,10 +171,13 @@ def test_the_check_lowers_and_compiles_the_recorded_graphs_for_the_fake_slice(tm
     lowered = json.loads((tmp_path / "aot" / "lowered.json").read_text())
     # block and lm_head are a forward and a backward graph each
     assert entry["compiled"] == len(lowered) == len(recorded) + 2
-    assert {r["graph"].rsplit(".", 1)[0] if r["graph"].endswith((".fwd", ".bwd")) else r["graph"]
-            for r in lowered} == {g["graph"] for g in recorded}
+    assert {r["graph"].rsplit(".", 1)[0] if r["graph"].endswith((".fwd", ".bwd")) else r["graph"] for r in lowered} == {
+        g["graph"] for g in recorded
+    }
     assert entry["hbm_bytes"] == 32 * 2**30
     assert 0 < entry["per_chip"]["training_peak"] < entry["hbm_bytes"]
     assert 0 < entry["per_chip"]["largest_sampler_graph"] < entry["hbm_bytes"]
-    assert entry["line"].startswith(f"{entry['compiled']} of {entry['compiled']} graphs lowered by TorchTPU and "
-                                    "compiled by libtpu for v6e-4:2x2 (v6e:2x2), no chip; per chip: training ")
+    assert entry["line"].startswith(
+        f"{entry['compiled']} of {entry['compiled']} graphs lowered by TorchTPU and "
+        "compiled by libtpu for v6e-4:2x2 (v6e:2x2), no chip; per chip: training "
+    )

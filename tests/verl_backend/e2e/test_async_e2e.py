@@ -24,11 +24,21 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, default_mode
 
     model = build_tiny_model("llama", default_model_dir, tmp_path / "model")
     out = tmp_path / "run"
-    proc = verl_train(out, f"actor_rollout_ref.model.path={model}", "trainer.v1.trainer_mode=colocate_async",
-                      f"trainer.v1.sampler.max_off_policy_threshold={BOUND}", "trainer.total_training_steps=2",
-                      "trainer.test_freq=-1", "trainer.save_freq=2", "trainer.val_before_train=false",
-                      "rl_tpu.train_size=8", "rl_tpu.val_size=4", "data.max_response_length=16",
-                      "actor_rollout_ref.actor.optim.lr=1e-3", *write_reward(tmp_path))
+    proc = verl_train(
+        out,
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.v1.trainer_mode=colocate_async",
+        f"trainer.v1.sampler.max_off_policy_threshold={BOUND}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        *write_reward(tmp_path),
+    )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["trainer"]["v1"]["trainer_mode"] == "colocate_async"
@@ -45,6 +55,8 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, default_mode
     # and its PPO ratio is against the policy that sampled it (not 1)
     assert train[1][STALE] == 1
     assert abs(train[1]["actor/ppo_kl"]) > 1e-5
-    ckpt = AutoModelForCausalLM.from_pretrained(out / "checkpoints/global_step_2/actor/huggingface", dtype=torch.float32)
+    ckpt = AutoModelForCausalLM.from_pretrained(
+        out / "checkpoints/global_step_2/actor/huggingface", dtype=torch.float32
+    )
     before = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     assert any(not torch.equal(a, b) for a, b in zip(ckpt.state_dict().values(), before.state_dict().values()))

@@ -39,7 +39,21 @@ def test_lora_example_composes_with_the_users_checkpoint(qwen3_dir):
 
 @pytest.mark.parametrize("example", ["examples/qwen3_cpu.yaml", "examples/lora_cpu.yaml"])
 def test_an_example_without_a_model_path_names_the_key(example):
-    proc = subprocess.run([sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--config",
-                           example, "--print-config"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_backend.driver.cli",
+            "train",
+            "--backend",
+            "cpu",
+            "--config",
+            example,
+            "--print-config",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "actor_rollout_ref.model.path=???" in proc.stderr.strip().splitlines()[-1]

@@ -16,10 +16,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return (len(solution_str) % 7) / 7.0
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,25 @@ def run(tmp_path_factory, tiny_model_dir):
     env.pop("RAY_ADDRESS", None)
     bundle = out / "ship" / "policy.litertlm"
     cmd = [
-        sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out / "run"),
-        "--export", str(bundle),
-        f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=1", "trainer.test_freq=-1",
-        "trainer.save_freq=1", "rl_tpu.train_size=8", "rl_tpu.val_size=6", "data.max_response_length=16",
-        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out / "run"),
+        "--export",
+        str(bundle),
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=6",
+        "data.max_response_length=16",
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
     ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=1500)
     return out / "run", bundle, proc

@@ -22,11 +22,20 @@ def test_family_trains_with_the_rollout_on_the_trainers_numbers(family, tmp_path
 
     model = build_tiny_model(family, default_model_dir, tmp_path / "model")
     out = tmp_path / "run"
-    proc = verl_train(out, f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=2",
-                      "trainer.test_freq=-1", "trainer.save_freq=2", "trainer.val_before_train=false",
-                      "rl_tpu.train_size=8", "rl_tpu.val_size=4", "data.max_response_length=16",
-                      "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.rollout_correction.bypass_mode=false",
-                      *write_reward(tmp_path))
+    proc = verl_train(
+        out,
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "algorithm.rollout_correction.bypass_mode=false",
+        *write_reward(tmp_path),
+    )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     # the log-probs below came through the shared-prefix row (windowed masks where the model has windows), not a
     # fallback to a copy of the prompt per sequence
@@ -38,8 +47,9 @@ def test_family_trains_with_the_rollout_on_the_trainers_numbers(family, tmp_path
     for m in train:  # step 2 sampled on the weights step 1 updated and synced
         assert m["training/rollout_probs_diff_max"] < 1e-4
         assert max(abs(m["rollout_corr/log_ppl_diff_max"]), abs(m["rollout_corr/log_ppl_diff_min"])) < 1e-4
-    ckpt = AutoModelForCausalLM.from_pretrained(out / "checkpoints/global_step_2/actor/huggingface",
-                                                dtype=torch.float32, attn_implementation="sdpa").eval()
+    ckpt = AutoModelForCausalLM.from_pretrained(
+        out / "checkpoints/global_step_2/actor/huggingface", dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     before = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     assert any(not torch.equal(a, b) for a, b in zip(ckpt.state_dict().values(), before.state_dict().values()))
     prompt = torch.randint(3, 40000, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -48,6 +58,9 @@ def test_family_trains_with_the_rollout_on_the_trainers_numbers(family, tmp_path
         for _ in range(10):
             ids = torch.cat([ids, ckpt(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     hf = ids[0, 12:].tolist()
-    native = Sampler(ckpt, pad_token_id=0, eos_token_ids=[]).generate(
-        [prompt[0].tolist()], SamplingParams(temperature=0, max_new_tokens=10))[0].token_ids
+    native = (
+        Sampler(ckpt, pad_token_id=0, eos_token_ids=[])
+        .generate([prompt[0].tolist()], SamplingParams(temperature=0, max_new_tokens=10))[0]
+        .token_ids
+    )
     assert native == hf

@@ -29,8 +29,7 @@ MARKER = "RL_TPU_TEST_RUN"  # in the environment of every process of one test's 
 
 def _verl_env() -> dict[str, str]:
     """This process's environment for a ``verl train`` child: its own local Ray, CPU, one thread, no auth."""
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled",
-           MARKER: uuid.uuid4().hex}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "RAY_AUTH_MODE": "disabled", MARKER: uuid.uuid4().hex}
     env.pop("VERL_PLATFORM", None)
     env.pop("RAY_ADDRESS", None)
     return env
@@ -55,8 +54,10 @@ def _session_actor(marker: str, actor: str, newest: bool = False) -> psutil.Proc
     found = []
     for proc in psutil.process_iter(["cmdline", "create_time"]):
         try:
-            if " ".join(proc.info["cmdline"] or []).startswith(f"ray::{actor}") and \
-                    proc.environ().get(MARKER) == marker:
+            if (
+                " ".join(proc.info["cmdline"] or []).startswith(f"ray::{actor}")
+                and proc.environ().get(MARKER) == marker
+            ):
                 if not newest:
                     return proc
                 found.append(proc)
@@ -65,8 +66,9 @@ def _session_actor(marker: str, actor: str, newest: bool = False) -> psutil.Proc
     return max(found, key=lambda p: p.info["create_time"]) if found else None
 
 
-def _kill_when(proc, metrics: Path, marker: str, step: int, actor: str, timeout_s: float = 900,
-               newest: bool = False) -> int:
+def _kill_when(
+    proc, metrics: Path, marker: str, step: int, actor: str, timeout_s: float = 900, newest: bool = False
+) -> int:
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         if step in _metrics_steps(metrics):
@@ -84,11 +86,25 @@ def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny
     env = _verl_env()
     steps = 5
     cmd = [
-        sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-        "--max-restarts", "2", f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "rl_tpu.train_size=24", "rl_tpu.val_size=4",
-        "data.max_response_length=16", f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "2",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=24",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
     ]
     log_path = tmp_path / "log.txt"
     log = open(log_path, "w")
@@ -142,10 +158,24 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_same_command_resumes(tmp
     (save_freq=-1 saves nothing by itself), the run ends with one line and exit 143 leaving no process behind, and
     the same command resumes from that checkpoint. It used to hit Ray's core-worker failure handler (exit 134)."""
     env = _verl_env()
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(tmp_path),
-           f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=4",
-           "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=80",
-           "rl_tpu.val_size=4", "data.max_response_length=8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(tmp_path),
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=80",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+    ]
     log = open(tmp_path / "stderr.txt", "w+")  # files, not pipes: VeRL prints its whole config (> a pipe's 64 KiB)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
@@ -159,16 +189,21 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_same_command_resumes(tmp
         err = (tmp_path / "stderr.txt").read_text()
         assert proc.returncode == 143, err[-3000:]
         line = [l for l in err.splitlines() if l.startswith("verl: ")]
-        assert len(line) == 1 and re.fullmatch(r"verl: terminated \(SIGTERM\) after step (\d+), checkpoint written; "
-                                               r"run the same command to resume from it", line[0]), line
+        assert len(line) == 1 and re.fullmatch(
+            r"verl: terminated \(SIGTERM\) after step (\d+), checkpoint written; "
+            r"run the same command to resume from it",
+            line[0],
+        ), line
         step = int(re.search(r"after step (\d+)", line[0]).group(1))
         assert step in _metrics_steps(metrics) and step < 4  # a completed, logged step; not the run's end
         assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
         assert (tmp_path / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface").is_dir()
         assert "SIGTERM received" not in err  # no core-worker crash dump
         deadline = time.time() + 30
-        while time.time() < deadline and subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)],
-                                                        capture_output=True, text=True).stdout.split():
+        while (
+            time.time() < deadline
+            and subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ):
             time.sleep(0.5)
         left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert left == [], left  # Ray's processes for this run (same session) are gone
@@ -188,10 +223,25 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")
     env = _verl_env()
     cmd = [
-        sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-        "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.total_training_steps=4",
-        "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "rl_tpu.train_size=16",
-        "rl_tpu.val_size=4", "data.max_response_length=8", f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+        f"+ray_kwargs.ray_init._temp_dir={temp_dir}",
     ]
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
@@ -209,5 +259,9 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
     # so the line must name whatever checkpoint the tracker holds, which is at least step 1.
     saved = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 1
-    assert len(last) == 1 and "a Ray actor of this run failed (NativeRolloutServer) and no restart is left " \
-        f"(--max-restarts 0); last checkpoint: step {saved};" in last[0], text[-3000:]
+    assert (
+        len(last) == 1
+        and "a Ray actor of this run failed (NativeRolloutServer) and no restart is left "
+        f"(--max-restarts 0); last checkpoint: step {saved};"
+        in last[0]
+    ), text[-3000:]

@@ -60,12 +60,20 @@ def checkpoint_logprobs(actor, model_dir, seed: int):
 def run(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("lora_e2e")
     proc = verl_train(
-        out, f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=8",
-        "actor_rollout_ref.model.lora_alpha=16", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "trainer.save_freq=1", "rl_tpu.train_size=8", "rl_tpu.val_size=4", "data.max_response_length=16",
+        out,
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-2",  # an adapter step large enough to move the merged model
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out),
+        "algorithm.rollout_correction.bypass_mode=false",
+        *write_reward(out),
     )
     return out, proc
 
@@ -73,8 +81,10 @@ def run(tmp_path_factory, model_dir):
 def test_lora_run_trains_and_syncs_merged_weights(run):
     out, proc = run
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert re.search(r"weight sync to rollout replica 0: .* MB in [0-9.]+ s \(adapter only, LoRA rank 8, [0-9.]+ MB",
-                     proc.stdout + proc.stderr)
+    assert re.search(
+        r"weight sync to rollout replica 0: .* MB in [0-9.]+ s \(adapter only, LoRA rank 8, [0-9.]+ MB",
+        proc.stdout + proc.stderr,
+    )
     # the adapter's forward takes the trainer's fast paths: one copy of each prompt per GRPO group, LM head at the
     # response positions only (the peft model's forward hands logits_to_keep to the model it wraps)
     assert "[rl-tpu] shared-prefix forward: a micro batch of" in proc.stdout + proc.stderr
@@ -87,8 +97,9 @@ def test_the_checkpoint_is_the_merged_model_and_the_adapter_moved_it(run, model_
     on the base weights (or on bfloat16 merged ones) would have shown in step 2's comparison (the check above could
     fail)."""
     out, _ = run
-    (merged, got), before, (adapted, want), ids = checkpoint_logprobs(out / "checkpoints/global_step_1/actor",
-                                                                       model_dir, seed=0)
+    (merged, got), before, (adapted, want), ids = checkpoint_logprobs(
+        out / "checkpoints/global_step_1/actor", model_dir, seed=0
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert float((got - before).abs().max()) > 1e-2
     greedy = lambda m: m.generate(input_ids=ids[:, :8], max_new_tokens=8, do_sample=False)[0].tolist()
@@ -103,14 +114,25 @@ def tpu_path_run(tmp_path_factory, model_dir):
     ``sampler_placement=worker``)."""
     out = tmp_path_factory.mktemp("lora_tpu_path")
     proc = verl_train(
-        out, f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=8",
-        "actor_rollout_ref.model.lora_alpha=16", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "trainer.save_freq=2", "trainer.val_before_train=false", "rl_tpu.train_size=8", "rl_tpu.val_size=4",
-        "data.max_response_length=16", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "algorithm.rollout_correction.bypass_mode=false", "rl_tpu.plain_module=false",
-        "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.actor.use_prefix_grouper=false",
+        out,
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "rl_tpu.plain_module=false",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.actor.use_prefix_grouper=false",
         "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
-        "actor_rollout_ref.rollout.checkpoint_engine.backend=native", *write_reward(out),
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
+        *write_reward(out),
     )
     return out, proc
 
@@ -123,8 +145,11 @@ def test_lora_on_the_tpu_engines_path_trains_syncs_merged_and_checkpoints(tpu_pa
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "[rl-tpu] actor: FSDP2 wraps the model (rl_tpu.plain_module=false)" in log
-    assert re.search(r"weight sync to rollout replica 0: in process, loaded on the trainer worker's device, "
-                     r"\d+ MB in [0-9.]+ s \(adapter only, LoRA rank 8, [0-9.]+ MB", log)
+    assert re.search(
+        r"weight sync to rollout replica 0: in process, loaded on the trainer worker's device, "
+        r"\d+ MB in [0-9.]+ s \(adapter only, LoRA rank 8, [0-9.]+ MB",
+        log,
+    )
     assert_adapter_synced_and_exact(train_rows(out))
     actor = out / "checkpoints/global_step_2/actor"
     assert (actor / "lora_adapter/adapter_config.json").is_file()

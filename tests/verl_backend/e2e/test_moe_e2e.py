@@ -17,14 +17,27 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, default_model_dir):
     out = tmp_path_factory.mktemp("moe_e2e")
-    model = build_tiny_model("qwen3_moe", default_model_dir, out / "model", hidden_size=256, intermediate_size=256,
-                             moe_intermediate_size=1088)
+    model = build_tiny_model(
+        "qwen3_moe",
+        default_model_dir,
+        out / "model",
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=1088,
+    )
     proc = verl_train(
-        out / "run", f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=2",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8", "rl_tpu.val_size=4",
+        out / "run",
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
         "data.max_response_length=16",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.rollout_correction.bypass_mode=false",
-        "rl_tpu.shared_weights=false", "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "rl_tpu.shared_weights=false",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
         *write_reward(out),
     )
     return out / "run", proc
@@ -33,8 +46,10 @@ def run(tmp_path_factory, default_model_dir):
 def test_moe_syncs_per_expert_through_1mib_buckets_and_rollout_matches_trainer(run):
     out, proc = run
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    line = re.search(r"weight sync to rollout replica 0: object store, rl_tpu.shared_weights=false, (\d+) MB", proc.stdout
-                     + proc.stderr)
+    line = re.search(
+        r"weight sync to rollout replica 0: object store, rl_tpu.shared_weights=false, (\d+) MB",
+        proc.stdout + proc.stderr,
+    )
     assert line and int(line.group(1)) > 50  # the whole model, in 1 MiB buckets
     train = train_rows(out)
     assert len(train) == 2

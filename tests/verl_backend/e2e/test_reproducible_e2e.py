@@ -21,22 +21,47 @@ pytestmark = pytest.mark.slow
 # clocks, rates and memory differ between two runs of the same job
 # the sync check's probe differences are float32 rounding between trainer and rollout (~1e-6): they follow the
 # training metrics' order-of-summation rounding, relatively much larger, so they are not compared
-NOT_REPRODUCIBLE = ("timing", "perf/", "time", "seconds", "throughput", "memory", "mem_", "/mfu",
-                    "verify_probe_score", "verify_max_abs_diff")
+NOT_REPRODUCIBLE = (
+    "timing",
+    "perf/",
+    "time",
+    "seconds",
+    "throughput",
+    "memory",
+    "mem_",
+    "/mfu",
+    "verify_probe_score",
+    "verify_max_abs_diff",
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     out = {}
-    for name, extra in (("first", []), ("again", []), ("other_seed", ["data.seed=2", "trainer.total_training_steps=1"])):
+    for name, extra in (
+        ("first", []),
+        ("again", []),
+        ("other_seed", ["data.seed=2", "trainer.total_training_steps=1"]),
+    ):
         folder = tmp_path_factory.mktemp(f"repro_{name}")
         proc = verl_train(
-            folder, f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
-            "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
-            "actor_rollout_ref.actor.optim.lr=1e-3", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.rollout_data_dir={folder / 'rollouts'}",
-            *write_reward(folder), *extra,
+            folder,
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"critic.model.path={tiny_model_dir}",
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "rl_tpu.train_size=16",
+            "rl_tpu.val_size=8",
+            "data.max_response_length=16",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            f"trainer.rollout_data_dir={folder / 'rollouts'}",
+            *write_reward(folder),
+            *extra,
         )
         assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-5000:])
         out[name] = folder
@@ -50,8 +75,9 @@ def samples(folder, step: int) -> list[tuple]:
 
 
 def metrics(folder) -> list[dict]:
-    return [{k: v for k, v in row.items() if not any(word in k for word in NOT_REPRODUCIBLE)}
-            for row in train_rows(folder)]
+    return [
+        {k: v for k, v in row.items() if not any(word in k for word in NOT_REPRODUCIBLE)} for row in train_rows(folder)
+    ]
 
 
 def test_the_same_command_twice_gives_the_same_samples_rewards_and_losses(runs):
@@ -68,8 +94,9 @@ def test_the_same_command_twice_gives_the_same_samples_rewards_and_losses(runs):
         assert len(groups) == 4 and all(len(g) > 1 for g in groups.values()), "a GRPO group drew one stream"
     ma, mb = metrics(first), metrics(again)
     assert len(ma) == 2 and [sorted(x) for x in ma] == [sorted(y) for y in mb]
-    off = [(k, x[k], y[k]) for x, y in zip(ma, mb) for k in x
-           if not math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6)]
+    off = [
+        (k, x[k], y[k]) for x, y in zip(ma, mb) for k in x if not math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6)
+    ]
     assert not off, off
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
         assert math.isfinite(ma[0][key]), key

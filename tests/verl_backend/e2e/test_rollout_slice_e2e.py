@@ -36,22 +36,45 @@ def two_fake_slices(tmp_path_factory):
         yield cluster
 
 
-def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them(two_fake_slices, tmp_path,
-                                                                                   default_model_dir):
+def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them(
+    two_fake_slices, tmp_path, default_model_dir
+):
     from transformers import AutoModelForCausalLM
 
     model = build_tiny_model("llama", default_model_dir, tmp_path / "model")
     out = tmp_path / "run"
     env = dict(train_env(), RAY_ADDRESS=two_fake_slices.address)
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           "--slice", "v6e-1", "--rollout-slice", "v6e-1", "--max-restarts", "0",
-           f"actor_rollout_ref.model.path={model}", "data.train_batch_size=8",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.total_training_steps={STEPS}",
-           f"trainer.save_freq={STEPS}", f"trainer.test_freq={STEPS}", "trainer.val_before_train=false",
-           "rl_tpu.train_size=32", "rl_tpu.val_size=4", "rl_tpu.slice_timeout_s=180", "data.max_response_length=16",
-           "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.rollout_correction.bypass_mode=false",
-           f"+actor_rollout_ref.rollout.engine_kwargs.native={TPU_SAMPLER}",
-           *write_reward(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--slice",
+        "v6e-1",
+        "--rollout-slice",
+        "v6e-1",
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={model}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"trainer.total_training_steps={STEPS}",
+        f"trainer.save_freq={STEPS}",
+        f"trainer.test_freq={STEPS}",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=32",
+        "rl_tpu.val_size=4",
+        "rl_tpu.slice_timeout_s=180",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "algorithm.rollout_correction.bypass_mode=false",
+        f"+actor_rollout_ref.rollout.engine_kwargs.native={TPU_SAMPLER}",
+        *write_reward(tmp_path),
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=1500)
     log = proc.stdout + proc.stderr
     (tmp_path / "driver.log").write_text(log)  # kept for a look after a failure
@@ -69,8 +92,11 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
     # each pool reserved a whole slice of its own, on different fake slices of this cluster
     names = {s["name"] for s in two_fake_slices.slices}
     trainer = re.findall(r"resource pool global_pool: slice v6e-1 \((\S+)\) reserved with ray\.util\.tpu", log)
-    rollout_slice = re.findall(r"rollout slice v6e-1 \((\S+)\) reserved with ray\.util\.tpu for the standalone "
-                               r"rollout replicas", log)
+    rollout_slice = re.findall(
+        r"rollout slice v6e-1 \((\S+)\) reserved with ray\.util\.tpu for the standalone "
+        r"rollout replicas",
+        log,
+    )
     assert len(trainer) == 1 and len(rollout_slice) == 1, log[-5000:]
     assert {trainer[0], rollout_slice[0]} == names
 
@@ -88,10 +114,14 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
         assert m["timing_s/old_log_prob"] > 0  # bypass off: pi_old's log-probs computed, saved/restored in between
     # the rollout slice's replica (rank 1: the trainer's colocated replica is 0) samples in the CheckpointEngineWorker
     # that holds its chip, which loads what the gloo engine delivered into its own sampler
-    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1: in process, loaded on "
-                     r"the rollout worker's own device, \d+ MB", log), log[-5000:]
-    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*rollout samples in GlooCheckpointEngine's worker process",
-                     log), log[-5000:]
+    assert re.search(
+        r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1: in process, loaded on "
+        r"the rollout worker's own device, \d+ MB",
+        log,
+    ), log[-5000:]
+    assert re.search(
+        r"\(CheckpointEngineWorker pid=\d+\).*rollout samples in GlooCheckpointEngine's worker process", log
+    ), log[-5000:]
     # validation runs in separate_async too (VeRL switches the trainer's replicas to rollout for it)
     rows_all = [json.loads(line)["data"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     vals = [v for r in rows_all for k, v in r.items() if k.startswith("val-core/") and "/acc/mean@" in k]

@@ -38,17 +38,38 @@ def test_separate_async_syncs_through_gloo_and_resumes_after_a_killed_rollout_re
     model = build_tiny_model("llama", default_model_dir, tmp_path / "model")
     out, log_path = tmp_path / "run", tmp_path / "log.txt"
     env = _verl_env()
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           "--max-restarts", "1", f"actor_rollout_ref.model.path={model}", "trainer.v1.trainer_mode=separate_async",
-           "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-           "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-           "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
-           "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-           "trainer.v1.separate_async.parameter_sync_step=1",
-           f"trainer.v1.sampler.max_off_policy_threshold={BOUND}", f"trainer.total_training_steps={STEPS}",
-           "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "rl_tpu.train_size=16",
-           "rl_tpu.val_size=4", "data.max_response_length=16", "actor_rollout_ref.actor.optim.lr=1e-3",
-           f"+ray_kwargs.ray_init._temp_dir={tempfile.mkdtemp(prefix='sa', dir='/tmp')}", *write_reward(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "1",
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.v1.trainer_mode=separate_async",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        f"trainer.v1.sampler.max_off_policy_threshold={BOUND}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"+ray_kwargs.ray_init._temp_dir={tempfile.mkdtemp(prefix='sa', dir='/tmp')}",
+        *write_reward(tmp_path),
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
         try:
@@ -83,7 +104,9 @@ def test_separate_async_syncs_through_gloo_and_resumes_after_a_killed_rollout_re
         assert 0 <= m[STALE] <= BOUND - 1, m[STALE]  # VeRL drops what its bound does not allow
         assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"))
     assert abs(rows[0]["actor/ppo_kl"]) <= 1e-6  # step 1: rollout and trainer hold the same weights
-    assert re.search(r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1", text)  # the standalone one: hybrid replica 0 is the trainer's
+    assert re.search(
+        r"\(CheckpointEngineWorker pid=\d+\).*weight sync to rollout replica 1", text
+    )  # the standalone one: hybrid replica 0 is the trainer's
     ckpts = out / "checkpoints"
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     for step in range(1, STEPS + 1):

@@ -23,8 +23,12 @@ from e2e_helpers import fake_cluster
 
 pytestmark = pytest.mark.slow
 
-NODE_ENV = {"RL_TPU_PLAIN_MODULE": "0", "RL_TPU_TRIM_BACKWARD": "1", "RL_TPU_SHARED_WEIGHTS": "0",
-            "RL_TPU_RESPONSE_ONLY_LOGITS": "0"}
+NODE_ENV = {
+    "RL_TPU_PLAIN_MODULE": "0",
+    "RL_TPU_TRIM_BACKWARD": "1",
+    "RL_TPU_SHARED_WEIGHTS": "0",
+    "RL_TPU_RESPONSE_ONLY_LOGITS": "0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +42,27 @@ def _run(cluster, model: Path, out: Path, *settings: str) -> tuple[str, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_TPU_")}  # the driver carries none
     env.update(RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="disabled", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     env.pop("VERL_PLATFORM", None)
-    cmd = [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", "cpu", "--output-dir", str(out),
-           "--max-restarts", "0", f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=1",
-           "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=1", "rl_tpu.train_size=8",
-           "rl_tpu.val_size=4", "data.max_response_length=8", *settings]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_backend.driver.cli",
+        "train",
+        "--backend",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+        *settings,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
@@ -49,7 +70,9 @@ def _run(cluster, model: Path, out: Path, *settings: str) -> tuple[str, dict]:
     assert driver, log[-3000:]
     loaded = set(re.findall(r"\[rl-tpu\] (?:actor|reference policy): settings record (\w+)", log))
     assert loaded == {driver.group(1)}, (loaded, driver.group(1))  # every engine loaded the driver's record
-    (tag,) = [json.loads(p.read_text())["FSDP_version"] for p in out.glob("checkpoints/global_step_1/actor/fsdp_config.json")]
+    (tag,) = [
+        json.loads(p.read_text())["FSDP_version"] for p in out.glob("checkpoints/global_step_1/actor/fsdp_config.json")
+    ]
     return log, {"fsdp_version": tag, "record": driver.group(1)}
 
 
@@ -62,13 +85,20 @@ def test_job_settings_reach_workers_and_node_variables_do_not(preexisting_cluste
     assert seen["fsdp_version"] == 0
     assert "object store, rl_tpu.shared_weights=false" not in log
     assert "is deprecated and will be removed" not in log, [l for l in log.splitlines() if "deprecated" in l]
-    assert not [l for l in log.splitlines() if "shared_weights=false" in l], \
-        [l for l in log.splitlines() if "shared_weights=false" in l]
+    assert not [l for l in log.splitlines() if "shared_weights=false" in l], [
+        l for l in log.splitlines() if "shared_weights=false" in l
+    ]
 
     # The job's own settings, given as keys on the command line, act in the workers on the other host.
-    log, chosen = _run(preexisting_cluster, tiny_model_dir, tmp_path / "chosen", "rl_tpu.plain_module=false",
-                       "rl_tpu.trim_backward=true", "rl_tpu.shared_weights=false",
-                       "rl_tpu.response_only_logits=false")
+    log, chosen = _run(
+        preexisting_cluster,
+        tiny_model_dir,
+        tmp_path / "chosen",
+        "rl_tpu.plain_module=false",
+        "rl_tpu.trim_backward=true",
+        "rl_tpu.shared_weights=false",
+        "rl_tpu.response_only_logits=false",
+    )
     assert "actor: FSDP2 wraps the model (rl_tpu.plain_module=false)" in log
     assert "actor: one CPU rank, so the model runs unwrapped" not in log
     # the actor (not the reference policy) trims the heap once per decoder layer in its backward: the tiny model's 2

@@ -24,12 +24,20 @@ pytestmark = pytest.mark.slow
 def run(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("e2e")
     proc = verl_train(
-        out, f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
-        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
-        "rl_tpu.train_size=16", "rl_tpu.val_size=8", "data.max_response_length=16",
+        out,
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"critic.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=8",
+        "data.max_response_length=16",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         # recompute old log-probs (no bypass) so the rollout's log-probs can be checked against the trainer's
-        "algorithm.rollout_correction.bypass_mode=false", *write_reward(out, accuracy=True), default_console=True,
+        "algorithm.rollout_correction.bypass_mode=false",
+        *write_reward(out, accuracy=True),
+        default_console=True,
     )
     return out, proc
 
@@ -65,13 +73,14 @@ def test_console_is_short_and_quiet_and_train_log_has_the_rest(run):
     lines = console_lines(console)
     assert lines[0].startswith("[rl-tpu] GRPO on ") and "train.log" in lines[0], lines[0]
     assert sum(line.startswith("[rl-tpu] step ") for line in lines) == 2, lines
-    assert re.search(r"validation accuracy: before [\d.]+% -> after [\d.]+% \([+-][\d.]+ points, 95% CI "
-                     r"[+-][\d.]+ to [+-][\d.]+(, no item changed \(rule of three\))?; paired over the same 8 items\)",
-                     console), console
+    assert re.search(
+        r"validation accuracy: before [\d.]+% -> after [\d.]+% \([+-][\d.]+ points, 95% CI "
+        r"[+-][\d.]+ to [+-][\d.]+(, no item changed \(rule of three\))?; paired over the same 8 items\)",
+        console,
+    ), console
     assert "strict (answer in <answer> tags)" in console
     log = (out / "train.log").read_text()
-    for quiet in ("engine is not available", "Started a local Ray instance", "Training Progress",
-                  "(WorkerDict pid="):
+    for quiet in ("engine is not available", "Started a local Ray instance", "Training Progress", "(WorkerDict pid="):
         assert quiet in log and quiet not in console, quiet
     assert sorted(p.name for p in (out / "validation").glob("*.jsonl")) == ["0.jsonl", "2.jsonl"]
 
@@ -98,12 +107,14 @@ def test_metrics_have_finite_losses_and_rollout_logprobs_match_trainer(run):
     # trainer and rollout share this host, one FSDP rank: the rollout computes on the trainer's own parameters in
     # shared memory, nothing is copied (step 2's log-probs above were sampled from the weights the optimizer
     # updated in place)
-    assert re.search(r"weight sync to rollout replica 0: shared memory, in place: the rollout computes on the "
-                     r"trainer's parameters, 0 MB copied", log)
+    assert re.search(
+        r"weight sync to rollout replica 0: shared memory, in place: the rollout computes on the "
+        r"trainer's parameters, 0 MB copied",
+        log,
+    )
     # GRPO's 4 samples per prompt share one copy of it in the trainer's packed rows (the log-probs checked above
     # came through that path)
-    assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens",
-                     log)
+    assert re.search(r"shared-prefix forward: a micro batch of \d+ sequences packs to \d+ tokens", log)
     # rl_tpu.trim_backward is off by default (bench_host_memory.py: no lower peak beside plain_module)
     assert "heap pages handed back" not in log
     # one CPU rank: the actor and the reference policy (both float32) run their modules unwrapped (no FSDP2 copies)
@@ -144,8 +155,7 @@ def test_checkpoint_loads_and_weights_changed(run, tiny_model_dir):
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     deltas = [
-        (a - b).abs().max().item()
-        for (_, a), (_, b) in zip(trained.state_dict().items(), initial.state_dict().items())
+        (a - b).abs().max().item() for (_, a), (_, b) in zip(trained.state_dict().items(), initial.state_dict().items())
     ]
     assert max(deltas) > 1e-4
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -157,8 +167,15 @@ def test_checkpoint_written_by_verl_train_exports_to_litert(run, tmp_path):
 
     out, _ = run
     ckpt = out / "checkpoints" / "global_step_2" / "actor" / "huggingface"
-    result = export_checkpoint(str(ckpt), str(tmp_path / "policy.tflite"), quantize="none", prefill_lengths=(32,),
-                               cache_length=64, verify_steps=4, quiet=True)
+    result = export_checkpoint(
+        str(ckpt),
+        str(tmp_path / "policy.tflite"),
+        quantize="none",
+        prefill_lengths=(32,),
+        cache_length=64,
+        verify_steps=4,
+        quiet=True,
+    )
     assert (tmp_path / "policy.tflite").stat().st_size > 0
     report = json.loads((tmp_path / "policy.tflite.report.json").read_text())
     assert report["kind"] != "module" and report["installed"] is True
@@ -171,10 +188,17 @@ def test_sampler_inside_trainer_worker_placement(tmp_path, tiny_model_dir):
     """``sampler_placement=worker`` (the TPU default: a worker owns its chip) run here on CPU: the rollout server
     forwards batches to the trainer worker, whose in-process sampler is synced by an on-device copy."""
     proc = verl_train(
-        tmp_path, "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        tmp_path,
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
         "trainer.total_training_steps=1",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
-        "rl_tpu.val_size=4", "data.max_response_length=16",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
         "+actor_rollout_ref.rollout.engine_kwargs.native={sampler_placement:worker}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=native",
         "algorithm.rollout_correction.bypass_mode=false",
@@ -190,10 +214,19 @@ def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
     """examples/ppo_cpu.yaml: GAE advantages from a learned critic (VeRL's value-head engine, packed rows, sdpa;
     VeRL 0.9.1 would load the critic with flash-attn only). Two steps on the tiny model."""
     proc = verl_train(
-        tmp_path, "--config", "examples/ppo_cpu.yaml", f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"critic.model.path={tiny_model_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.save_freq=-1", "rl_tpu.train_size=16", "rl_tpu.val_size=8",
-        "data.max_response_length=16", timeout=1200,
+        tmp_path,
+        "--config",
+        "examples/ppo_cpu.yaml",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"critic.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=8",
+        "data.max_response_length=16",
+        timeout=1200,
         cwd=str(Path(__file__).resolve().parents[3]),
     )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
@@ -209,15 +242,26 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
     """VeRL 0.9.1's agent loop logs a failed reward and marks its prompt group failed; the driver then fails in
     the replay buffer ("no materializable trajectories"). ``verl train`` must end on the reward's own line."""
     reward = tmp_path / "raising_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-                      "    raise RuntimeError('boom in my reward')\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+        "    raise RuntimeError('boom in my reward')\n"
+    )
     proc = verl_train(
-        tmp_path / "o", "--max-restarts", "0", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        tmp_path / "o",
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
         "trainer.total_training_steps=1",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "rl_tpu.train_size=8",
-        "rl_tpu.val_size=4", "data.max_response_length=8",
-        f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-        timeout=1200, default_console=True,
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=8",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
+        timeout=1200,
+        default_console=True,
     )
     assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
     from verl_backend.driver.console import console_lines

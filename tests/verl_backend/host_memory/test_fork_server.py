@@ -54,8 +54,17 @@ def server(tmp_path_factory):
 
 def test_child_runs_with_the_clients_environment_directory_and_exit_code(server, tmp_path):
     cmd, script = server
-    runs = [subprocess.run([*cmd, script, "7"], capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                           env={**os.environ, "ZT_VALUE": f"v{i}"}) for i in range(2)]
+    runs = [
+        subprocess.run(
+            [*cmd, script, "7"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            env={**os.environ, "ZT_VALUE": f"v{i}"},
+        )
+        for i in range(2)
+    ]
     fields = []
     for i, r in enumerate(runs):
         assert r.returncode == 7, r.stderr[-2000:]
@@ -126,8 +135,9 @@ def test_fork_here_serves_from_the_calling_process_and_refuses_once_ray_is_impor
     """`verl train` forks the server from itself (it then shares the imports' pages with every worker too)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    r = subprocess.run([sys.executable, "-c", FORK_HERE, str(script)], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", FORK_HERE, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     first, stopped, after = r.stdout.strip().splitlines()
     code, *fields, own_session = first.split()
@@ -179,5 +189,6 @@ def test_every_private_module_the_server_preloads_has_a_patch_record():
     private = _private_modules(fork_server.PRELOAD)
     assert private == ["torch._dynamo"], private
     assert [name for name in private if name not in recorded] == []
-    assert [name for name in _private_modules((*fork_server.PRELOAD, "torch._inductor.fx_passes"))
-            if name not in recorded] == ["torch._inductor.fx_passes"]
+    assert [
+        name for name in _private_modules((*fork_server.PRELOAD, "torch._inductor.fx_passes")) if name not in recorded
+    ] == ["torch._inductor.fx_passes"]

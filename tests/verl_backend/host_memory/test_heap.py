@@ -47,8 +47,9 @@ def test_tuned_host_malloc_maps_every_large_block_on_its_own() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     mapped = {}
     for mode in ("default", "tuned"):
-        proc = subprocess.run([sys.executable, "-c", _MMAP_PROBE, mode], capture_output=True, text=True, env=env,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", _MMAP_PROBE, mode], capture_output=True, text=True, env=env, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         mapped[mode] = int(proc.stdout.split()[-1])
     assert mapped == {"default": 0, "tuned": 1}
@@ -59,8 +60,15 @@ def _tiny_llama(seed: int):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = tiny_config("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = tiny_config(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 

@@ -28,11 +28,12 @@ def _one_rank(port: int, conn) -> None:
     fully_shard(model, mesh=mesh)
     found = fsdp2.fsdp_params(model)
     params = list(model.parameters())
-    out = {"all_found": sorted(found) == sorted(id(p) for p in params),
-           "whole": all(fsdp2.is_whole(fp) for fp in found.values()),
-           "shapes": sorted(fsdp2.shapes(fp)[0] for fp in found.values()),
-           "same_values": all(torch.equal(fsdp2.local_storage(fp), fp.sharded_param.to_local())
-                              for fp in found.values())}
+    out = {
+        "all_found": sorted(found) == sorted(id(p) for p in params),
+        "whole": all(fsdp2.is_whole(fp) for fp in found.values()),
+        "shapes": sorted(fsdp2.shapes(fp)[0] for fp in found.values()),
+        "same_values": all(torch.equal(fsdp2.local_storage(fp), fp.sharded_param.to_local()) for fp in found.values()),
+    }
     # rebind every parameter onto new storage: the optimizer's step lands there, the forward reads it
     fresh = {}
     for key, fp in found.items():

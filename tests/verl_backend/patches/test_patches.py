@@ -39,8 +39,14 @@ def _run(code: str, **env: str) -> dict:
     for key in ("TQ_NUM_THREADS", "RL_TPU_SETTINGS"):
         if key not in env:
             full.pop(key, None)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -133,7 +139,10 @@ def on_cpu_platform() -> dict:
         dist.destroy_process_group()
         print(json.dumps(out))
         """,
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
     )
 
 
@@ -408,16 +417,31 @@ def test_every_record_names_its_range_reason_and_upstream():
     every = _every_record()
     targets = [p.target for p in every]
     assert len(set(targets)) == len(targets)
-    assert {p.library for p in every} >= {"verl", "TransferQueue", "ray", "torch", "transformers", "litert-torch",
-                                          "torch-tpu"}
+    assert {p.library for p in every} >= {
+        "verl",
+        "TransferQueue",
+        "ray",
+        "torch",
+        "transformers",
+        "litert-torch",
+        "torch-tpu",
+    }
     for patch in every:
         assert problems(patch) == [], (patch.target, problems(patch))
         found = installed_version(patch.library)
         assert found is None or patch.supports(found), patch.target  # the installed one is the tested one
 
 
-BAD_UPSTREAM = ["", "   ", None, "no upstream issue found", "https://example.com/bug/1", "see verl#6237",
-                "none found", "none found: searched verl-project/verl issues for ''"]
+BAD_UPSTREAM = [
+    "",
+    "   ",
+    None,
+    "no upstream issue found",
+    "https://example.com/bug/1",
+    "see verl#6237",
+    "none found",
+    "none found: searched verl-project/verl issues for ''",
+]
 
 
 @pytest.mark.parametrize("upstream", BAD_UPSTREAM)
@@ -425,20 +449,40 @@ def test_a_record_without_an_upstream_is_refused(upstream):
     """The negative control of the check above: a record whose upstream is empty, missing or neither a GitHub issue
     or pull request nor the search that found none is refused."""
     good = RECORDS[0]
-    bad = Patch(target=good.target, module=good.module, library=good.library, versions=good.versions, why=good.why,
-                upstream=upstream, apply=good.apply, applied=good.applied)
+    bad = Patch(
+        target=good.target,
+        module=good.module,
+        library=good.library,
+        versions=good.versions,
+        why=good.why,
+        upstream=upstream,
+        apply=good.apply,
+        applied=good.applied,
+    )
     assert any("upstream" in p for p in problems(bad)), problems(bad)
 
 
 def test_a_complete_record_passes_and_each_field_is_checked():
-    ok = dict(target="pkg.mod.name", module="pkg.mod", library="pkg", versions="==1.0", why="one line",
-              upstream="https://github.com/owner/repo/issues/12", apply=None, applied=lambda m: True)
+    ok = dict(
+        target="pkg.mod.name",
+        module="pkg.mod",
+        library="pkg",
+        versions="==1.0",
+        why="one line",
+        upstream="https://github.com/owner/repo/issues/12",
+        apply=None,
+        applied=lambda m: True,
+    )
     assert problems(Patch(**ok)) == []
     assert problems(Patch(**{**ok, "upstream": searched("owner/repo", "a query", "a note")})) == []
     assert problems(Patch(**{**ok, "upstream": "https://github.com/owner/repo/pull/7 (fixed in 2.0)"})) == []
-    for field, value, found in [("target", "", "no target"), ("library", " ", "no library"),
-                                ("versions", "", "no version range"), ("why", "two\nlines", "why is not"),
-                                ("why", "", "why is not")]:
+    for field, value, found in [
+        ("target", "", "no target"),
+        ("library", " ", "no library"),
+        ("versions", "", "no version range"),
+        ("why", "two\nlines", "why is not"),
+        ("why", "", "why is not"),
+    ]:
         assert any(p.startswith(found) for p in problems(Patch(**{**ok, field: value}))), (field, value)
 
 
@@ -447,20 +491,39 @@ def test_installed_versions_pass():
     check_versions({"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.60.0"})
 
 
-@pytest.mark.parametrize("installed, line", [
-    ({"verl": "0.9.2", "TransferQueue": "0.1.11"},
-     ("verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
-      "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")),
-    ({"verl": "0.9.1", "TransferQueue": "0.2.0"},
-     ("TransferQueue 0.2.0 is outside the tested range ==0.1.11 of rl-tpu's patch "
-      "transfer_queue.client.TQ_NUM_THREADS; install TransferQueue==0.1.11")),
-    ({"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.61.0"},
-     ('ray 2.61.0 is outside the tested range <2.61,>=2.60 of rl-tpu\'s patch ray._private.state.actors; install '
-      '"ray<2.61,>=2.60"')),
-    ({"verl": "not-a-version", "TransferQueue": None},
-     ("verl not-a-version is outside the tested range ==0.9.1 of rl-tpu's patch "
-      "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")),
-])
+@pytest.mark.parametrize(
+    "installed, line",
+    [
+        (
+            {"verl": "0.9.2", "TransferQueue": "0.1.11"},
+            (
+                "verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
+                "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1"
+            ),
+        ),
+        (
+            {"verl": "0.9.1", "TransferQueue": "0.2.0"},
+            (
+                "TransferQueue 0.2.0 is outside the tested range ==0.1.11 of rl-tpu's patch "
+                "transfer_queue.client.TQ_NUM_THREADS; install TransferQueue==0.1.11"
+            ),
+        ),
+        (
+            {"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.61.0"},
+            (
+                "ray 2.61.0 is outside the tested range <2.61,>=2.60 of rl-tpu's patch ray._private.state.actors; install "
+                '"ray<2.61,>=2.60"'
+            ),
+        ),
+        (
+            {"verl": "not-a-version", "TransferQueue": None},
+            (
+                "verl not-a-version is outside the tested range ==0.9.1 of rl-tpu's patch "
+                "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1"
+            ),
+        ),
+    ],
+)
 def test_version_outside_the_tested_range_is_refused_in_one_line(installed, line):
     with pytest.raises(UnsupportedVersionError) as info:
         check_versions(installed)
@@ -481,23 +544,35 @@ def test_verl_train_refuses_an_untested_verl_before_running(monkeypatch, capsys)
     monkeypatch.setattr(patches, "_checked", False)
     assert cli.main(["train", "--backend", "cpu", "--print-config"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [("verl: error: verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
-                    "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install "
-                    "verl==0.9.1")]
+    assert err == [
+        (
+            "verl: error: verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
+            "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install "
+            "verl==0.9.1"
+        )
+    ]
 
 
 def test_plugin_refuses_an_untested_verl_in_one_line_and_registers_nothing():
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(
-            """
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
             import json
             from rl_tpu.patches import record
             record.installed_version = lambda lib: "0.9.2" if lib == "verl" else None
             import verl
             from verl.plugin.platform.platform_manager import PlatformRegistry
             print(json.dumps({"platforms": list(PlatformRegistry.registered_names())}))
-            """)],
-        capture_output=True, text=True, timeout=300, check=False,
+            """
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "VERL_PLATFORM": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -506,7 +581,8 @@ def test_plugin_refuses_an_untested_verl_in_one_line_and_registers_nothing():
     ours = [line for line in proc.stderr.splitlines() if "outside the tested range" in line]
     assert len(ours) == 1 and ours[0].endswith(
         "rl-tpu: verl 0.9.2 is outside the tested range ==0.9.1 of rl-tpu's patch "
-        "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1")
+        "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available; install verl==0.9.1"
+    )
 
 
 def test_save_checkpoint_record_fails_when_verl_changes_the_save():
@@ -565,8 +641,10 @@ def test_the_features_two_patches_run_come_from_the_plugin(monkeypatch):
     from verl_backend.patches import verl as verl_patches
     from verl_backend.workers import plugin
 
-    assert verl_patches.FEATURES == {"resource_pools": plugin._place_pools_on_slices,
-                                     "step_begin": plugin._at_step_begin}
+    assert verl_patches.FEATURES == {
+        "resource_pools": plugin._place_pools_on_slices,
+        "step_begin": plugin._at_step_begin,
+    }
     monkeypatch.setattr(verl_patches, "FEATURES", {})
     with pytest.raises(RuntimeError, match="feature 'step_begin', which the plugin did not hand over"):
         verl_patches._step_begin_hook(lambda trainer: None)(object())

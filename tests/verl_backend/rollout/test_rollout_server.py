@@ -81,7 +81,7 @@ def test_buckets_load_in_any_order_and_generation_waits_for_the_last(server):
     # the new weights are what generated "b": its log-probs are the new model's
     ids = torch.tensor([prompt + after.token_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
     got = logp.gather(-1, torch.tensor(after.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(got, torch.tensor(after.log_probs), rtol=1e-4, atol=1e-4)
     assert before.extra_fields["global_steps"] == 0
@@ -123,7 +123,7 @@ def test_shared_memory_sync_writes_weights_in_place_and_holds_generation(server)
     assert after.extra_fields["global_steps"] == 3 and before.extra_fields["global_steps"] == 0
     ids = torch.tensor([prompt + after.token_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
     got = logp.gather(-1, torch.tensor(after.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(got, torch.tensor(after.log_probs), rtol=1e-4, atol=1e-4)
     writer.close()
@@ -216,7 +216,7 @@ def test_server_computes_on_the_trainers_weights_with_no_copy(server, tiny_model
     assert out.extra_fields["global_steps"] == 5
     ids = torch.tensor([prompt + out.token_ids])  # the log-probs are the trainer model's, as it is now
     with torch.no_grad():
-        logp = torch.log_softmax(trainer(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        logp = torch.log_softmax(trainer(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
     got = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(got, torch.tensor(out.log_probs), rtol=1e-5, atol=1e-5)
     for (name, mine), theirs in zip(server.sampler.model.state_dict().items(), trainer.state_dict().values()):
@@ -232,9 +232,18 @@ def test_attach_refuses_a_different_model_and_keeps_its_own_weights(server):
 
     from rl_tpu.shared_weights import SharedWeights
 
-    other = LlamaForCausalLM(tiny_config("llama", vocab_size=96, hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         tie_word_embeddings=False))
+    other = LlamaForCausalLM(
+        tiny_config(
+            "llama",
+            vocab_size=96,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        )
+    )
     published = SharedWeights(other, name="test_other")
     reason = server.attach_trainer_weights(published.handle(node_id=_this_node()))
     assert reason is not None and ("has shape" in reason or "no tensor named" in reason), reason
@@ -249,27 +258,50 @@ def test_sampling_request_keys_are_honoured(server):
     with the same logits processors; log-probs come back only when the request asks for them."""
     model = server.sampler.model
     prompt, stops = [1, 5, 9, 13, 5, 9], list(range(0, 20000))  # ~40% of the vocabulary ends a completion
-    request = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.5, "min_tokens": 5,
-               "stop_token_ids": stops, "max_tokens": 8, "logprobs": True}
+    request = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "repetition_penalty": 1.5,
+        "min_tokens": 5,
+        "stop_token_ids": stops,
+        "max_tokens": 8,
+        "logprobs": True,
+    }
 
     async def scenario():
-        return (await server.generate("a", prompt, request),
-                await server.generate("b", prompt, {**request, "logprobs": False}),
-                await server.generate("c", prompt, {"temperature": 0.0, "stop_token_ids": stops, "max_tokens": 8}))
+        return (
+            await server.generate("a", prompt, request),
+            await server.generate("b", prompt, {**request, "logprobs": False}),
+            await server.generate("c", prompt, {"temperature": 0.0, "stop_token_ids": stops, "max_tokens": 8}),
+        )
 
     out, no_logp, plain = asyncio.run(scenario())
     eos = [server.sampler.eos_token_ids[0], *stops]
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, repetition_penalty=1.5,
-                        min_new_tokens=5, eos_token_id=eos, pad_token_id=server.sampler.pad_token_id)
-    assert out.token_ids == hf[0, len(prompt):].tolist() and len(out.token_ids) >= 5
+    hf = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=8,
+        do_sample=False,
+        repetition_penalty=1.5,
+        min_new_tokens=5,
+        eos_token_id=eos,
+        pad_token_id=server.sampler.pad_token_id,
+    )
+    assert out.token_ids == hf[0, len(prompt) :].tolist() and len(out.token_ids) >= 5
     assert len(plain.token_ids) < 5, "without min_tokens a stop token ends it early: the test would prove nothing"
     assert len(out.log_probs) == len(out.token_ids) and no_logp.log_probs is None and plain.log_probs is None
     assert no_logp.token_ids == out.token_ids
 
 
-@pytest.mark.parametrize("request_,named", [({"presence_penalty": 0.5}, "presence_penalty=0.5"),
-                                             ({"n": 2}, "n=2"), ({"ignore_eos": True}, "ignore_eos=True"),
-                                             ({"mirostat_tau": 5.0}, "mirostat_tau=5.0")])
+@pytest.mark.parametrize(
+    "request_,named",
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+        ({"n": 2}, "n=2"),
+        ({"ignore_eos": True}, "ignore_eos=True"),
+        ({"mirostat_tau": 5.0}, "mirostat_tau=5.0"),
+    ],
+)
 def test_sampling_request_a_key_it_cannot_honour_is_one_clear_error(server, request_, named):
     with pytest.raises(ValueError) as err:
         asyncio.run(server.generate("a", [1, 2, 3], {"temperature": 1.0, "max_tokens": 2, **request_}))
@@ -291,8 +323,7 @@ def test_rollout_config_sampling_defaults_apply_as_in_vllms_adapter(tiny_model_d
         sampling_params_from_request({}, SimpleNamespace(ignore_eos=True), 16)
 
 
-def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_request_id(tiny_model_dir,
-                                                                                      job_settings):
+def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_request_id(tiny_model_dir, job_settings):
     """VeRL's det-<priority> request ids (rollout.full_determinism): a request sampled alone, or in one batch with
     others that arrive before and after it, gets the same tokens; the job seed (data.seed), the rollout seed, the
     weight version and the request id each give it another stream, and so does a repeat of one id and prompt."""
@@ -304,8 +335,14 @@ def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_requ
 
     def run(ids, version=0, rollout_seed=42):
         """A fresh server (its batch loop lives on one event loop) serving ``ids`` at once -> (tokens, batches)."""
-        cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32",
-                              full_determinism=True, seed=rollout_seed)
+        cfg = SimpleNamespace(
+            prompt_length=32,
+            response_length=8,
+            max_num_seqs=8,
+            dtype="float32",
+            full_determinism=True,
+            seed=rollout_seed,
+        )
         server = NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.05)
         server.global_steps = version
 
@@ -335,14 +372,22 @@ def test_a_sample_is_the_same_alone_or_batched_and_follows_seed_version_and_requ
     async def same_id_four_times(server):
         return await asyncio.gather(*(server.generate("det-0", prompts["det-0"], request) for _ in range(4)))
 
-    cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32",
-                          full_determinism=True, seed=42)
-    outs = asyncio.run(same_id_four_times(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir),
-                                                              batch_window_s=0.05)))
+    cfg = SimpleNamespace(
+        prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32", full_determinism=True, seed=42
+    )
+    outs = asyncio.run(
+        same_id_four_times(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.05))
+    )
     assert len({tuple(o.token_ids) for o in outs}) == 4
     # without full_determinism VeRL's ids are fresh uuids: they do not enter the seed, the first sample of a prompt
     # at a version is the same in every run
     cfg.full_determinism = False
-    firsts = [asyncio.run(NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir)).generate(
-        uuid, prompts["det-0"], request)).token_ids for uuid in ("5f0c2a", "91be7d")]
+    firsts = [
+        asyncio.run(
+            NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir)).generate(
+                uuid, prompts["det-0"], request
+            )
+        ).token_ids
+        for uuid in ("5f0c2a", "91be7d")
+    ]
     assert firsts[0] == firsts[1]

@@ -32,10 +32,12 @@ def threads_back():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("chosen, expected", [({"rollout_num_threads": 1, "num_threads": 2}, 1),
-                                              ({"num_threads": 1}, 1), ({}, 2)])
-def test_the_rollout_samples_with_its_own_thread_count_and_puts_the_workers_back(monkeypatch, threads_back, chosen,
-                                                                                 expected):
+@pytest.mark.parametrize(
+    "chosen, expected", [({"rollout_num_threads": 1, "num_threads": 2}, 1), ({"num_threads": 1}, 1), ({}, 2)]
+)
+def test_the_rollout_samples_with_its_own_thread_count_and_puts_the_workers_back(
+    monkeypatch, threads_back, chosen, expected
+):
     from verl_backend.rollout.sampling import run_sampler
 
     section = S.rollout_settings(S.RlTpuSettings(**chosen))  # what the rollout's entry point hands down

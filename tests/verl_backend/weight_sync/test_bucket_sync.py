@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-SCRIPT = r'''
+SCRIPT = r"""
 import asyncio, ctypes, json, sys
 import torch
 torch.set_num_threads(1)  # one thread, one malloc arena: the peak is the sync's, not the thread pool's
@@ -71,7 +71,7 @@ same = all(torch.equal(v, merged[k]) for k, v in rollout.model.state_dict().item
 adapted = sum(m.base_layer.weight.nbytes for m in trainer.modules() if hasattr(m, "lora_A"))
 print(json.dumps({"extra": extra, "largest": max(t.nbytes for t in merged.values()), "adapted": adapted,
                   "buckets": n, "same": same}))
-'''
+"""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and clear_refs")
@@ -79,8 +79,9 @@ def test_streamed_buckets_hold_a_few_buckets_not_the_export():
     def measure(mode: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own defaults
         env["OMP_NUM_THREADS"] = "1"
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=600,
-                              env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=600, env=env
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

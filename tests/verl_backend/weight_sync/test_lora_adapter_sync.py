@@ -223,4 +223,3 @@ def test_the_files_are_unmapped_between_syncs(family) -> None:
         assert _mapped(path) == before
         state = model.state_dict()
         assert all(torch.equal(state[k], merged[k]) for k in merged if "proj" in k)
-

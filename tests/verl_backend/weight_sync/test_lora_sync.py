@@ -93,8 +93,11 @@ def test_a_lora_checkpoint_holds_the_merged_model_and_the_adapter(models, tmp_pa
         want = trainer(input_ids=ids).logits.log_softmax(-1)
         torch.testing.assert_close(merged(ids).logits.log_softmax(-1), want, atol=1e-4, rtol=0)
         base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)  # the base weights go in below
-        plain = {k.replace(".base_layer", ""): v for k, v in trainer.get_base_model().state_dict().items()
-                 if "lora_" not in k}
+        plain = {
+            k.replace(".base_layer", ""): v
+            for k, v in trainer.get_base_model().state_dict().items()
+            if "lora_" not in k
+        }
         base.load_state_dict(plain)
         reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
         torch.testing.assert_close(reloaded(input_ids=ids).logits.log_softmax(-1), want, atol=1e-5, rtol=0)
@@ -118,7 +121,14 @@ def test_the_merged_lora_checkpoint_exports_to_litert(models, tmp_path) -> None:
     trainer.get_base_model().config.save_pretrained(hf)
     AutoTokenizer.from_pretrained(trainer.get_base_model().config._name_or_path).save_pretrained(hf)
     hf_dir, _ = save_lora_checkpoint(trainer, str(tmp_path / "actor"))
-    export_checkpoint(hf_dir, str(tmp_path / "merged.tflite"), quantize="none", prefill_lengths=(32,),
-                      cache_length=64, verify_steps=4, quiet=True)
+    export_checkpoint(
+        hf_dir,
+        str(tmp_path / "merged.tflite"),
+        quantize="none",
+        prefill_lengths=(32,),
+        cache_length=64,
+        verify_steps=4,
+        quiet=True,
+    )
     report = json.loads((tmp_path / "merged.tflite.report.json").read_text())
     assert report["verification"]["passed"] is True and report["verification"]["max_abs_error"] < 1e-2

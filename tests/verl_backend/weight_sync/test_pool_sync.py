@@ -138,8 +138,17 @@ def _worker(role: str, index: int, inbox, outbox) -> None:
                         del tensor, want
                     again = dict(model_weights(step)) if kept else {}
                     changed = [n for n, t in kept.items() if not torch.equal(t, again[n])]
-                    kind, payload = "received", {"names": got, "bytes": nbytes, "left": sorted(expected),
-                                                 "in_file": in_file, "kept": len(kept), "changed": changed}
+                    kind, payload = (
+                        "received",
+                        {
+                            "names": got,
+                            "bytes": nbytes,
+                            "left": sorted(expected),
+                            "in_file": in_file,
+                            "kept": len(kept),
+                            "changed": changed,
+                        },
+                    )
                 except PoolSyncError as exc:
                     kind, payload = "refused", str(exc)
                 except _Done:
@@ -164,8 +173,10 @@ def _syncs(plan: list[tuple], other_host: tuple[int, ...] = (), timeout: float =
     ctx = mp.get_context("spawn")
     roles = [("trainer", 0), ("trainer", 1), ("rollout", 0), ("rollout", 1)]
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in roles]
-    procs = [ctx.Process(target=_worker, args=(r, i, inbox, outbox), daemon=True)
-             for (r, i), (inbox, outbox) in zip(roles, boxes, strict=True)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, i, inbox, outbox), daemon=True)
+        for (r, i), (inbox, outbox) in zip(roles, boxes, strict=True)
+    ]
     for p in procs:
         p.start()
     results = []
@@ -237,8 +248,9 @@ def test_same_host_syncs_go_through_shared_memory_bit_for_bit(same_host):
 def test_stale_worker_drains_the_shared_memory_sync_and_refuses_in_one_line(same_host):
     (kind, *_), _, (got_kind, *_), (refused, why, *_) = same_host[0]
     assert kind == "sent" and got_kind == "received"  # the source and the other worker finished
-    assert refused == "refused" and why.startswith("weight sync: the trainer sent step 7's weights, this rollout "
-                                                   "worker expected step 8"), why
+    assert refused == "refused" and why.startswith(
+        "weight sync: the trainer sent step 7's weights, this rollout worker expected step 8"
+    ), why
     _check_delivered(same_host[1][3])  # and the stale worker takes the next sync whole
 
 
@@ -300,8 +312,13 @@ def _check_faults(syncs: list, transport: str) -> None:
 
 #: worker 0 (copies) raises mid-bucket, worker 1 (views) raises mid-bucket, worker 0 raises before its first tensor,
 #: the export raises, then a whole sync
-FAULTS = [(7, (7, 7), "consumer0"), (8, (8, 8), "consumer1"), (9, (9, 9), "unstarted0"), (10, (10, 10), "export"),
-          (11, (11, 11))]
+FAULTS = [
+    (7, (7, 7), "consumer0"),
+    (8, (8, 8), "consumer1"),
+    (9, (9, 9), "unstarted0"),
+    (10, (10, 10), "export"),
+    (11, (11, 11)),
+]
 
 
 @pytest.mark.parametrize("other_host", [(), (1,)], ids=["shared_memory", "broadcast"])

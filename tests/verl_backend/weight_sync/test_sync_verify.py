@@ -29,8 +29,16 @@ LR = 1e-5  # half the default job's learning rate (2e-5): an Adam step moves eac
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = tiny_config("llama", vocab_size=VOCAB, attn_implementation="sdpa", max_position_embeddings=256,
-                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+    cfg = tiny_config(
+        "llama",
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -47,8 +55,13 @@ class Job:
 
     def __init__(self, rollout_dtype: torch.dtype = torch.float32) -> None:
         self.trainer = tiny_llama()
-        self.sampler = Sampler(copy.deepcopy(self.trainer).to(rollout_dtype), pad_token_id=PAD, eos_token_ids=[EOS],
-                               prompt_buckets=(16, 32), gen_buckets=(16, 32))
+        self.sampler = Sampler(
+            copy.deepcopy(self.trainer).to(rollout_dtype),
+            pad_token_id=PAD,
+            eos_token_ids=[EOS],
+            prompt_buckets=(16, 32),
+            gen_buckets=(16, 32),
+        )
         self.dtype = rollout_dtype
         self.probe = sv.make_probe(VOCAB, seed=7, avoid=self.sampler.eos_token_ids)
         self.version = 0
@@ -66,8 +79,15 @@ class Job:
         return fps
 
     def verify(self, fps, **kw) -> sv.VerifyResult:
-        return sv.verify_sync(self.sampler, self.probe, sv.trainer_probe(self.trainer, self.probe), fps,
-                              replica=3, version=self.version, **kw)
+        return sv.verify_sync(
+            self.sampler,
+            self.probe,
+            sv.trainer_probe(self.trainer, self.probe),
+            fps,
+            replica=3,
+            version=self.version,
+            **kw,
+        )
 
 
 def test_probe_shape_and_the_sampler_path_equals_the_model() -> None:
@@ -206,8 +226,15 @@ def test_compiled_steps_with_packed_copies_left_stale_are_caught() -> None:
     """The compiled sampler (its packed copies outside the graphs, rl_tpu.sampler.compiled_packed): the probe runs
     through the graphs; copies left stale by an unannounced write are caught."""
     job = Job()
-    job.sampler = Sampler(copy.deepcopy(job.trainer), pad_token_id=PAD, eos_token_ids=[EOS], prompt_buckets=(16,),
-                          gen_buckets=(16,), compile=True, compile_backend="aot_eager")
+    job.sampler = Sampler(
+        copy.deepcopy(job.trainer),
+        pad_token_id=PAD,
+        eos_token_ids=[EOS],
+        prompt_buckets=(16,),
+        gen_buckets=(16,),
+        compile=True,
+        compile_backend="aot_eager",
+    )
     assert job.sampler.compiled.packs is not None
     assert job.verify(job.send()).ok
     job.step()
@@ -254,8 +281,9 @@ def test_the_server_verifies_the_in_place_route_and_stops_on_stale_packed_copies
     from verl_backend.rollout.server import NativeRolloutServer
 
     cfg = SimpleNamespace(prompt_length=32, response_length=8, max_num_seqs=8, dtype="float32")
-    server = NativeRolloutServer(rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.01,
-                                 replica_rank=2)
+    server = NativeRolloutServer(
+        rollout_config=cfg, model_path=str(tiny_model_dir), batch_window_s=0.01, replica_rank=2
+    )
     trainer = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     published = SharedWeights(trainer, name="test_sync_verify_trainer")
     node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

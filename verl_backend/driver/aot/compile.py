@@ -51,8 +51,9 @@ def main_types(text: str) -> tuple[list[tuple[list[int], str]], list[tuple[list[
     """``@main``'s argument and result types, ``([(dims, dtype)], [(dims, dtype)])``, from the module's text."""
     import re
 
-    m = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->\s*(\(.*?\)|tensor<[^>]*>)\s*(?:attributes|\{)", text,
-                  re.S)
+    m = re.search(
+        r"func\.func (?:public )?@main\((.*?)\)\s*->\s*(\(.*?\)|tensor<[^>]*>)\s*(?:attributes|\{)", text, re.S
+    )
     if m is None:
         raise ValueError("no func.func @main in the module")
 
@@ -100,8 +101,12 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
 
         topo = topologies.get_topology_desc(topology, "tpu")
     except Exception as exc:  # an unknown chip or shape: libtpu's own message
-        return {"topology": topology, "device_kind": None, "graphs": [],
-                "error": f"libtpu cannot compile for {topology}: {_first_line(exc)}"}
+        return {
+            "topology": topology,
+            "device_kind": None,
+            "graphs": [],
+            "error": f"libtpu cannot compile for {topology}: {_first_line(exc)}",
+        }
     from jax.extend.backend import get_compile_options
     from jax.extend.mlir import ir
     from jax.interpreters import mlir
@@ -114,8 +119,14 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
     for record in lowered:
         if record.get("error") or not record.get("file"):
             continue
-        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None,
-               "block": record.get("block", ""), "block_layers": record.get("block_layers")}
+        row = {
+            "graph": record["graph"],
+            "label": record["label"],
+            "kind": record["kind"],
+            "error": None,
+            "block": record.get("block", ""),
+            "block_layers": record.get("block_layers"),
+        }
         start = time.perf_counter()
         try:
             module_text = compatible(Path(record["file"]).read_text())
@@ -132,21 +143,31 @@ def compile_all(lowered: list[dict], topology: str) -> dict:
                 row["first_argument_bytes"] = row["arguments"][0][2] if row["arguments"] else 0
             except Exception:  # the totals below stand without them
                 row["arguments"] = row["outputs"] = None
-            row.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-                       temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
-                       generated_code_bytes=mem.generated_code_size_in_bytes)
+            row.update(
+                argument_bytes=mem.argument_size_in_bytes,
+                output_bytes=mem.output_size_in_bytes,
+                temp_bytes=mem.temp_size_in_bytes,
+                alias_bytes=mem.alias_size_in_bytes,
+                generated_code_bytes=mem.generated_code_size_in_bytes,
+            )
             cost = exe.cost_analysis() or {}
             if isinstance(cost, list):
                 cost = cost[0] if cost else {}
-            row.update(flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                       transcendentals=float(cost.get("transcendentals", 0.0)))
+            row.update(
+                flops=float(cost.get("flops", 0.0)),
+                bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                transcendentals=float(cost.get("transcendentals", 0.0)),
+            )
         except Exception as exc:
             text = Path(record["file"]).read_text()
             bad = [op for op in UNSERIALIZABLE_CHLO if re.search(rf"\b{re.escape(op)}\b", text)]
             op = ""
             if bad and "serialize StableHLO" in str(exc):
-                op = " (" + ", ".join(f"its {o}, TorchTPU's lowering of {UNSERIALIZABLE_CHLO[o]}" for o in bad) + \
-                     ", has no form in the StableHLO that libtpu's plugin takes in this version)"
+                op = (
+                    " ("
+                    + ", ".join(f"its {o}, TorchTPU's lowering of {UNSERIALIZABLE_CHLO[o]}" for o in bad)
+                    + ", has no form in the StableHLO that libtpu's plugin takes in this version)"
+                )
             row["error"] = f"libtpu could not compile {record['graph']} for {topology}{op}: {_first_line(exc)}"
         out.append(row)
     return {"topology": topology, "device_kind": device.device_kind, "error": None, "graphs": out}
@@ -188,8 +209,14 @@ def check_numerics(lowered: list[dict]) -> dict:
     for record in lowered:
         if record.get("error") or not record.get("numerics"):
             continue
-        row = {"graph": record["graph"], "label": record["label"], "kind": record["kind"], "error": None,
-               "ok": False, "block": record.get("block", "")}
+        row = {
+            "graph": record["graph"],
+            "label": record["label"],
+            "kind": record["kind"],
+            "error": None,
+            "ok": False,
+            "block": record.get("block", ""),
+        }
         try:
             text = compatible(Path(record["file"]).read_text())
             saved = np.load(record["numerics"])
@@ -200,18 +227,21 @@ def check_numerics(lowered: list[dict]) -> dict:
                 raise ValueError(f"@main takes {len(types)} arguments, torch's graph {len(inputs)}")
             args = [jax.device_put(np.asarray(a, dtype=_NP[t]), device) for a, t in zip(inputs, types)]
             with mlir.make_ir_context():
-                exe = device.client.compile_and_load(ir.Module.parse(text), executable_devices=xc.DeviceList(
-                    (device,)), compile_options=options)
+                exe = device.client.compile_and_load(
+                    ir.Module.parse(text), executable_devices=xc.DeviceList((device,)), compile_options=options
+                )
             got = [np.asarray(o) for o in exe.execute(args)]
             if len(got) != len(refs) or any(g.shape != r.shape for g, r in zip(got, refs)):
                 raise ValueError(f"outputs {[g.shape for g in got]} against torch's {[r.shape for r in refs]}")
-            floats = [(g.astype("float64"), r.astype("float64")) for g, r in zip(got, refs)
-                      if np.issubdtype(r.dtype, np.floating)]
+            floats = [
+                (g.astype("float64"), r.astype("float64"))
+                for g, r in zip(got, refs)
+                if np.issubdtype(r.dtype, np.floating)
+            ]
             diff = max((float(np.abs(g - r).max()) if g.size else 0.0 for g, r in floats), default=0.0)
             scale = max((float(np.abs(r).max()) if r.size else 0.0 for _, r in floats), default=0.0)
             exact = all(np.array_equal(g, r) for g, r in zip(got, refs) if not np.issubdtype(r.dtype, np.floating))
-            row.update(outputs=len(refs), max_abs_diff=diff, max_abs_ref=scale,
-                       ok=bool(exact and diff <= RTOL * scale))
+            row.update(outputs=len(refs), max_abs_diff=diff, max_abs_ref=scale, ok=bool(exact and diff <= RTOL * scale))
         except Exception as exc:
             row["error"] = f"numerics of {record['graph']} on XLA:CPU failed: {_first_line(exc)}"
         out.append(row)

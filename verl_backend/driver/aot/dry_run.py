@@ -19,8 +19,16 @@ import time
 from pathlib import Path
 
 from verl_backend.driver.aot.graphs import graph_list, job_workers
-from verl_backend.driver.aot.run import (COMPILE_TIMEOUT_S, LOWER_TIMEOUT_S, AotError, aot_python, errors,
-                                         jax_topology, lower_and_compile, per_chip_bytes)
+from verl_backend.driver.aot.run import (
+    COMPILE_TIMEOUT_S,
+    LOWER_TIMEOUT_S,
+    AotError,
+    aot_python,
+    errors,
+    jax_topology,
+    lower_and_compile,
+    per_chip_bytes,
+)
 
 SKIPPED_NO_TORCH_TPU = "skipped: torch-tpu not installed (.ci/aot_venv)"
 
@@ -41,8 +49,16 @@ class DryRunCompile:
         python: the interpreter with torch-tpu (default :func:`run.aot_python`).
     """
 
-    def __init__(self, config, slice_name: str, out: Path, enabled: bool = True, python: str | None = None,
-                 lower_timeout_s: float = LOWER_TIMEOUT_S, compile_timeout_s: float = COMPILE_TIMEOUT_S):
+    def __init__(
+        self,
+        config,
+        slice_name: str,
+        out: Path,
+        enabled: bool = True,
+        python: str | None = None,
+        lower_timeout_s: float = LOWER_TIMEOUT_S,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+    ):
         self.config, self.slice_name, self.enabled, self.python = config, slice_name, enabled, python
         self.folder = Path(out) / "aot"
         self.timeouts = (lower_timeout_s, compile_timeout_s)
@@ -60,8 +76,11 @@ class DryRunCompile:
         (self.folder / "graphs.json").write_text(json.dumps(graphs, indent=1))
         self._base = {"slice": self.slice_name, "graphs": len(graphs), "graphs_file": str(self.folder / "graphs.json")}
         if not self.enabled:
-            self.entry = {**self._base, "status": "off",
-                          "line": "off (rl_tpu.tpu_dry_run_compile=false): the graph list only, aot/graphs.json"}
+            self.entry = {
+                **self._base,
+                "status": "off",
+                "line": "off (rl_tpu.tpu_dry_run_compile=false): the graph list only, aot/graphs.json",
+            }
             return self
         try:
             python = self.python or aot_python()
@@ -77,15 +96,20 @@ class DryRunCompile:
             self.entry = {**self._base, "status": "failed", "line": f"failed: {_one_line(exc)}"}
             return self
         self._start = time.perf_counter()
-        self._thread = threading.Thread(target=self._work, args=(python,), name="rl-tpu-dry-run-compile",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(python,), name="rl-tpu-dry-run-compile", daemon=True)
         self._thread.start()
         return self
 
     def _work(self, python: str) -> None:
         try:
-            self._result = lower_and_compile(self.jobs, [self.topology], self.folder, python=python,
-                                             lower_timeout_s=self.timeouts[0], compile_timeout_s=self.timeouts[1])
+            self._result = lower_and_compile(
+                self.jobs,
+                [self.topology],
+                self.folder,
+                python=python,
+                lower_timeout_s=self.timeouts[0],
+                compile_timeout_s=self.timeouts[1],
+            )
         except Exception as exc:  # AotError: a crash or timeout of a subprocess, one line
             self._error = _one_line(exc)
         self._seconds = time.perf_counter() - self._start
@@ -105,12 +129,22 @@ class DryRunCompile:
         self._thread.join(timeout_s)
         waited = time.perf_counter() - waited
         if self._thread.is_alive():
-            self.entry = {**self._base, "status": "failed", "topology": self.topology, "waited_s": waited,
-                          "line": f"failed: still lowering or compiling {timeout_s:.0f} s after training ended; "
-                                  f"logs in {self.folder}"}
+            self.entry = {
+                **self._base,
+                "status": "failed",
+                "topology": self.topology,
+                "waited_s": waited,
+                "line": f"failed: still lowering or compiling {timeout_s:.0f} s after training ended; "
+                f"logs in {self.folder}",
+            }
             return self.entry
-        entry = {**self._base, "topology": self.topology, "seconds": self._seconds, "waited_s": waited,
-                 "folder": str(self.folder)}
+        entry = {
+            **self._base,
+            "topology": self.topology,
+            "seconds": self._seconds,
+            "waited_s": waited,
+            "folder": str(self.folder),
+        }
         if self._error:
             self.entry = {**entry, "status": "failed", "line": f"failed: {self._error}"}
             return self.entry
@@ -125,16 +159,26 @@ class DryRunCompile:
         checkpointed = bool(config_get(self.config, "actor_rollout_ref.model.enable_gradient_checkpointing", True))
         chip = per_chip_bytes(compiled, layers, checkpointed) if not compiled.get("error") else {}
         hbm = self.hbm_gib * 2**30
-        entry.update(lowered=lowered, compiled=ok, errors=failed, hbm_bytes=hbm, per_chip=chip,
-                     status="failed" if failed else "compiled")
+        entry.update(
+            lowered=lowered,
+            compiled=ok,
+            errors=failed,
+            hbm_bytes=hbm,
+            per_chip=chip,
+            status="failed" if failed else "compiled",
+        )
         total = len(result.lowered)  # lowered graphs: a block or LM head request is two (forward, backward)
-        head = (f"{ok} of {total} graphs lowered by TorchTPU and compiled by libtpu for {self.slice_name} "
-                f"({self.topology}), no chip")
+        head = (
+            f"{ok} of {total} graphs lowered by TorchTPU and compiled by libtpu for {self.slice_name} "
+            f"({self.topology}), no chip"
+        )
         if chip:
-            head += (f"; per chip: training {chip['training_peak'] / 2**30:.2f} GiB of {self.hbm_gib:g} GiB HBM "
-                     f"({100 * chip['training_peak'] / hbm:.0f}%), largest sampler graph "
-                     f"{chip['largest_sampler_graph'] / 2**30:.2f} GiB "
-                     f"({100 * chip['largest_sampler_graph'] / hbm:.0f}%)")
+            head += (
+                f"; per chip: training {chip['training_peak'] / 2**30:.2f} GiB of {self.hbm_gib:g} GiB HBM "
+                f"({100 * chip['training_peak'] / hbm:.0f}%), largest sampler graph "
+                f"{chip['largest_sampler_graph'] / 2**30:.2f} GiB "
+                f"({100 * chip['largest_sampler_graph'] / hbm:.0f}%)"
+            )
         head += f"; {self._seconds:.0f} s, {waited:.0f} s of it after training"
         if failed:
             head = f"failed: {head}; first failure: {failed[0]}"

@@ -57,10 +57,6 @@ class GraphRequest:
         return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}{block}]"
 
 
-
-
-
-
 def job_graphs(config, workers: int) -> list[GraphRequest]:
     """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers, each listed
     once (a shape two models share is one graph: the blocks' parameters are graph inputs).
@@ -100,8 +96,12 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
     if runs_critic(get):
         critic = micro("critic.ppo_micro_batch_size_per_gpu", 1)
         values = micro("critic.forward_micro_batch_size_per_gpu", critic)
-        out += [GraphRequest("block", critic, seq), GraphRequest("value_head", critic, seq),
-                GraphRequest("block_forward", values, seq), GraphRequest("value_head_forward", values, seq)]
+        out += [
+            GraphRequest("block", critic, seq),
+            GraphRequest("value_head", critic, seq),
+            GraphRequest("block_forward", values, seq),
+            GraphRequest("value_head_forward", values, seq),
+        ]
     rows = int(get("data.train_batch_size", 1)) * int(get(f"{aro}.rollout.n", 1))
     share = max(1, -(-rows // max(1, workers)))
     batch = pow2(min(share, int(get(f"{aro}.rollout.max_num_seqs", share) or share)))
@@ -117,10 +117,6 @@ def job_graphs(config, workers: int) -> list[GraphRequest]:
 
 def _true(value) -> bool:
     return value is True or str(value).lower() == "true"
-
-
-
-
 
 
 def job_workers(config) -> int:
@@ -139,6 +135,7 @@ def graph_list(config) -> list[dict]:
 def graph_list_differences(ours: list[dict], theirs: list[dict]) -> list[str]:
     """Where two (graph, input shapes) lists differ, one line each (empty: the same list, in the same order): a
     graph in one only, a graph at other shapes, or the same graphs in another order."""
+
     def key(g):
         return (g["kind"], int(g["batch"]), int(g.get("seq", 0)), int(g.get("cache", 0)))
 
@@ -147,6 +144,9 @@ def graph_list_differences(ours: list[dict], theirs: list[dict]) -> list[str]:
     lines = [f"only in the first list: {names[k]}" for k in a if k not in b]
     lines += [f"only in the second list: {names[k]}" for k in b if k not in a]
     if not lines and a != b:
-        lines.append("the same graphs in another order" if sorted(a) == sorted(b) else
-                     "the same graphs, some listed more often in one list")
+        lines.append(
+            "the same graphs in another order"
+            if sorted(a) == sorted(b)
+            else "the same graphs, some listed more often in one list"
+        )
     return lines

@@ -37,8 +37,7 @@ def _dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-def build_model(config: dict, model_type: str, dtype, attention: str, device: str = "meta",
-                experts: str | None = None):
+def build_model(config: dict, model_type: str, dtype, attention: str, device: str = "meta", experts: str | None = None):
     """A causal LM of ``config`` (a config.json dict) on ``device`` with ``attention`` as attention implementation and
     ``experts`` as transformers' experts implementation (default: the TPU job's, ``batched_mm``; it applies only to a
     mixture of experts)."""
@@ -55,8 +54,9 @@ def build_model(config: dict, model_type: str, dtype, attention: str, device: st
         if hasattr(cfg, sub):
             set_attn_implementation(getattr(cfg, sub), attention)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype,
-                                                               experts_implementation=experts or TPU_EXPERTS)
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, experts_implementation=experts or TPU_EXPERTS
+        )
     return model.eval()
 
 
@@ -94,10 +94,15 @@ def block_kinds(model) -> list[dict]:
             kinds[key]["layers"] += 1
             continue
         rope = getattr(getattr(layer, "self_attn", None), "use_rope", True)
-        kinds[key] = {"layer": i, "layers": 1, "features": {
-            "mlp": "moe" if has_fused_experts(layer) else "dense",
-            "attention": (_layer_type(model, i) or "").replace("_attention", ""),
-            "rope": "rope" if rope in (True, None, 1) else "norope"}}
+        kinds[key] = {
+            "layer": i,
+            "layers": 1,
+            "features": {
+                "mlp": "moe" if has_fused_experts(layer) else "dense",
+                "attention": (_layer_type(model, i) or "").replace("_attention", ""),
+                "rope": "rope" if rope in (True, None, 1) else "norope",
+            },
+        }
     out = list(kinds.values())
     varying = [f for f in ("mlp", "attention", "rope") if len({k["features"][f] for k in out}) > 1]
     for k in out:
@@ -130,9 +135,13 @@ class Recorder:
         if wrong:
             name, fn = WRONG[wrong]
             table[getattr(torch.ops.aten, name).default] = fn
-        self.backend = aot_autograd(fw_compiler=self._record("fwd"), bw_compiler=self._record("bwd"),
-                                    inference_compiler=self._record("fwd"), decompositions=table,
-                                    partition_fn=min_cut_rematerialization_partition)
+        self.backend = aot_autograd(
+            fw_compiler=self._record("fwd"),
+            bw_compiler=self._record("bwd"),
+            inference_compiler=self._record("fwd"),
+            decompositions=table,
+            partition_fn=min_cut_rematerialization_partition,
+        )
 
     def _record(self, part):
         def compiler(gm, example_inputs):
@@ -144,8 +153,12 @@ class Recorder:
             def run(*args):
                 out = gm(*args)
                 if len(self.runs) <= index:
-                    self.runs.append(([a.detach().clone() if hasattr(a, "detach") else a for a in args],
-                                      [o.detach().clone() if hasattr(o, "detach") else o for o in out]))
+                    self.runs.append(
+                        (
+                            [a.detach().clone() if hasattr(a, "detach") else a for a in args],
+                            [o.detach().clone() if hasattr(o, "detach") else o for o in out],
+                        )
+                    )
                 return out
 
             return run
@@ -160,8 +173,9 @@ def _causal_mask(batch, seq, dtype, device):
     return mask[None, None].expand(batch, 1, seq, seq).contiguous()  # (batch, 1, seq, seq) additive
 
 
-def trace(model, request: dict, device: str = "meta", rec: Recorder | None = None,
-          layer: int = 0) -> list[tuple[str, object, list]]:
+def trace(
+    model, request: dict, device: str = "meta", rec: Recorder | None = None, layer: int = 0
+) -> list[tuple[str, object, list]]:
     """The FX graphs of one :class:`~verl_backend.driver.aot.graphs.GraphRequest` (dict form) of ``model``:
     ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``; ``rec``:
     the recorder to trace with (default: a new one); ``layer``: the block a ``block`` / ``block_forward`` graph
@@ -193,8 +207,9 @@ def trace(model, request: dict, device: str = "meta", rec: Recorder | None = Non
             return out[0] if isinstance(out, tuple) else out
 
         with torch.set_grad_enabled(grad):
-            out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(x, cos.detach(),
-                                                                                         sin.detach(), mask)
+            out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(
+                x, cos.detach(), sin.detach(), mask
+            )
         if grad:
             out.float().sum().backward()
     elif kind in ("lm_head", "lm_head_forward", "value_head", "value_head_forward"):
@@ -289,8 +304,9 @@ def lower(gm, example_inputs) -> tuple[str, list]:
 
     retarget(gm)
     constants = lift_constants(gm)
-    args = [placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
-            for t in list(example_inputs) + constants]
+    args = [
+        placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in list(example_inputs) + constants
+    ]
     return lower_fx_to_mlir(gm, args), constants
 
 
@@ -305,8 +321,9 @@ def tracing_failure(exc: BaseException) -> tuple[str | None, str | None, str]:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     why = f"{type(exc).__name__}: {(lines[0] if lines else '')[:200]}"
     op = None
-    m = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text) or \
-        re.search(r"call_(?:function|method) <(?:built-in method|function) (\w+)", text)
+    m = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text) or re.search(
+        r"call_(?:function|method) <(?:built-in method|function) (\w+)", text
+    )
     if m:
         op = m.group(1)
     frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', text.split("from user code:")[-1])
@@ -318,7 +335,7 @@ def tracing_failure(exc: BaseException) -> tuple[str | None, str | None, str]:
             op = call.group(1) if call else code.strip()[:80] or None
         owner = None
         try:  # the nearest class statement above the line, indented less than it
-            source = Path(path).read_text().splitlines()[:int(line)]
+            source = Path(path).read_text().splitlines()[: int(line)]
             depth = len(source[-1]) - len(source[-1].lstrip())
             for text_line in reversed(source):
                 m = re.match(r"(\s*)class (\w+)", text_line)
@@ -355,8 +372,9 @@ def run(spec: dict) -> list[dict]:
         folder.mkdir(parents=True, exist_ok=True)
         numerics = job.get("numerics")
         device = "cpu" if numerics is not None else "meta"
-        model = build_model(job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device,
-                            job.get("experts"))
+        model = build_model(
+            job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device, job.get("experts")
+        )
         kinds = block_kinds(model)
         if numerics is not None:  # real random weights far from zero, so a wrong op shows in the numbers
             with torch.no_grad():
@@ -373,8 +391,13 @@ def run(spec: dict) -> list[dict]:
                 expanded.append((request, 0, None))
         for request, layer, count in expanded:
             start = time.perf_counter()
-            base = {"label": job["label"], "kind": request["kind"], "request": request,
-                    "block": request.get("block", ""), "block_layers": count}
+            base = {
+                "label": job["label"],
+                "kind": request["kind"],
+                "request": request,
+                "block": request.get("block", ""),
+                "block_layers": count,
+            }
             runs = None
             try:
                 if numerics is None:
@@ -392,9 +415,18 @@ def run(spec: dict) -> list[dict]:
 
                 name = GraphRequest(**request).name
                 op, where, why = tracing_failure(exc)
-                records.append({**base, "graph": name, "file": None, "seconds": None, "mosaic": None, "op": op,
-                                "error": f"tracing failed: {op or 'an op'}{f' in {where}' if where else ''} of "
-                                         f"graph {name}: {why}"})
+                records.append(
+                    {
+                        **base,
+                        "graph": name,
+                        "file": None,
+                        "seconds": None,
+                        "mosaic": None,
+                        "op": op,
+                        "error": f"tracing failed: {op or 'an op'}{f' in {where}' if where else ''} of "
+                        f"graph {name}: {why}",
+                    }
+                )
                 continue
             for index, (part, gm, example) in enumerate(graphs):
                 name = graph_name(request, part, index, len(graphs))
@@ -406,25 +438,41 @@ def run(spec: dict) -> list[dict]:
                     why = str(exc)
                     if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
                         why = f"a random op needs the TPU generator, which needs a chip ({why})"
-                    records.append({**base, "graph": name, "file": None, "seconds": None, "mosaic": None,
-                                    "op": exc.op, "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of "
-                                                          f"graph {name}: {why}"})
+                    records.append(
+                        {
+                            **base,
+                            "graph": name,
+                            "file": None,
+                            "seconds": None,
+                            "mosaic": None,
+                            "op": exc.op,
+                            "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
+                        }
+                    )
                     continue
                 path = folder / f"{len(records)}.mlir"
                 path.write_text(text)
-                record = {**base, "graph": name, "file": str(path), "seconds": time.perf_counter() - t0,
-                          "trace_seconds": t0 - start, "mosaic": "tpu_custom_call" in text,
-                          "inputs": len(example), "error": None,
-                          # ATen ops after TorchTPU's decompositions: what strict eager mode would launch one by one
-                          "ops": sum(1 for n in gm.graph.nodes if n.op == "call_function")}
+                record = {
+                    **base,
+                    "graph": name,
+                    "file": str(path),
+                    "seconds": time.perf_counter() - t0,
+                    "trace_seconds": t0 - start,
+                    "mosaic": "tpu_custom_call" in text,
+                    "inputs": len(example),
+                    "error": None,
+                    # ATen ops after TorchTPU's decompositions: what strict eager mode would launch one by one
+                    "ops": sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+                }
                 if runs is not None and index < len(runs):
                     import numpy as np
 
                     args, outs = runs[index]
                     args = list(args) + [c.detach().clone() for c in constants]
                     arrays = {f"in{i}": a.numpy() for i, a in enumerate(t for t in args if isinstance(t, torch.Tensor))}
-                    arrays.update({f"out{i}": o.numpy() for i, o in
-                                   enumerate(t for t in outs if isinstance(t, torch.Tensor))})
+                    arrays.update(
+                        {f"out{i}": o.numpy() for i, o in enumerate(t for t in outs if isinstance(t, torch.Tensor))}
+                    )
                     record["numerics"] = str(path.with_suffix(".npz"))
                     np.savez(record["numerics"], **arrays)
                 records.append(record)

@@ -35,8 +35,14 @@ LOWER_TIMEOUT_S = 1800
 COMPILE_TIMEOUT_S = 1800
 # no cloud metadata server wait; quieter libtpu; no libtpu lockfile (/tmp/libtpu_lockfile), which would refuse a
 # second process on the machine (two --aot-only runs, a test beside a run) although none of them opens a chip
-_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3",
-          "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+_QUIET = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "PYTHONWARNINGS": "ignore",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "TPU_STDERR_LOG_LEVEL": "3",
+    "TPU_MIN_LOG_LEVEL": "3",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 
 
 class AotError(BadInputError):
@@ -55,8 +61,10 @@ def aot_python() -> str:
         return str(beside)
     if find_spec("torch_tpu") is not None:
         return sys.executable
-    raise AotError(f"--aot-only needs torch-tpu 0.2.0 and libtpu 0.0.52, in {sys.prefix}-aot (make it with "
-                   "`.ci/aot_venv`, the `aot` extra) or this environment (`pip install -e '.[aot]'`)")
+    raise AotError(
+        f"--aot-only needs torch-tpu 0.2.0 and libtpu 0.0.52, in {sys.prefix}-aot (make it with "
+        "`.ci/aot_venv`, the `aot` extra) or this environment (`pip install -e '.[aot]'`)"
+    )
 
 
 def jax_topology(slice_name: str) -> tuple[str, str, float]:
@@ -108,15 +116,25 @@ def _run(cmd: list[str], what: str, timeout_s: float, log: Path, env: dict) -> N
         _libc()  # opened here, not in the child (see _die_with_parent)
     with open(log, "w") as out:
         try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                  start_new_session=True,
-                                  preexec_fn=_die_with_parent if linux else None)
+            proc = subprocess.run(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if linux else None,
+            )
         except subprocess.TimeoutExpired:
-            raise AotError(f"{what} took longer than {timeout_s:.0f} s and was stopped; its output is in {log}") \
-                from None
+            raise AotError(
+                f"{what} took longer than {timeout_s:.0f} s and was stopped; its output is in {log}"
+            ) from None
     if proc.returncode != 0:
-        how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-               else f"exited with code {proc.returncode}")
+        how = (
+            f"was killed by {signal.Signals(-proc.returncode).name}"
+            if proc.returncode < 0
+            else f"exited with code {proc.returncode}"
+        )
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
         raise AotError(f"{what} {how}: {tail[0].strip()[:200]} (output: {log})")
 
@@ -131,9 +149,14 @@ class AotResult:
     folder: Path
 
 
-def lower_and_compile(jobs: list[dict], topologies: list[str], folder: Path | None = None,
-                      python: str | None = None, lower_timeout_s: float = LOWER_TIMEOUT_S,
-                      compile_timeout_s: float = COMPILE_TIMEOUT_S) -> AotResult:
+def lower_and_compile(
+    jobs: list[dict],
+    topologies: list[str],
+    folder: Path | None = None,
+    python: str | None = None,
+    lower_timeout_s: float = LOWER_TIMEOUT_S,
+    compile_timeout_s: float = COMPILE_TIMEOUT_S,
+) -> AotResult:
     """Lower ``jobs`` (the ``jobs`` of :mod:`.lower`'s spec) in one subprocess, then compile them for each of
     ``topologies`` (JAX names, ``v6e:2x4``) in one subprocess per topology.
 
@@ -145,15 +168,24 @@ def lower_and_compile(jobs: list[dict], topologies: list[str], folder: Path | No
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"out": str(folder), "jobs": jobs}))
-    _run([python, "-m", "verl_backend.driver.aot.lower", str(spec)], "TorchTPU's lowering (subprocess)",
-         lower_timeout_s, folder / "lower.log", _env())
+    _run(
+        [python, "-m", "verl_backend.driver.aot.lower", str(spec)],
+        "TorchTPU's lowering (subprocess)",
+        lower_timeout_s,
+        folder / "lower.log",
+        _env(),
+    )
     lowered = json.loads((folder / "lowered.json").read_text())
     compiled = {}
     for topo in topologies:
         out = folder / f"compiled-{topo.replace(':', '_')}.json"
-        _run([python, "-m", "verl_backend.driver.aot.compile", str(folder / "lowered.json"), topo, str(out)],
-             f"libtpu's compile for {topo} (subprocess)", compile_timeout_s,
-             folder / f"compile-{topo.replace(':', '_')}.log", _env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}))
+        _run(
+            [python, "-m", "verl_backend.driver.aot.compile", str(folder / "lowered.json"), topo, str(out)],
+            f"libtpu's compile for {topo} (subprocess)",
+            compile_timeout_s,
+            folder / f"compile-{topo.replace(':', '_')}.log",
+            _env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}),
+        )
         compiled[topo] = json.loads(out.read_text())
     return AotResult(lowered, compiled, folder)
 
@@ -175,8 +207,11 @@ def errors(result: AotResult) -> list[str]:
         more = [r["graph"] for r in same[1:]]
         line = same[0]["error"]
         if more:
-            line += f" (also {len(more)} more graph{'s' if len(more) > 1 else ''}: {', '.join(more[:2])}" + \
-                    (", ..." if len(more) > 2 else "") + ")"
+            line += (
+                f" (also {len(more)} more graph{'s' if len(more) > 1 else ''}: {', '.join(more[:2])}"
+                + (", ..." if len(more) > 2 else "")
+                + ")"
+            )
         lines.append(line)
     return lines
 
@@ -197,9 +232,19 @@ def table(compiled: dict, generation: str, mosaic: dict[str, bool] | None = None
             continue
         bound = max(g["flops"] / peak_flops, g["bytes_accessed"] / bandwidth) * 1e3
         name = g["graph"] + (" *" if mosaic and mosaic.get(g["graph"]) else "")
-        rows.append((name, f"{g['compile_s']:.2f}", _gib(g["argument_bytes"]), _gib(g["output_bytes"]),
-                     _gib(g["temp_bytes"]), f"{g['generated_code_bytes'] / 2**20:.1f}", f"{g['flops'] / 1e9:.2f}",
-                     f"{g['bytes_accessed'] / 1e9:.3f}", f"{bound:.3f}"))
+        rows.append(
+            (
+                name,
+                f"{g['compile_s']:.2f}",
+                _gib(g["argument_bytes"]),
+                _gib(g["output_bytes"]),
+                _gib(g["temp_bytes"]),
+                f"{g['generated_code_bytes'] / 2**20:.1f}",
+                f"{g['flops'] / 1e9:.2f}",
+                f"{g['bytes_accessed'] / 1e9:.3f}",
+                f"{bound:.3f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -247,17 +292,27 @@ def per_chip_bytes(compiled: dict, layers: int, checkpointed: bool = False) -> d
     sampler's largest graph. Returns ``{"saved_activations", "largest_trainer_graph", "largest_sampler_graph",
     "training_peak"}`` in bytes. Parameters, gradients and optimizer state held between graphs are the memory plan's
     terms, not here."""
+
     def working(g):
-        return (g["argument_bytes"] + g["output_bytes"] + g["temp_bytes"] + g["generated_code_bytes"]
-                - g.get("alias_bytes", 0))
+        return (
+            g["argument_bytes"]
+            + g["output_bytes"]
+            + g["temp_bytes"]
+            + g["generated_code_bytes"]
+            - g.get("alias_bytes", 0)
+        )
 
     graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
     fwd = _by_shape(graphs, "block", ".fwd").values()  # a shape's graphs, one per kind of block
     saved = max((saved_activations(kinds, layers, checkpointed) for kinds in fwd), default=0)
     trainer = max((working(g) for g in graphs if g["kind"] not in SAMPLER_KINDS), default=0)
     sampler = max((working(g) for g in graphs if g["kind"] in SAMPLER_KINDS), default=0)
-    return {"saved_activations": saved, "largest_trainer_graph": trainer, "largest_sampler_graph": sampler,
-            "training_peak": saved + trainer}
+    return {
+        "saved_activations": saved,
+        "largest_trainer_graph": trainer,
+        "largest_sampler_graph": sampler,
+        "training_peak": saved + trainer,
+    }
 
 
 #: the plan's terms that no compiled graph holds, and why (``plan_comparison`` lists them with no XLA number)
@@ -267,7 +322,7 @@ IN_NO_GRAPH = {
     "optimizer": "in no graph: AdamW's moments, read by the optimizer step (not compiled here)",
     "reference policy": "in no graph: the reference's shard; its log-prob forward is not in the list",
     "FSDP2 gather buffers": "in no graph as such: its bf16 parts are the graphs' parameter arguments and gradient "
-                            "outputs above; the fp32 copies for the reduce-scatter live outside the graphs",
+    "outputs above; the fp32 copies for the reduce-scatter live outside the graphs",
     "log-prob forward": "in no graph here: no no-grad forward (reference, old policy) was compiled",
     "critic activations": "in no graph here: the critic's graphs were not compiled",
     "critic": "in no graph: the critic's fp32 shard, gradients and AdamW moments, between graphs",
@@ -276,7 +331,7 @@ IN_NO_GRAPH = {
 
 def _shape_of(graph: str) -> str:
     """``8x1024`` of a graph name such as ``critic.value_head[8x1024].fwd``."""
-    return graph[graph.index("[") + 1:graph.index("]")]
+    return graph[graph.index("[") + 1 : graph.index("]")]
 
 
 def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float | None, float | None, str]]:
@@ -293,25 +348,47 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
 
     layers = getattr(plan.model, "layers", 1)
     planned = dict(plan.graphs)
-    fwd, bwd, hf, hb = first("block", ".fwd"), first("block", ".bwd"), first("lm_head", ".fwd"), \
-        first("lm_head", ".bwd")
+    fwd, bwd, hf, hb = (
+        first("block", ".fwd"),
+        first("block", ".bwd"),
+        first("lm_head", ".fwd"),
+        first("lm_head", ".bwd"),
+    )
     decode = max((g for g in graphs if g["kind"] == "decode"), key=lambda g: g["argument_bytes"], default=None)
     sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     xla: list[tuple[str, float | None, str]] = []
     if fwd:
-        xla.append(("block forward arguments", fwd["argument_bytes"],
-                    f"{fwd['graph']} arguments: the gathered block ({plan.model.name}'s bf16 weights), its input, "
-                    "rotary tables and mask"))
-        how = (f"{layers} x {fwd['graph']}'s first argument + its outputs + rotary and mask" if checkpointed
-               else f"{layers} x {fwd['graph']} outputs + rotary and mask")
+        xla.append(
+            (
+                "block forward arguments",
+                fwd["argument_bytes"],
+                f"{fwd['graph']} arguments: the gathered block ({plan.model.name}'s bf16 weights), its input, "
+                "rotary tables and mask",
+            )
+        )
+        how = (
+            f"{layers} x {fwd['graph']}'s first argument + its outputs + rotary and mask"
+            if checkpointed
+            else f"{layers} x {fwd['graph']} outputs + rotary and mask"
+        )
         xla.append(("activations", saved_activations(fwd, layers, checkpointed), how))
     if bwd:
-        xla.append(("block backward outputs", bwd["output_bytes"], f"{bwd['graph']} outputs: the block's gradients "
-                    "(unsharded, bf16) and its input's"))
+        xla.append(
+            (
+                "block backward outputs",
+                bwd["output_bytes"],
+                f"{bwd['graph']} outputs: the block's gradients (unsharded, bf16) and its input's",
+            )
+        )
     if fwd or bwd:
         temps = [g for g in (fwd, bwd) if g]
-        xla.append(("update temporaries", max(g["temp_bytes"] for g in temps),
-                    "the larger temporaries of " + " and ".join(g["graph"] for g in temps)))
+        xla.append(
+            (
+                "update temporaries",
+                max(g["temp_bytes"] for g in temps),
+                "the larger temporaries of " + " and ".join(g["graph"] for g in temps),
+            )
+        )
     if hf:
         xla.append(("LM head forward arguments", hf["argument_bytes"], f"{hf['graph']} arguments"))
         xla.append(("LM head logits", hf["output_bytes"] + hf["temp_bytes"], f"{hf['graph']} outputs + temporaries"))
@@ -324,19 +401,31 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
         top = max(sampler, key=lambda g: g["temp_bytes"])
         xla.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
     # the no-grad forward: one block's and the LM head's outputs and temporaries (one at a time), largest micro batch
-    block_forward = {shape: max(kinds, key=lambda g: g["output_bytes"] + g["temp_bytes"])
-                     for shape, kinds in _by_shape(graphs, "block_forward").items()}
+    block_forward = {
+        shape: max(kinds, key=lambda g: g["output_bytes"] + g["temp_bytes"])
+        for shape, kinds in _by_shape(graphs, "block_forward").items()
+    }
     pairs = [(block_forward.get(_shape_of(g["graph"])), g) for g in graphs if g["kind"] == "lm_head_forward"]
     pairs = [(b, h) for b, h in pairs if b]
     if pairs:
         b, h = max(pairs, key=lambda bh: sum(g["output_bytes"] + g["temp_bytes"] for g in bh))
-        xla.append(("log-prob forward", sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
-                    f"{b['graph']} and {h['graph']} outputs + temporaries"))
+        xla.append(
+            (
+                "log-prob forward",
+                sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
+                f"{b['graph']} and {h['graph']} outputs + temporaries",
+            )
+        )
     value = first("value_head", ".fwd")
     cfwd = value and _by_shape(graphs, "block", ".fwd").get(_shape_of(value["graph"]))
     if cfwd:
-        xla.append(("critic activations", saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
-                    f"as activations, from {', '.join(g['graph'] for g in cfwd)}, + {value['graph']} outputs"))
+        xla.append(
+            (
+                "critic activations",
+                saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
+                f"as activations, from {', '.join(g['graph'] for g in cfwd)}, + {value['graph']} outputs",
+            )
+        )
     out = [(name, planned[name], number, how) for name, number, how in xla if name in planned]
     compared = {name for name, *_ in out}
     for term in plan.terms:
