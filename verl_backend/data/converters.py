@@ -24,10 +24,9 @@ from verl_backend.errors import BadInputError
 
 # No example answer in the prompt: with "e.g. <answer>42</answer>" the base model's greedy answer ended in 42 on 64 of
 # 200 validation items (accuracy 33.0%); without it, on 1 (43.5%) — benchmarks/bench_recipe.py, docs/recipe.md. The
-# placeholder N shows the tags' form without a number to copy: sampled at the default's temperature 0.7 the base model
-# closed an answer in tags 4x as often as under "... inside <answer></answer> tags." (8 of 128 samples against 2),
-# which is what the format reward needs to reinforce (docs/recipe.md, the fifth screen).
-PROMPT_SUFFIX = " End with the final answer as <answer>N</answer>, where N is the number."
+# fifth screen's " End with the final answer as <answer>N</answer>, where N is the number." drew the tags 4x as often
+# at T=0.7, but its seed-1 run with the format reward lost 3.0 points on the report set: not adopted (docs/recipe.md).
+PROMPT_SUFFIX = " Give the final answer as a number inside <answer></answer> tags."
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
 

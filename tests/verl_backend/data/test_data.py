@@ -153,16 +153,18 @@ def _addition_row(tmp_path):
 def test_the_reward_asks_for_the_tags_and_accuracy_stays_apart(tmp_path, response, score, acc, strict):
     source, truth, info = _addition_row(tmp_path)
     wrong = str(int(truth) + 10)
-    got = compute_score(source, response.format(t=truth, w=wrong), truth, info)
+    got = compute_score(source, response.format(t=truth, w=wrong), truth, info, bare_answer_credit=0.5)
     assert (got["score"], got["acc"], got["acc_strict"]) == (score, acc, strict), got
+    plain = compute_score(source, response.format(t=truth, w=wrong), truth, info)  # the default: no format reward
+    assert (plain["score"], plain["acc"]) == (acc if score == 0.5 else score, acc), plain
 
 
 def test_bare_answer_credit_is_the_runs_setting_and_checked(tmp_path):
     """``reward.custom_reward_function.reward_kwargs.bare_answer_credit`` reaches compute_score through VeRL's
-    reward kwargs and guarded_score; 1.0 is the reward before the format counted. A value outside [0, 1] is one line
-    naming the key."""
+    reward kwargs and guarded_score; 1.0, the default, is no format reward. A value outside [0, 1] is one line naming
+    the key."""
     source, truth, info = _addition_row(tmp_path)
-    assert compute_score(source, truth, truth, info, bare_answer_credit=1.0)["score"] == 1.0
+    assert compute_score(source, truth, truth, info)["score"] == 1.0
     assert guarded_score(source, truth, truth, info, bare_answer_credit=0.25)["score"] == 0.25
     for bad in (1.5, -0.1, "half"):
         with pytest.raises(BadInputError, match=r"reward_kwargs.bare_answer_credit=.* in \[0, 1\]"):
