@@ -37,6 +37,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``litert`` parser: ``export``, ``verify`` and ``bench``, sharing the common and ``--eval`` options."""
     parser = argparse.ArgumentParser(
         prog="litert",
         description=__doc__.split("\n\n")[0],
@@ -44,7 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    common, evaluation = _common_options(), _eval_options()
+    export = _add_export_command(sub, [common, evaluation])
+    _add_export_check_options(export)
+    _add_verify_command(sub, [common, evaluation])
+    _add_bench_command(sub, [common])
+    return parser
 
+
+def _common_options() -> argparse.ArgumentParser:
+    """Returns the parent parser of options every subcommand takes (module inputs, prompt, threads, debug)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--input",
@@ -59,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--threads", type=int, default=1, help="CPU threads for LiteRT and PyTorch (default 1)")
     common.add_argument("--debug", action="store_true", help="show stack traces instead of one-line errors")
+    return common
 
+
+def _eval_options() -> argparse.ArgumentParser:
+    """Returns the parent parser of the ``--eval`` options (task accuracy through the LiteRT-LM runtime)."""
     evaluation = argparse.ArgumentParser(add_help=False)
     evaluation.add_argument(
         "--eval",
@@ -85,10 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POINTS",
         help="--eval: accuracy points the runtime may lose against PyTorch (default 5)",
     )
+    return evaluation
 
+
+def _add_export_command(sub, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``export`` with its conversion options (source, output, quantization, signatures); returns its parser."""
     ex = sub.add_parser(
         "export",
-        parents=[common, evaluation],
+        parents=parents,
         help="convert, quantize, verify, write",
         description="Convert SOURCE to a LiteRT file, verify it against PyTorch, then write OUT.",
         epilog=EXAMPLES,
@@ -129,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="causal LMs: one prefill_<N> signature per length (default 32)",
     )
     ex.add_argument("--cache-length", type=int, default=256, help="causal LMs: KV-cache tokens (default 256)")
+    return ex
+
+
+def _add_export_check_options(ex: argparse.ArgumentParser) -> None:
+    """Add ``export``'s verification and benchmark options (``--no-verify`` ... ``--quiet``) to ``ex``."""
     ex.add_argument(
         "--no-verify",
         dest="verify",
@@ -160,9 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--benchmark", action="store_true", help="also time LiteRT vs PyTorch eager")
     ex.add_argument("--quiet", action="store_true", help="print only the final summary line")
 
+
+def _add_verify_command(sub, parents: list[argparse.ArgumentParser]) -> None:
+    """Add ``verify`` (an existing ``.litertlm`` through the LiteRT-LM runtime against its checkpoint)."""
     ve = sub.add_parser(
         "verify",
-        parents=[common, evaluation],
+        parents=parents,
         help="check a .litertlm through the LiteRT-LM runtime",
         description="Run 8 chats through the LiteRT-LM runtime (CPU, greedy) and compare the prompt "
         "it prefills and its answers with PyTorch on --source. Exit 3 when they differ.",
@@ -184,16 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ve.add_argument("--verify-steps", type=int, default=32, help="greedy steps per chat (default 32)")
 
+
+def _add_bench_command(sub, parents: list[argparse.ArgumentParser]) -> None:
+    """Add ``bench`` (time a ``.tflite`` or ``.litertlm`` with the LiteRT runtime, PyTorch eager beside it)."""
     be = sub.add_parser(
         "bench",
-        parents=[common],
+        parents=parents,
         help="time a LiteRT file (vs PyTorch with --source)",
         description="Time FILE with the LiteRT runtime; with --source also PyTorch eager.",
     )
     be.add_argument("file", metavar="FILE", help="a .tflite or .litertlm written by litert export")
     be.add_argument("--source", default=None, help="the SOURCE it was exported from, for the PyTorch figures")
     be.add_argument("--steps", type=int, default=32, help="causal LMs: decode steps to time (default 32)")
-    return parser
 
 
 def _module_inputs(specs: list[str], source: str):

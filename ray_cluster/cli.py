@@ -178,6 +178,7 @@ def _kuberay(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``rl-tpu`` parser: one subcommand group each for ``cluster``, ``job``, ``slice`` and ``kuberay``."""
     p = argparse.ArgumentParser(
         prog="rl-tpu",
         description=__doc__.split("\n\n")[0],
@@ -185,7 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
     sub = p.add_subparsers(dest="group", required=True)
+    _add_cluster_commands(sub)
+    _add_job_commands(sub)
+    _add_slice_command(sub)
+    _add_kuberay_commands(sub)
+    return p
 
+
+def _add_cluster_commands(sub) -> None:
+    """Add ``cluster up|status|down`` (the local fake TPU-slice Ray cluster) to the subparsers ``sub``."""
     c = sub.add_parser("cluster", help="local fake TPU-slice Ray cluster").add_subparsers(dest="cmd", required=True)
     up = c.add_parser("up", help="start a head node plus one Ray node per slice host")
     up.add_argument(
@@ -223,26 +232,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
     c.choices["status"].add_argument("--json", action="store_true", help="print machine-readable status")
 
+
+def _add_job_options(sp):
+    """Add the Ray job server's address, auth mode and state-file options to ``sp``; returns ``sp``."""
+    sp.add_argument(
+        "--address",
+        default=None,
+        help="dashboard URL, e.g. http://127.0.0.1:8265 (default $RAY_ADDRESS, else the fake cluster)",
+    )
+    sp.add_argument(
+        "--auth-mode",
+        choices=["disabled", "token"],
+        default=None,
+        help="Ray auth mode, set explicitly (default $RAY_AUTH_MODE or disabled)",
+    )
+    sp.add_argument("--state-file", type=Path, default=None, help="fake cluster state file to take the address from")
+    return sp
+
+
+def _add_job_commands(sub) -> None:
+    """Add ``job submit|status|logs|stop`` (Ray jobs through the dashboard's job server) to ``sub``."""
     j = sub.add_parser("job", help="submit and follow Ray jobs").add_subparsers(dest="cmd", required=True)
-
-    def job_common(sp):
-        sp.add_argument(
-            "--address",
-            default=None,
-            help="dashboard URL, e.g. http://127.0.0.1:8265 (default $RAY_ADDRESS, else the fake cluster)",
-        )
-        sp.add_argument(
-            "--auth-mode",
-            choices=["disabled", "token"],
-            default=None,
-            help="Ray auth mode, set explicitly (default $RAY_AUTH_MODE or disabled)",
-        )
-        sp.add_argument(
-            "--state-file", type=Path, default=None, help="fake cluster state file to take the address from"
-        )
-        return sp
-
-    s = job_common(j.add_parser("submit", help="submit a job; follow its logs until it ends"))
+    s = _add_job_options(j.add_parser("submit", help="submit a job; follow its logs until it ends"))
     s.add_argument("--working-dir", default=None, help="folder uploaded as the job's working dir (.venv/.git excluded)")
     s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
     s.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks one)")
@@ -255,16 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
         ("logs", "driver logs"),
         ("stop", "stop a job"),
     ):
-        sp = job_common(j.add_parser(name, help=helptext))
+        sp = _add_job_options(j.add_parser(name, help=helptext))
         sp.add_argument("job_id")
         if name == "logs":
             sp.add_argument("--follow", action="store_true", help="keep printing until the job ends")
             sp.add_argument("--timeout", type=float, default=24 * 3600)
 
+
+def _add_slice_command(sub) -> None:
+    """Add ``slice TYPE`` (a TPU slice's hosts, chips, mesh, Ray resources and env) to ``sub``."""
     sl = sub.add_parser("slice", help="print a slice's hosts, chips, mesh, Ray resources and env")
     sl.add_argument("accelerator_type", help="e.g. v6e-16, v4-16, v5p-16, v5litepod-8, tpu7x-16")
     sl.add_argument("--topology", default=None, help="chip grid, e.g. 4x4 (default: the type's standard one)")
 
+
+def _add_kuberay_commands(sub) -> None:
+    """Add ``kuberay cluster|job|validate`` (RayCluster / RayJob manifests for GKE TPU slices) to ``sub``."""
     k = sub.add_parser("kuberay", help="KubeRay RayCluster / RayJob manifests for TPU slices on GKE")
     ks = k.add_subparsers(dest="what", required=True)
     for name, helptext in (
@@ -291,7 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
             )
     v = ks.add_parser("validate", help="check manifests offline against the KubeRay CRDs")
     v.add_argument("file", help="YAML file (one or more documents)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
