@@ -288,46 +288,88 @@ class Sampler:
     def _generate_batch(
         self, rows: list[list[int]], params: SamplingParams, row_seeds: list[int] | None
     ) -> list[SampleOutput]:
+        """Sample one batch (:meth:`generate`'s steps 2 to 4): bucket and left-pad it, prefill, decode, collect.
+
+        Args:
+            rows: the batch's prompts, one per output row, unpadded (at most ``max_batch_size`` of them).
+            params: sampling settings.
+            row_seeds: one seed per row (:func:`rl_tpu.sampler.seeds.row_uniforms`); ``None``: torch's global
+                generator draws.
+
+        Returns:
+            ``len(rows)`` outputs in the order of ``rows``.
+        """
         dev = self.device
+        n_real = len(rows)
+        rows, prompt_len, cache_len = self._bucket_rows(rows, params.max_new_tokens)
+        batch = len(rows)
+        ids, mask, pos, real_len = self._left_pad(rows, prompt_len, cache_len)
+        stop_ids = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=dev
+        )
+        cache = StaticCache(config=self.config, max_cache_len=cache_len)
+        logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
+        procs = LogitsProcessors.build(
+            params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len], stop_ids, logits.shape[-1]
+        )  # None unless requested: nothing to pay
+        uniforms = None  # (batch, new): each output row's own draws (rl_tpu.sampler.seeds); None: global generator
+        if row_seeds is not None:
+            acc = torch.float64 if dev.type == "cpu" else torch.float32  # as processing._draw sums
+            uniforms = row_uniforms(row_seeds + [0] * (batch - n_real), params.max_new_tokens, dev, acc)
+        out_tokens, out_logp, out_len, stopped = self._decode(
+            logits, cache, mask, real_len, prompt_len, stop_ids, params, procs, uniforms, n_real
+        )
+        return [
+            self._output(out_tokens[i], out_logp[i] if params.logprobs else None, int(out_len[i]), bool(stopped[i]))
+            for i in range(n_real)
+        ]
+
+    def _bucket_rows(self, rows: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], int, int]:
+        """The batch's buckets: ``rows`` topped up to the batch bucket (a power of two, at most ``max_batch_size``)
+        with filler rows (copies of ``rows[0]``, their results dropped), and the prompt bucket and KV cache length.
+
+        Returns:
+            ``(rows, prompt_len, cache_len)``: the padded rows (real ones first), the smallest prompt bucket that fits
+            the longest prompt, and ``prompt_len`` + the smallest generation bucket that fits ``max_new_tokens``
+            (cache slots).
+        """
         n_real = len(rows)
         batch = _next_pow2(n_real)
         if self.max_batch_size is not None:
             batch = min(batch, self.max_batch_size)
         rows = rows + [rows[0]] * (batch - n_real)  # filler rows: results dropped
         prompt_len = self._bucket(self.prompt_buckets, max(len(r) for r in rows))
-        cache_len = prompt_len + self._bucket(self.gen_buckets, params.max_new_tokens)
-        max_new = params.max_new_tokens
+        cache_len = prompt_len + self._bucket(self.gen_buckets, max_new_tokens)
+        return rows, prompt_len, cache_len
 
-        # Left-padded prompts; the mask covers the whole cache: 1 = a real token (future slots are hidden by
-        # causality until written).
+    def _left_pad(
+        self, rows: list[list[int]], prompt_len: int, cache_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill's inputs on the sampler's device: the prompts left-padded to ``prompt_len``.
+
+        Returns:
+            ``(ids, mask, pos, real_len)``: ``ids`` ``(batch, prompt_len)`` int64 (``pad_token_id`` at the padding);
+            ``mask`` ``(batch, cache_len)`` int64 over the whole KV cache, 1 = a real token (future slots are hidden
+            by causality until written); ``pos`` ``(batch, prompt_len)`` int64 position ids from 0 per row (0 at the
+            padding); ``real_len`` ``(batch,)`` int64 prompt tokens per row.
+        """
+        batch = len(rows)
         ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)  # (batch, prompt)
         mask = torch.ones((batch, cache_len), dtype=torch.long)  # (batch, cache)
         for i, r in enumerate(rows):
             ids[i, prompt_len - len(r) :] = torch.tensor(r, dtype=torch.long)
             mask[i, : prompt_len - len(r)] = 0
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         real_len = mask[:, :prompt_len].sum(-1)  # (batch,) prompt tokens per row
         pos = (mask[:, :prompt_len].cumsum(-1) - 1).clamp(min=0)  # (batch, prompt) positions from 0 per row
+        return ids, mask, pos, real_len
 
-        stop_ids = torch.tensor(
-            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=dev
-        )
-        out_tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)  # (rows, new)
-        out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new); 0 unless asked
-        out_len = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens generated per row
-        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)  # ended on a stop token
-        row_ids = torch.arange(batch, device=dev)  # current batch row -> output row
-        done = torch.zeros(batch, dtype=torch.bool, device=dev)
-        done[n_real:] = True  # filler rows never write
-
-        cache = StaticCache(config=self.config, max_cache_len=cache_len)
-        logits = self._prefill(rows, ids, mask, pos, cache)  # (batch, vocab)
-        lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
-        procs = LogitsProcessors.build(
-            params.repetition_penalty, params.min_tokens, ids, mask[:, :prompt_len], stop_ids, logits.shape[-1]
-        )  # None unless requested: nothing to pay
+    def _choice_settings(self, params: SamplingParams, procs: LogitsProcessors | None) -> dict:
+        """Keyword arguments of :func:`~rl_tpu.sampler.processing.choose_tokens` for a batch's decode steps (the
+        decode loop adds each step's ``uniforms``); log-probs come from it only when no processor changes the
+        logits."""
         fast = self.packed is not None or (self.compiled is not None and self.compiled.packs is not None)
-        sample = {
+        return {
             "temperature": params.temperature,
             "top_k": params.top_k,
             "top_p": params.top_p,
@@ -335,10 +377,49 @@ class Sampler:
             "logprobs": params.logprobs and procs is None,
             "kernel": fast,
         }  # rl-tpu's greedy token kernel: a CPU fast path, as the packed weights are
-        uniforms = None  # (batch, new): each output row's own draws (rl_tpu.sampler.seeds); None: global generator
-        if row_seeds is not None:
-            acc = torch.float64 if dev.type == "cpu" else torch.float32  # as processing._draw sums
-            uniforms = row_uniforms(row_seeds + [0] * (batch - n_real), max_new, dev, acc)
+
+    def _decode(
+        self,
+        logits: torch.Tensor,
+        cache: StaticCache,
+        mask: torch.Tensor,
+        real_len: torch.Tensor,
+        prompt_len: int,
+        stop_ids: torch.Tensor,
+        params: SamplingParams,
+        procs: LogitsProcessors | None,
+        uniforms: torch.Tensor | None,
+        n_real: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode loop: choose a token per row, record it and run it through the model until every real row has
+        met a stop token or ``params.max_new_tokens``, shrinking the batch as rows finish (``shrink_finished``).
+
+        Args:
+            logits: ``(batch, vocab)`` the prefill's last-token logits.
+            cache: the batch's KV cache, prompt slots ``[0, prompt_len)`` written; updated in place.
+            mask: ``(batch, cache_len)`` int64 attention mask over the cache; ``real_len`` ``(batch,)`` int64 prompt
+                tokens per row; ``prompt_len``: the prompt bucket (the first generated token's cache slot).
+            stop_ids: ``(stops,)`` int64 EOS and stop token ids.
+            procs: the logits processors (repetition penalty, min tokens), or ``None``.
+            uniforms: ``(batch, max_new_tokens)`` each output row's draws; ``None``: torch's global generator.
+            n_real: the real rows (the first ones; filler rows after them never write).
+
+        Returns:
+            ``(tokens, logprobs, lengths, stopped)`` per output row: ``(batch, max_new_tokens)`` int64
+            (``pad_token_id`` past a row's end) and float32 (0 unless ``params.logprobs``), ``(batch,)`` int64
+            tokens generated and bool ended on a stop token.
+        """
+        dev = self.device
+        batch, max_new = mask.shape[0], params.max_new_tokens
+        out_tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)  # (rows, new)
+        out_logp = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)  # (rows, new); 0 unless asked
+        out_len = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens generated per row
+        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)  # ended on a stop token
+        row_ids = torch.arange(batch, device=dev)  # current batch row -> output row
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        done[n_real:] = True  # filler rows never write
+        lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
+        sample = self._choice_settings(params, procs)
         for t in range(max_new):
             if uniforms is not None:
                 sample["uniforms"] = uniforms[row_ids, t]  # (batch,): the rows still in the batch
@@ -373,11 +454,7 @@ class Sampler:
                 logits = self.lean.step(tok, real_len + t, cache, prompt_len + t, lean_mask)  # (batch, vocab)
             else:
                 logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
-
-        return [
-            self._output(out_tokens[i], out_logp[i] if params.logprobs else None, int(out_len[i]), bool(stopped[i]))
-            for i in range(n_real)
-        ]
+        return out_tokens, out_logp, out_len, stopped
 
     def _prefill(
         self, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: StaticCache
