@@ -166,22 +166,8 @@ def start(
             to start (the message carries the end of its log).
     """
     state_file = Path(state_file or default_state_file())
-    if state_file.exists():
-        old = FakeCluster.load(state_file)
-        if any(alive(n) for n in old.nodes):
-            raise ClusterError(
-                f"a fake cluster is already up at {old.dashboard_url} (state {state_file}); "
-                f"run `rl-tpu cluster down` first or pass another --state-file"
-            )
-    specs = []
-    for s in fake_slices:
-        if isinstance(s, SliceTopology):
-            specs.append(s)
-        else:
-            atype, _, topo = str(s).partition(":")
-            specs.append(parse_slice(atype, topo or None))
-    if not specs:
-        raise ClusterError("no --fake-slice given: name at least one, e.g. --fake-slice v6e-16")
+    _check_no_cluster_alive(state_file)
+    specs = _parse_fake_slices(fake_slices)
     if (cpus_per_host is not None and cpus_per_host < 1) or head_cpus < 1 or object_store_mb < 80:
         raise ClusterError(
             f"--hosts-cpus {cpus_per_host}, --head-cpus {head_cpus} must be >= 1 and "
@@ -193,34 +179,106 @@ def start(
     names = [f"fake-{s.accelerator_type}-{i}-{marker[:4]}" for i, s in enumerate(specs)]
     gcs_port, dash_port = free_ports(2)
     gcs = f"127.0.0.1:{gcs_port}"
-
-    base_env = {k: v for k, v in os.environ.items() if k not in _SCRUB_ENV}
-    base_env.update({MARKER_ENV: marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
-    # Job drivers run through a shell with the raylet's PATH: put this environment first so
-    # `verl`, `python` in an entrypoint are ours even when the venv was not activated.
-    bindir = str(Path(sys.executable).parent)
-    base_env["PATH"] = bindir + os.pathsep + base_env.get("PATH", "")
+    base_env = _node_env(marker)
     cluster = FakeCluster(
         address=gcs,
         dashboard_url=f"http://127.0.0.1:{dash_port}",
         temp_dir=temp_dir,
         marker=marker,
-        slices=[
-            {
-                "name": n,
-                "accelerator_type": s.accelerator_type,
-                "topology": s.topology,
-                "hosts": s.hosts,
-                "chips_per_host": s.chips_per_host,
-            }
-            for n, s in zip(names, specs)
-        ],
+        slices=_slice_records(names, specs),
         nodes=[],
         started_at=time.time(),
     )
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     store = object_store_mb * 1024 * 1024
+    head = _head_launch(gcs, temp_dir, head_cpus, store, dash_port, base_env)
+    workers = _slice_host_launches(names, specs, gcs, temp_dir, cpus_per_host, store, base_env)
+    try:
+
+        def save():
+            cluster.save(state_file)
+
+        start_nodes([head], cluster.nodes, save, deadline, parallel=1)
+        start_nodes(workers, cluster.nodes, save, deadline, parallel=max_parallel)
+        _wait_ready(cluster, deadline)
+    except BaseException:
+        stop(cluster=cluster, state_file=state_file, remove_temp=False)
+        raise
+    cluster.ready_s = time.monotonic() - t0
+    cluster.save(state_file)
+    return cluster
+
+
+def _check_no_cluster_alive(state_file: Path) -> None:
+    """Raise ClusterError if ``state_file`` records a fake cluster with a Ray process still alive.
+
+    Raises:
+        ClusterError: a recorded node is alive, or the state file is unreadable.
+    """
+    if state_file.exists():
+        old = FakeCluster.load(state_file)
+        if any(alive(n) for n in old.nodes):
+            raise ClusterError(
+                f"a fake cluster is already up at {old.dashboard_url} (state {state_file}); "
+                f"run `rl-tpu cluster down` first or pass another --state-file"
+            )
+
+
+def _parse_fake_slices(fake_slices: Sequence[str | SliceTopology]) -> list[SliceTopology]:
+    """The slices ``--fake-slice`` names (``"v6e-16"`` or ``"v6e-16:4x4"``; parsed ones pass through).
+
+    Raises:
+        TopologyError: a bad slice type or topology.
+        ClusterError: no slice given.
+    """
+    specs = []
+    for s in fake_slices:
+        if isinstance(s, SliceTopology):
+            specs.append(s)
+        else:
+            atype, _, topo = str(s).partition(":")
+            specs.append(parse_slice(atype, topo or None))
+    if not specs:
+        raise ClusterError("no --fake-slice given: name at least one, e.g. --fake-slice v6e-16")
+    return specs
+
+
+def _slice_records(names: list[str], specs: list[SliceTopology]) -> list[dict]:
+    """The state file's ``slices``: per slice its Ray slice name, accelerator type, topology, hosts, chips/host."""
+    return [
+        {
+            "name": n,
+            "accelerator_type": s.accelerator_type,
+            "topology": s.topology,
+            "hosts": s.hosts,
+            "chips_per_host": s.chips_per_host,
+        }
+        for n, s in zip(names, specs)
+    ]
+
+
+def _node_env(marker: str) -> dict[str, str]:
+    """The environment of every ``ray start`` child: ours without ``_SCRUB_ENV``, plus the cluster marker.
+
+    Ray auth and usage stats are switched off, and this interpreter's bin folder leads ``PATH``.
+    """
+    base_env = {k: v for k, v in os.environ.items() if k not in _SCRUB_ENV}
+    base_env.update({MARKER_ENV: marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+    # Job drivers run through a shell with the raylet's PATH: put this environment first so
+    # `verl`, `python` in an entrypoint are ours even when the venv was not activated.
+    bindir = str(Path(sys.executable).parent)
+    base_env["PATH"] = bindir + os.pathsep + base_env.get("PATH", "")
+    return base_env
+
+
+def _head_launch(
+    gcs: str, temp_dir: str, head_cpus: int, store: int, dash_port: int, env: dict[str, str]
+) -> NodeLaunch:
+    """How to start the Ray head node: GCS at ``gcs``, dashboard and job server on ``dash_port``, no TPU.
+
+    ``store`` is the object store size in bytes; the head's log goes to ``<temp_dir>/head.<attempt>.log``.
+    """
 
     def head_cmd(ports, attempt):
         return node_command(
@@ -234,6 +292,23 @@ def start(
             dashboard_port=dash_port,
         )
 
+    return NodeLaunch("head", head_cmd, env, Path(temp_dir) / "head", {})
+
+
+def _slice_host_launches(
+    names: list[str],
+    specs: list[SliceTopology],
+    gcs: str,
+    temp_dir: str,
+    cpus_per_host: int | None,
+    store: int,
+    base_env: dict[str, str],
+) -> list[NodeLaunch]:
+    """How to start one Ray worker node per host of each slice, in slice then worker-id order.
+
+    Each gets ``{"TPU": chips_per_host}``, the TPU host environment GKE gives (``host_env``) and its own Ray temp
+    dir per attempt; ``store`` is the object store size in bytes, ``cpus_per_host`` None means 8 per chip.
+    """
     launches = []
     for name, spec in zip(names, specs):
         for w in range(spec.hosts):
@@ -253,26 +328,7 @@ def start(
             launches.append(
                 NodeLaunch(f"{name}/{w}", cmd, env, Path(temp_dir) / f"{name}-w{w}", host_resources(spec, w, name))
             )
-    try:
-
-        def save():
-            cluster.save(state_file)
-
-        start_nodes(
-            [NodeLaunch("head", head_cmd, base_env, Path(temp_dir) / "head", {})],
-            cluster.nodes,
-            save,
-            deadline,
-            parallel=1,
-        )
-        start_nodes(launches, cluster.nodes, save, deadline, parallel=max_parallel)
-        _wait_ready(cluster, deadline)
-    except BaseException:
-        stop(cluster=cluster, state_file=state_file, remove_temp=False)
-        raise
-    cluster.ready_s = time.monotonic() - t0
-    cluster.save(state_file)
-    return cluster
+    return launches
 
 
 def _wait_ready(cluster: FakeCluster, deadline: float) -> None:
