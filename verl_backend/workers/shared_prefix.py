@@ -145,13 +145,8 @@ def shared_prefix_inputs(
     layout = no_padding_layout(micro_batch)
     if layout is None or bool((layout[0] < 1).any()):
         return None
-    position_ids = micro_batch.get("position_ids", None)
-    if position_ids is not None:
-        if position_ids.dim() != 2 or not position_ids.is_nested:
-            return None
-        expected = torch.cat([torch.arange(int(n)) for n in layout[2].diff()]).to(position_ids.device)
-        if not torch.equal(position_ids.values(), expected):
-            return None
+    if not _plain_positions(micro_batch, layout[2]):
+        return None
     prompts = [t.cpu() for t in micro_batch["prompts"].unbind()]
     responses = [t.cpu() for t in micro_batch["responses"].unbind()]
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -159,6 +154,45 @@ def shared_prefix_inputs(
         groups.setdefault(tuple(prompt.tolist()), []).append(i)
     if len(groups) == len(prompts):
         return None
+    ids, pos_t, group_t, member_t, keep_of = _pack_segments(prompts, responses, groups)
+    masks = _segment_masks(group_t, member_t, pos_t, kinds, dtype)
+    keep = torch.cat([keep_of[i] for i in range(len(prompts))])
+    inputs = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": pos_t.unsqueeze(0),
+        "attention_mask": next(iter(masks.values())) if len(masks) == 1 else masks,
+    }
+    return inputs, keep
+
+
+def _plain_positions(micro_batch: TensorDict, offsets: torch.Tensor) -> bool:
+    """Whether the micro batch's ``position_ids`` (if any) are ``0..len-1`` per sequence, the only ones the shared
+    row reproduces (not e.g. multimodal rope's ``(3, T)``); ``offsets``: ``(batch + 1,)`` int64 of ``input_ids``."""
+    position_ids = micro_batch.get("position_ids", None)
+    if position_ids is not None:
+        if position_ids.dim() != 2 or not position_ids.is_nested:
+            return False
+        expected = torch.cat([torch.arange(int(n)) for n in offsets.diff()]).to(position_ids.device)
+        if not torch.equal(position_ids.values(), expected):
+            return False
+    return True
+
+
+def _pack_segments(
+    prompts: list[torch.Tensor], responses: list[torch.Tensor], groups: dict[tuple[int, ...], list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Lay out the packed row: per group of sequences with one prompt, the prompt once, then each response.
+
+    Args:
+        prompts, responses: per sequence, ``(p_i,)`` and ``(r_i,)`` int64 token ids on the CPU.
+        groups: prompt tokens -> the sequences with that prompt, in order.
+
+    Returns:
+        ``(ids, pos, group, member, keep_of)`` over the row's ``T`` positions: ``ids`` ``(T,)`` int64 tokens;
+        ``pos`` ``(T,)`` int64 position ids (restarting at ``p`` for every response); ``group`` ``(T,)`` int64
+        segment index; ``member`` ``(T,)`` float32, 0 for a prompt token, ``j + 1`` for the group's ``j``-th
+        response; ``keep_of`` sequence -> ``(r_i,)`` int64 row positions whose logits predict its response tokens.
+    """
     ids, pos, group, member = [], [], [], []  # per row position: token, position id, segment, 0 = prompt / j+1
     keep_of: dict[int, torch.Tensor] = {}
     cursor = 0
@@ -180,8 +214,20 @@ def shared_prefix_inputs(
             keep_of[i] = torch.cat([torch.tensor([cursor + p - 1]), torch.arange(start, start + r - 1)])[:r]
             start += r
         cursor = start
-    group_t, member_t, pos_t = torch.cat(group), torch.cat(member), torch.cat(pos)
-    idx = torch.arange(cursor)
+    return torch.cat(ids).to(torch.long), torch.cat(pos), torch.cat(group), torch.cat(member), keep_of
+
+
+def _segment_masks(
+    group_t: torch.Tensor, member_t: torch.Tensor, pos_t: torch.Tensor, kinds: AttentionKinds, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The packed row's attention mask per kind of layer (:func:`_pack_segments`' ``(T,)`` ``group``, ``member`` and
+    ``pos``): a token attends causally within its segment, to the prompt and its own response only, and within the
+    layer kind's sliding window (measured in position ids).
+
+    Returns:
+        layer type -> ``(1, 1, T, T)`` mask: bool (True = attend), or ``dtype`` 0 / lowest when ``kinds.additive``.
+    """
+    idx = torch.arange(group_t.numel())
     mask = (
         (idx[:, None] >= idx[None, :])
         & (group_t[:, None] == group_t[None, :])
@@ -197,10 +243,4 @@ def shared_prefix_inputs(
     for kind, window in kinds.windows.items():
         windowed = mask if window is None else mask & (pos_t[:, None] - pos_t[None, :] < window)
         masks[kind] = finish(windowed)
-    keep = torch.cat([keep_of[i] for i in range(len(prompts))])
-    inputs = {
-        "input_ids": torch.cat(ids).to(torch.long).unsqueeze(0),
-        "position_ids": pos_t.unsqueeze(0),
-        "attention_mask": next(iter(masks.values())) if len(masks) == 1 else masks,
-    }
-    return inputs, keep
+    return masks
