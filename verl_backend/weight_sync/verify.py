@@ -422,6 +422,74 @@ def _compute_dtype(sampler) -> torch.dtype:
     return next(sampler.model.parameters()).dtype
 
 
+def _probe_difference(
+    got: torch.Tensor, want: torch.Tensor, dtypes: tuple[torch.dtype, torch.dtype]
+) -> tuple[float, float, float]:
+    """The rollout's probe log-probs ``got`` against the trainer's ``want`` (both ``(sequences, scored, 1 + k)``
+    float32 on the CPU), the sides computed in ``dtypes`` (trainer, rollout).
+
+    Returns:
+        ``(max_abs_diff, mean_abs_diff, score)``: the differences (0.0 for an empty probe) and :func:`probe_score`
+        (pass: at most 1.0; NaN fails).
+    """
+    diff = (got - want).abs()
+    max_diff, mean_diff = (float(diff.max()), float(diff.mean())) if diff.numel() else (0.0, 0.0)
+    return max_diff, mean_diff, probe_score(got, want, *dtypes)
+
+
+def _differing_fingerprints(sampler, trainer_fps: dict[str, float] | None) -> tuple[list[str], int]:
+    """The sampler's source tensors whose :func:`fingerprint` at its compute dtype differs from the trainer's.
+
+    Returns:
+        ``(differing, unchecked)``: the differing names in the trainer's order (the first named is the first sent;
+        ``[]`` without ``trainer_fps``), and how many fingerprints name no tensor of the model (an adapter-only LoRA
+        payload's A/B matrices: the probe covers what they became).
+    """
+    differing: list[str] = []
+    unchecked = 0
+    if trainer_fps:
+        own = sampler._tensors
+        dtype = _compute_dtype(sampler)
+        for name, fp in trainer_fps.items():  # in the trainer's order: the first named is the first sent
+            t = own.get(name)
+            if t is None:  # not a model tensor (an adapter-only LoRA payload's A/B): the probe covers what it became
+                unchecked += 1
+            elif _differs(fingerprint(t, dtype), fp):
+                differing.append(name)
+    return differing, unchecked
+
+
+def _mismatch_message(
+    sampler,
+    differing: list[str],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    max_diff: float,
+    mean_diff: float,
+    probe_ok: bool,
+    replica: int | str,
+    version: int | None,
+) -> str:
+    """The one line of a failed verification: the replica, the weight version, the first differing tensor (or why
+    none was found) and the probe's differences against its bound (:func:`probe_bound` of ``dtypes``)."""
+    first = differing[0] if differing else None
+    if first:
+        what = f"first differing tensor {first}" + (f" (+{len(differing) - 1} more)" if len(differing) > 1 else "")
+    elif _native_compiled_packs(sampler):
+        what = (
+            "every source tensor matches: the compiled steps' packed copies (rl-tpu's C++ cache, not readable "
+            "from here) are stale"
+        )
+    else:
+        what = "no single tensor found (every fingerprint and reachable packed copy matches)"
+    kind, atol, rtol = probe_bound(*dtypes)
+    bound = f"each within {atol:g} + {rtol:g}|log-prob|" if kind == "max" else f"mean within {atol:g}"
+    return (
+        f"weight sync not verified: rollout replica {replica}, weight version {version}: {what}; probe "
+        f"log-probs differ by max {max_diff:.3g}, mean {mean_diff:.3g} ({bound}: "
+        f"{'passed' if probe_ok else 'failed'})"
+    )
+
+
 def verify_sync(
     sampler,
     probe: Probe,
@@ -459,44 +527,17 @@ def verify_sync(
             f"weight sync not verified: rollout replica {replica}, weight version {version}: "
             f"probe shapes differ (trainer {tuple(want.shape)}, rollout {tuple(got.shape)})"
         )
-    diff = (got - want).abs()
-    max_diff, mean_diff = (float(diff.max()), float(diff.mean())) if diff.numel() else (0.0, 0.0)
     dtypes = (trainer_dtype, _compute_dtype(sampler))
-    score = probe_score(got, want, *dtypes)
+    max_diff, mean_diff, score = _probe_difference(got, want, dtypes)
     probe_ok = score <= 1.0  # NaN fails
-    differing: list[str] = []
-    unchecked = 0
-    if trainer_fps:
-        own = sampler._tensors
-        dtype = _compute_dtype(sampler)
-        for name, fp in trainer_fps.items():  # in the trainer's order: the first named is the first sent
-            t = own.get(name)
-            if t is None:  # not a model tensor (an adapter-only LoRA payload's A/B): the probe covers what it became
-                unchecked += 1
-            elif _differs(fingerprint(t, dtype), fp):
-                differing.append(name)
+    differing, unchecked = _differing_fingerprints(sampler, trainer_fps)
     if not probe_ok and not differing:  # the sources are the trainer's: the copies the sampler computes with?
         differing = stale_packed_copies(sampler)
     ok = probe_ok and not differing
     first = differing[0] if differing else None
     message = ""
     if not ok:
-        if first:
-            what = f"first differing tensor {first}" + (f" (+{len(differing) - 1} more)" if len(differing) > 1 else "")
-        elif _native_compiled_packs(sampler):
-            what = (
-                "every source tensor matches: the compiled steps' packed copies (rl-tpu's C++ cache, not readable "
-                "from here) are stale"
-            )
-        else:
-            what = "no single tensor found (every fingerprint and reachable packed copy matches)"
-        kind, atol, rtol = probe_bound(*dtypes)
-        bound = f"each within {atol:g} + {rtol:g}|log-prob|" if kind == "max" else f"mean within {atol:g}"
-        message = (
-            f"weight sync not verified: rollout replica {replica}, weight version {version}: {what}; probe "
-            f"log-probs differ by max {max_diff:.3g}, mean {mean_diff:.3g} ({bound}: "
-            f"{'passed' if probe_ok else 'failed'})"
-        )
+        message = _mismatch_message(sampler, differing, dtypes, max_diff, mean_diff, probe_ok, replica, version)
     result = VerifyResult(
         ok=ok,
         max_abs_diff=max_diff,
