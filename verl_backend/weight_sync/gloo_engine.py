@@ -293,6 +293,12 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
         self.last_report = report
         if proof is not None and not report.verified:
             logger.warning("weight sync %s: not verified by every rollout worker (%s)", global_steps, counts)
+        self._report_route(global_steps, report)
+        return self._sync_metrics(report, proof is not None, max_diff, verify_seconds, probe_seconds)
+
+    def _report_route(self, global_steps: int | None, report: SyncReport) -> None:
+        """Say how the sync went on the source: the route line (planned, taken and why; printed once per process
+        and outcome) and one log line of the sync's bytes, buckets, rollout workers, transport and seconds."""
         took, because = plan_choice(self._file is not None, self._shared, self._no_file)
         planned = self.planned()
         line = (
@@ -312,9 +318,17 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
             report.transport,
             report.seconds,
         )
+
+    def _sync_metrics(
+        self, report: SyncReport, proof_sent: bool, max_diff: float, verify_seconds: float, probe_seconds: float
+    ) -> dict[str, float]:
+        """The source's figures for VeRL's step metrics: ``report``'s ``weight_sync/{route,bytes,seconds,verified}``,
+        the verification's ``weight_sync/verify_*`` (the rollout's max probe difference and seconds, the trainer's
+        probe seconds; only when a proof was sent, ``proof_sent``) and ``weight_sync/pool_*`` (bytes, buckets,
+        seconds, ``pool_shared_memory`` 1.0 or 0.0)."""
         verify = (
             {}
-            if proof is None
+            if not proof_sent
             else {
                 "weight_sync/verify_max_abs_diff": max_diff,
                 "weight_sync/verify_seconds": verify_seconds,
