@@ -47,25 +47,8 @@ def verify_litertlm(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not path.endswith(".litertlm") or not os.path.isfile(path):
-        raise ExportError(BAD_FILE, f"FILE '{path}' is not an existing .litertlm bundle; give one litert export wrote")
-    if not is_checkpoint_dir(source):
-        raise ExportError(
-            BAD_SOURCE,
-            f"--source '{source}' is not a model folder with config.json; give the "
-            "checkpoint the bundle was exported from",
-        )
-    with tempfile.TemporaryDirectory(prefix=".litertlm-read-", dir=os.path.dirname(os.path.abspath(path))) as tmp:
-        try:
-            stored = read_chat_format(path, tmp)
-        except ExportError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- litert-lm-builder's reader raises whatever the bytes provoke
-            raise ExportError(
-                BAD_FILE,
-                f"FILE '{path}' is not a .litertlm bundle that litert-lm-builder can read "
-                f"({type(exc).__name__}: {str(exc)[:120]}); give one litert export wrote",
-            )
+    _check_bundle_and_source(path, source)
+    stored = _read_bundle_chat_format(path)
     stop_ids = tuple(t[0] for t in stored["stop_tokens"] if isinstance(t, list) and len(t) == 1)
     if eval_file is not None:
         eval_items = evaluate.read_items(eval_file)
@@ -112,3 +95,39 @@ def verify_litertlm(
                 f"{path}: {result['eval']['failures'][0]}; use a milder --quantize, or raise --max-drop",
             )
     return result
+
+
+def _check_bundle_and_source(path: str, source: str) -> None:
+    """Raise unless ``path`` is an existing ``.litertlm`` file and ``source`` a model folder with config.json.
+
+    Raises:
+        ExportError: BAD_FILE (no such bundle), BAD_SOURCE (not a model folder).
+    """
+    if not path.endswith(".litertlm") or not os.path.isfile(path):
+        raise ExportError(BAD_FILE, f"FILE '{path}' is not an existing .litertlm bundle; give one litert export wrote")
+    if not is_checkpoint_dir(source):
+        raise ExportError(
+            BAD_SOURCE,
+            f"--source '{source}' is not a model folder with config.json; give the "
+            "checkpoint the bundle was exported from",
+        )
+
+
+def _read_bundle_chat_format(path: str) -> dict:
+    """The bundle's LlmMetadata as ``bundle.read_chat_format`` gives it (start and stop tokens, max_num_tokens).
+
+    The bundle is unpacked into a temporary folder beside it, removed on return.
+    Raises:
+        ExportError: BAD_FILE when litert-lm-builder cannot read the bundle (its own ExportErrors pass through).
+    """
+    with tempfile.TemporaryDirectory(prefix=".litertlm-read-", dir=os.path.dirname(os.path.abspath(path))) as tmp:
+        try:
+            return read_chat_format(path, tmp)
+        except ExportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- litert-lm-builder's reader raises whatever the bytes provoke
+            raise ExportError(
+                BAD_FILE,
+                f"FILE '{path}' is not a .litertlm bundle that litert-lm-builder can read "
+                f"({type(exc).__name__}: {str(exc)[:120]}); give one litert export wrote",
+            )

@@ -21,7 +21,7 @@ import torch
 from edge_export import bench as bench_lib
 from edge_export import convert, verify as verify_lib
 from edge_export.bundle import finish_bundle
-from edge_export.chat_template import chat_format_for
+from edge_export.chat_template import ChatFormat, chat_format_for
 from edge_export.errors import BAD_SOURCE, VERIFICATION_FAILED, ExportError
 from edge_export.quantize import check_block_size, recipe_name
 from edge_export.runtime_chat import DEFAULT_CHATS, verification_rows, verify_bundle
@@ -161,10 +161,115 @@ def export_checkpoint(
         ExportResult with the installed path and the report (also saved as ``<output>.report.json``).
     Raises:
         ExportError: bad folder, unknown quantization, conversion failure kinds, missing runtime op, failed check.
+
+    Long for its options only: the body orders the steps (check options, convert, load PyTorch, verify, score,
+    benchmark, install), each done by a helper below.
+    """
+    eval_items = _check_checkpoint_options(
+        output, quantize, block_size, eval_file, scorer, prefill_lengths, cache_length
+    )
+    out = _check_output(output, LM_SUFFIXES)
+    is_bundle = out.suffix == ".litertlm"
+    steps = verify_steps or (32 if is_bundle else 8)
+    workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
+    tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        checkpoint = inspect_checkpoint(checkpoint_dir, os.path.join(workdir, "staged"))
+        for note in checkpoint.notes:
+            _say(f"note: {note}", quiet)
+        chat = _bundle_chat_format(checkpoint, checkpoint_dir) if is_bundle else None
+        report = _convert_checkpoint(
+            checkpoint,
+            checkpoint_dir,
+            out,
+            tmp_file,
+            workdir,
+            chat=chat,
+            quantize=quantize,
+            prefill_lengths=prefill_lengths,
+            cache_length=cache_length,
+            block_size=block_size,
+            quiet=quiet,
+        )
+        if verify or benchmark or eval_file is not None:
+            model, tokenizer, steps, prompt_ids = _load_torch_reference(
+                checkpoint, prompt, steps, cache_length, num_threads
+            )
+        if verify and is_bundle:
+            report["verification"] = _verify_bundle_chats(
+                tmp_file,
+                model,
+                tokenizer,
+                stop_ids=chat.stop_token_ids,
+                chats=chats,
+                steps=steps,
+                quantize=quantize,
+                min_agreement=min_agreement,
+                cache_length=cache_length,
+                num_threads=num_threads,
+                quiet=quiet,
+            )
+        elif verify:
+            report["verification"] = _verify_tflite_decode(
+                tmp_file,
+                model,
+                tokenizer,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                steps=steps,
+                quantize=quantize,
+                tolerance=tolerance,
+                num_threads=num_threads,
+                quiet=quiet,
+            )
+        passed = report["verification"] is None or report["verification"]["passed"]
+        if eval_file is not None and passed:
+            report["eval"] = _score_eval_items(
+                tmp_file,
+                model,
+                tokenizer,
+                eval_file=eval_file,
+                eval_items=eval_items,
+                stop_ids=chat.stop_token_ids,
+                scorer=scorer,
+                eval_max_tokens=eval_max_tokens,
+                cache_length=cache_length,
+                num_threads=num_threads,
+                max_drop=max_drop,
+                quiet=quiet,
+            )
+        if benchmark and passed:
+            _say("benchmarking LiteRT vs PyTorch eager ...", quiet)
+            report["benchmark"] = bench_lib.bench_causal_lm(tmp_file, prompt_ids, model, num_threads=num_threads)
+            _say("benchmark\n" + verify_lib.format_table(bench_rows(report["benchmark"])), quiet)
+        return _finish(report, tmp_file, out, quiet)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if os.path.exists(tmp_file):
+            os.unlink(tmp_file)
+
+
+def _check_checkpoint_options(
+    output: str,
+    quantize: str,
+    block_size: int,
+    eval_file: str | None,
+    scorer: str,
+    prefill_lengths: tuple[int, ...],
+    cache_length: int,
+) -> list[dict] | None:
+    """Check ``export_checkpoint``'s options before minutes of conversion; read the ``--eval`` items if any.
+
+    Returns:
+        the items of ``eval_file`` (``evaluate.read_items``), or None without one.
+    Raises:
+        ExportError: unknown quantization or block size, ``--eval`` with a non-``.litertlm`` output, an unreadable
+            eval file or scorer, prefill lengths not positive or not below ``cache_length`` (BAD_SOURCE).
     """
     recipe_name(quantize)  # fail on a bad name before minutes of conversion
     if quantize == "dynamic-int4-block":
         check_block_size(block_size)
+    eval_items = None
     if eval_file is not None:
         from edge_export import evaluate
 
@@ -179,125 +284,216 @@ def export_checkpoint(
             BAD_SOURCE,
             f"--prefill-lengths {list(prefill_lengths)} must be positive and below --cache-length {cache_length}",
         )
-    out = _check_output(output, LM_SUFFIXES)
-    is_bundle = out.suffix == ".litertlm"
-    steps = verify_steps or (32 if is_bundle else 8)
-    workdir = tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent)
-    tmp_file = str(out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    return eval_items
+
+
+def _bundle_chat_format(checkpoint, checkpoint_dir: str) -> ChatFormat:
+    """The ``.litertlm`` bundle's chat format from the checkpoint's tokenizer and generation config.
+
+    Called before conversion, since a bundle needs a chat template.
+    Returns:
+        the ``chat_template.ChatFormat`` (start token, stop token ids, template).
+    Raises:
+        ExportError: the checkpoint has no usable chat template (``chat_template.chat_format_for``).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
     try:
-        checkpoint = inspect_checkpoint(checkpoint_dir, os.path.join(workdir, "staged"))
-        for note in checkpoint.notes:
-            _say(f"note: {note}", quiet)
-        if is_bundle:  # before minutes of conversion: a bundle needs a chat template
-            from transformers import AutoTokenizer, GenerationConfig
+        generation_config = GenerationConfig.from_pretrained(checkpoint.path)
+    except OSError:
+        generation_config = None
+    return chat_format_for(tokenizer, generation_config, source=str(checkpoint_dir))
 
-            tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
-            try:
-                generation_config = GenerationConfig.from_pretrained(checkpoint.path)
-            except OSError:
-                generation_config = None
-            chat = chat_format_for(tokenizer, generation_config, source=str(checkpoint_dir))
-        _say(f"exporting {checkpoint.model_type} from {checkpoint_dir} with litert-torch export_hf ...", quiet)
-        start = time.perf_counter()
-        with convert.quiet_stdout(quiet):
-            convert.export_causal_lm(
-                checkpoint,
-                tmp_file,
-                workdir,
-                bundle=is_bundle,
-                quantization=quantize,
-                prefill_lengths=list(prefill_lengths),
-                cache_length=cache_length,
-                block_size=block_size,
-            )
-            if is_bundle:
-                finish_bundle(tmp_file, tmp_file, chat, os.path.join(workdir, "bundle"), quantize, block_size)
-        report = {
-            "source": str(checkpoint_dir),
-            "output": str(out),
-            "kind": "causal-lm",
-            "format": out.suffix[1:],
-            "model_type": checkpoint.model_type,
-            "quantization": quantize,
-            "recipe": _recipe_label(quantize, block_size),
-            "prefill_lengths": list(prefill_lengths),
-            "cache_length": cache_length,
-            "export_seconds": round(time.perf_counter() - start, 2),
-            "file_bytes": os.path.getsize(tmp_file),
-            "notes": checkpoint.notes,
-            "versions": _versions(),
-            "verification": None,
-            "eval": None,
-            "benchmark": None,
-        }
+
+def _convert_checkpoint(
+    checkpoint,
+    checkpoint_dir: str,
+    out: Path,
+    tmp_file: str,
+    workdir: str,
+    *,
+    chat: ChatFormat | None,
+    quantize: str,
+    prefill_lengths: tuple[int, ...],
+    cache_length: int,
+    block_size: int,
+    quiet: bool,
+) -> dict:
+    """Convert with litert-torch ``export_hf`` into ``tmp_file``; a bundle (``chat`` given) also gets its metadata.
+
+    Returns:
+        the report without checks: source, format, quantization recipe, signatures' lengths, ``export_seconds``
+        (conversion wall time, seconds), ``file_bytes``, versions; ``verification``/``eval``/``benchmark`` None.
+    Raises:
+        ExportError: the conversion failure kinds of ``convert.export_causal_lm``.
+    """
+    is_bundle = chat is not None
+    _say(f"exporting {checkpoint.model_type} from {checkpoint_dir} with litert-torch export_hf ...", quiet)
+    start = time.perf_counter()
+    with convert.quiet_stdout(quiet):
+        convert.export_causal_lm(
+            checkpoint,
+            tmp_file,
+            workdir,
+            bundle=is_bundle,
+            quantization=quantize,
+            prefill_lengths=list(prefill_lengths),
+            cache_length=cache_length,
+            block_size=block_size,
+        )
         if is_bundle:
-            report["chat_format"] = {"start_token": chat.start_token, "stop_token_ids": list(chat.stop_token_ids)}
-        if verify or benchmark or eval_file is not None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            finish_bundle(tmp_file, tmp_file, chat, os.path.join(workdir, "bundle"), quantize, block_size)
+    report = {
+        "source": str(checkpoint_dir),
+        "output": str(out),
+        "kind": "causal-lm",
+        "format": out.suffix[1:],
+        "model_type": checkpoint.model_type,
+        "quantization": quantize,
+        "recipe": _recipe_label(quantize, block_size),
+        "prefill_lengths": list(prefill_lengths),
+        "cache_length": cache_length,
+        "export_seconds": round(time.perf_counter() - start, 2),
+        "file_bytes": os.path.getsize(tmp_file),
+        "notes": checkpoint.notes,
+        "versions": _versions(),
+        "verification": None,
+        "eval": None,
+        "benchmark": None,
+    }
+    if is_bundle:
+        report["chat_format"] = {"start_token": chat.start_token, "stop_token_ids": list(chat.stop_token_ids)}
+    return report
 
-            torch.set_num_threads(num_threads)
-            model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
-            tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
-            steps = max(1, min(steps, cache_length - 1))
-            prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps) :] or [0]
-        if verify and is_bundle:
-            _say(
-                f"verifying {len(chats or DEFAULT_CHATS)} chats x {steps} greedy steps through the LiteRT-LM "
-                "runtime against PyTorch ...",
-                quiet,
-            )
-            report["verification"] = verify_bundle(
-                tmp_file,
-                model,
-                tokenizer,
-                quantization=quantize,
-                stop_ids=chat.stop_token_ids,
-                chats=chats,
-                steps=steps,
-                cache_length=cache_length,
-                num_threads=num_threads,
-                min_agreement=min_agreement,
-            )
-            _say("verification\n" + verify_lib.format_table(_verification_rows(report["verification"])), quiet)
-        elif verify:
-            _say(f"verifying {steps} greedy steps with the LiteRT runtime against PyTorch ...", quiet)
-            bound = verify_lib.TOLERANCES[quantize]
-            if tolerance is not None:
-                bound = dataclasses.replace(bound, relative_error=tolerance)
-            result = verify_lib.verify_causal_lm(tmp_file, model, prompt_ids, steps, bound, num_threads)
-            result["prompt"] = prompt
-            result["litert_text"] = tokenizer.decode(result["litert_tokens"])
-            report["verification"] = result
-            _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
-        if eval_file is not None and (report["verification"] is None or report["verification"]["passed"]):
-            _say(f"scoring {len(eval_items)} items of {eval_file} through the runtime and in PyTorch ...", quiet)
-            report["eval"] = evaluate.evaluate_bundle(
-                tmp_file,
-                model,
-                tokenizer,
-                eval_items,
-                stop_ids=chat.stop_token_ids,
-                scorer=scorer,
-                max_tokens=eval_max_tokens,
-                cache_length=cache_length,
-                num_threads=num_threads,
-                max_drop_points=max_drop,
-            )
-            found = report["eval"]
-            _say(
-                f"task accuracy: runtime {found['runtime_accuracy']:.1f}%, PyTorch {found['torch_accuracy']:.1f}% "
-                f"({found['disagreements']} of {len(eval_items)} items scored differently)",
-                quiet,
-            )
-        if benchmark and (report["verification"] is None or report["verification"]["passed"]):
-            _say("benchmarking LiteRT vs PyTorch eager ...", quiet)
-            report["benchmark"] = bench_lib.bench_causal_lm(tmp_file, prompt_ids, model, num_threads=num_threads)
-            _say("benchmark\n" + verify_lib.format_table(bench_rows(report["benchmark"])), quiet)
-        return _finish(report, tmp_file, out, quiet)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        if os.path.exists(tmp_file):
-            os.unlink(tmp_file)
+
+def _load_torch_reference(checkpoint, prompt: str, steps: int, cache_length: int, num_threads: int) -> tuple:
+    """The PyTorch side of the checks: the float32 model in eval mode on ``num_threads`` CPU threads.
+
+    Returns:
+        (model, tokenizer, steps clipped to 1..cache_length-1, ``prompt``'s ids cut to leave ``steps`` KV slots).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
+    steps = max(1, min(steps, cache_length - 1))
+    prompt_ids = tokenizer(prompt)["input_ids"][-(cache_length - steps) :] or [0]
+    return model, tokenizer, steps, prompt_ids
+
+
+def _verify_bundle_chats(
+    tmp_file: str,
+    model,
+    tokenizer,
+    *,
+    stop_ids: tuple[int, ...],
+    chats: list[list[dict]] | None,
+    steps: int,
+    quantize: str,
+    min_agreement: float | None,
+    cache_length: int,
+    num_threads: int,
+    quiet: bool,
+) -> dict:
+    """Run ``chats`` through the LiteRT-LM runtime against PyTorch (``runtime_chat.verify_bundle``), ``steps`` each.
+
+    Returns:
+        the ``verify_bundle`` result (its ``passed``/``failures``; a bundle the runtime cannot load fails there).
+    """
+    _say(
+        f"verifying {len(chats or DEFAULT_CHATS)} chats x {steps} greedy steps through the LiteRT-LM "
+        "runtime against PyTorch ...",
+        quiet,
+    )
+    result = verify_bundle(
+        tmp_file,
+        model,
+        tokenizer,
+        quantization=quantize,
+        stop_ids=stop_ids,
+        chats=chats,
+        steps=steps,
+        cache_length=cache_length,
+        num_threads=num_threads,
+        min_agreement=min_agreement,
+    )
+    _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
+    return result
+
+
+def _verify_tflite_decode(
+    tmp_file: str,
+    model,
+    tokenizer,
+    *,
+    prompt: str,
+    prompt_ids: list[int],
+    steps: int,
+    quantize: str,
+    tolerance: float | None,
+    num_threads: int,
+    quiet: bool,
+) -> dict:
+    """Greedy-decode ``steps`` tokens of the ``.tflite`` (``prefill_<N>`` + ``decode``) against PyTorch's logits.
+
+    Returns:
+        the ``verify.verify_causal_lm`` result plus ``prompt`` and ``litert_text`` (the LiteRT tokens decoded).
+    """
+    _say(f"verifying {steps} greedy steps with the LiteRT runtime against PyTorch ...", quiet)
+    bound = verify_lib.TOLERANCES[quantize]
+    if tolerance is not None:
+        bound = dataclasses.replace(bound, relative_error=tolerance)
+    result = verify_lib.verify_causal_lm(tmp_file, model, prompt_ids, steps, bound, num_threads)
+    result["prompt"] = prompt
+    result["litert_text"] = tokenizer.decode(result["litert_tokens"])
+    _say("verification\n" + verify_lib.format_table(_verification_rows(result)), quiet)
+    return result
+
+
+def _score_eval_items(
+    tmp_file: str,
+    model,
+    tokenizer,
+    *,
+    eval_file: str,
+    eval_items: list[dict],
+    stop_ids: tuple[int, ...],
+    scorer: str,
+    eval_max_tokens: int,
+    cache_length: int,
+    num_threads: int,
+    max_drop: float,
+    quiet: bool,
+) -> dict:
+    """Score ``eval_items`` through the LiteRT-LM runtime and in PyTorch (``evaluate.evaluate_bundle``).
+
+    Returns:
+        the evaluation dict: both task accuracies in percent, ``disagreements``, ``passed`` (the runtime lost at
+        most ``max_drop`` points) and ``failures``.
+    """
+    from edge_export import evaluate
+
+    _say(f"scoring {len(eval_items)} items of {eval_file} through the runtime and in PyTorch ...", quiet)
+    found = evaluate.evaluate_bundle(
+        tmp_file,
+        model,
+        tokenizer,
+        eval_items,
+        stop_ids=stop_ids,
+        scorer=scorer,
+        max_tokens=eval_max_tokens,
+        cache_length=cache_length,
+        num_threads=num_threads,
+        max_drop_points=max_drop,
+    )
+    _say(
+        f"task accuracy: runtime {found['runtime_accuracy']:.1f}%, PyTorch {found['torch_accuracy']:.1f}% "
+        f"({found['disagreements']} of {len(eval_items)} items scored differently)",
+        quiet,
+    )
+    return found
 
 
 def export_module(

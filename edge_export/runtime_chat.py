@@ -271,77 +271,128 @@ def verify_bundle(
     try:
         engine = open_engine(path, cache_length, num_threads)
     except ExportError as err:
-        return {
-            "runtime": "litert_lm",
-            "backend": "cpu",
-            "threads": num_threads,
-            "chats": [],
-            "steps": steps,
-            "compared_steps": 0,
-            "top1_agreement": 0.0,
-            "min_agreement": bound,
-            "prefill_tokens_per_s": None,
-            "decode_tokens_per_s": None,
-            "passed": False,
-            "failures": [str(err)],
-            "hint": "the bundle is not usable on a device; keep the report for a bug",
-        }
+        hint = "the bundle is not usable on a device; keep the report for a bug"
+        return _bundle_verification(num_threads, [], steps, 0, 0.0, bound, [str(err)], hint)
     entries, failures = [], []
     for index, chat in enumerate(chats):
-        reference = hf_prompt_ids(tokenizer, chat)
-        turn = runtime_turn(engine, chat, steps)
-        entry = {"messages": [text_content(m) for m in chat], "torch_prompt_tokens": len(reference)}
+        entry, chat_failures = _compare_chat(engine, model, tokenizer, index, chat, steps, stop_ids, bound)
         entries.append(entry)
-        if "error" in turn:
-            entry["runtime_error"] = turn["error"]
-            failures.append(f"chat {index}: the runtime cannot render or answer it: {turn['error']}")
-            continue
-        entry.update(
-            runtime_prompt_tokens=turn["prefill_tokens"],
-            runtime_answer=turn["text"],
-            runtime_decode_tokens=turn["decode_tokens"],
-            prefill_tokens_per_s=turn["prefill_tokens_per_s"],
-            decode_tokens_per_s=turn["decode_tokens_per_s"],
-        )
-        if turn["prompt_ids"] != reference or turn["prefill_tokens"] != len(reference):
-            at = next(
-                (i for i, (a, b) in enumerate(zip(turn["prompt_ids"], reference)) if a != b),
-                min(len(reference), len(turn["prompt_ids"])),
-            )
-            entry["runtime_prompt_ids"], entry["torch_prompt_ids"] = turn["prompt_ids"], reference
-            failures.append(
-                f"chat {index}: the runtime prefills {turn['prefill_tokens']} tokens, apply_chat_template gives "
-                f"{len(reference)}; first difference at token {at} (runtime "
-                f"{tokenizer.decode(turn['prompt_ids'][at : at + 3])!r} vs {tokenizer.decode(reference[at : at + 3])!r})"
-            )
-        check = agreement_along(model, tokenizer, reference, turn["text"], turn["decode_tokens"], steps, stop_ids)
-        entry.update(steps=check["steps"], agreed_steps=check["agreed_steps"], agreeing_steps=check["agreeing"])
-        if check["agreed_steps"] == check["steps"]:
-            entry["torch_answer"] = tokenizer.decode([t for t in check["recovered_ids"] if t not in stop_ids])
-        else:
-            greedy = torch_greedy(model, reference, steps, stop_ids)
-            entry["torch_answer"] = tokenizer.decode([t for t in greedy if t not in stop_ids])
-        if bound >= 1.0 and check["agreed_steps"] < check["steps"]:
-            failures.append(
-                f"chat {index}: greedy tokens differ from PyTorch at step {check['agreed_steps']} of "
-                f"{check['steps']} (runtime {turn['text'][:40]!r}, PyTorch {entry['torch_answer'][:40]!r})"
-            )
+        failures += chat_failures
     compared = sum(e.get("steps", 0) for e in entries)
     agreement = sum(e.get("agreeing_steps", 0) for e in entries) / compared if compared else 0.0
     if compared and agreement < bound and bound < 1.0:
         failures.append(
             f"top-1 agreement {agreement:.1%} over {compared} steps is below {bound:.0%} by {bound - agreement:.1%}"
         )
+    hint = _failure_hint(failures, bound)
+    return _bundle_verification(num_threads, entries, steps, compared, agreement, bound, failures, hint)
 
+
+def _compare_chat(
+    engine, model, tokenizer, index: int, chat: list[dict], steps: int, stop_ids: tuple[int, ...], bound: float
+) -> tuple[dict, list[str]]:
+    """One chat through the LiteRT-LM runtime against PyTorch: its prefilled prompt, then its greedy answer.
+
+    Returns:
+        (the chat's report entry, its failure phrases in the order found; empty when it passes).
+    """
+    reference = hf_prompt_ids(tokenizer, chat)
+    turn = runtime_turn(engine, chat, steps)
+    entry = {"messages": [text_content(m) for m in chat], "torch_prompt_tokens": len(reference)}
+    if "error" in turn:
+        entry["runtime_error"] = turn["error"]
+        return entry, [f"chat {index}: the runtime cannot render or answer it: {turn['error']}"]
+    entry.update(
+        runtime_prompt_tokens=turn["prefill_tokens"],
+        runtime_answer=turn["text"],
+        runtime_decode_tokens=turn["decode_tokens"],
+        prefill_tokens_per_s=turn["prefill_tokens_per_s"],
+        decode_tokens_per_s=turn["decode_tokens_per_s"],
+    )
+    failures = []
+    if turn["prompt_ids"] != reference or turn["prefill_tokens"] != len(reference):
+        entry["runtime_prompt_ids"], entry["torch_prompt_ids"] = turn["prompt_ids"], reference
+        failures.append(_prefill_difference(index, turn, reference, tokenizer))
+    failure = _compare_greedy_answer(entry, model, tokenizer, index, reference, turn, steps, stop_ids, bound)
+    if failure:
+        failures.append(failure)
+    return entry, failures
+
+
+def _prefill_difference(index: int, turn: dict, reference: list[int], tokenizer) -> str:
+    """The failure phrase for a chat whose runtime prefill differs from ``apply_chat_template`` ids ``reference``.
+
+    Names both token counts, the first differing token position and three tokens of each prompt from there.
+    """
+    at = next(
+        (i for i, (a, b) in enumerate(zip(turn["prompt_ids"], reference)) if a != b),
+        min(len(reference), len(turn["prompt_ids"])),
+    )
+    return (
+        f"chat {index}: the runtime prefills {turn['prefill_tokens']} tokens, apply_chat_template gives "
+        f"{len(reference)}; first difference at token {at} (runtime "
+        f"{tokenizer.decode(turn['prompt_ids'][at : at + 3])!r} vs {tokenizer.decode(reference[at : at + 3])!r})"
+    )
+
+
+def _compare_greedy_answer(
+    entry: dict,
+    model,
+    tokenizer,
+    index: int,
+    reference: list[int],
+    turn: dict,
+    steps: int,
+    stop_ids: tuple[int, ...],
+    bound: float,
+) -> str | None:
+    """Teacher-force PyTorch along the runtime's answer; record steps, agreement and PyTorch's answer in ``entry``.
+
+    Returns:
+        the failure phrase when the bound is every step (``bound >= 1.0``) and a step differs, else None (a lower
+        bound is checked over all chats by the caller).
+    """
+    check = agreement_along(model, tokenizer, reference, turn["text"], turn["decode_tokens"], steps, stop_ids)
+    entry.update(steps=check["steps"], agreed_steps=check["agreed_steps"], agreeing_steps=check["agreeing"])
+    if check["agreed_steps"] == check["steps"]:
+        entry["torch_answer"] = tokenizer.decode([t for t in check["recovered_ids"] if t not in stop_ids])
+    else:
+        greedy = torch_greedy(model, reference, steps, stop_ids)
+        entry["torch_answer"] = tokenizer.decode([t for t in greedy if t not in stop_ids])
+    if bound >= 1.0 and check["agreed_steps"] < check["steps"]:
+        return (
+            f"chat {index}: greedy tokens differ from PyTorch at step {check['agreed_steps']} of "
+            f"{check['steps']} (runtime {turn['text'][:40]!r}, PyTorch {entry['torch_answer'][:40]!r})"
+        )
+    return None
+
+
+def _failure_hint(failures: list[str], bound: float) -> str:
+    """What to do about ``failures`` in one phrase ("" when there are none): template, conversion or quantization."""
     if any("render" in f or "prefills" in f for f in failures):
-        hint = (
+        return (
             "the bundle's chat template or start token makes the runtime answer another prompt than "
             "apply_chat_template; the report has both prompts' token counts"
         )
-    elif failures and bound >= 1.0:
-        hint = "the float bundle computes other tokens than PyTorch: a conversion fault; keep the report for a bug"
-    else:
-        hint = "lower --min-agreement or use a milder --quantize" if failures else ""
+    if failures and bound >= 1.0:
+        return "the float bundle computes other tokens than PyTorch: a conversion fault; keep the report for a bug"
+    return "lower --min-agreement or use a milder --quantize" if failures else ""
+
+
+def _bundle_verification(
+    num_threads: int,
+    entries: list[dict],
+    steps: int,
+    compared: int,
+    agreement: float,
+    bound: float,
+    failures: list[str],
+    hint: str,
+) -> dict:
+    """The ``verify_bundle`` result (keys in report order); tokens/s are the runtime's means over ``entries``.
+
+    ``passed`` is ``not failures``; the tokens/s are None where no chat reported them.
+    """
 
     def mean(key):
         values = [e[key] for e in entries if key in e]
