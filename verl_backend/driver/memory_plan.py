@@ -76,11 +76,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 
-from verl_backend.driver.job_keys import per_chip_micro_batch, runs_critic
+from verl_backend.driver.job_shape import JobShape, job_shape
 from verl_backend.driver.model_shape import ModelShape, arrays_bytes, model_shape, shape_of_path, tpu_bytes
-from verl_backend.rollout.native_kwargs import native_engine_kwargs
 
 GIB = float(1 << 30)
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest for the TPU runtime, XLA's scratch buffers and fragmentation
@@ -235,10 +233,6 @@ def _bytes(dtype, hf_config=None) -> int:
     return _BYTES[name]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
 def resolve_slice(slice_spec):
     """``SliceTopology``, ``"v6e-4"`` / ``"v6e-4:2x2"`` (``rl_tpu.slice``) or ``None`` -> ``SliceTopology | None``."""
     if slice_spec is None or slice_spec == "":
@@ -265,7 +259,7 @@ def job_settings_of(config):
     return from_mapping(section if section is not None else {}, "config rl_tpu")
 
 
-def _files_refilled(config, lora: int, model_bytes: float) -> float:
+def _files_refilled(job: JobShape, model_bytes: float) -> float:
     """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync. With shared-memory
     weights given back while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``: the defaults) it
     refills them from the files and merges the adapter onto them (:func:`verl_backend.weight_sync.lora
@@ -276,387 +270,461 @@ def _files_refilled(config, lora: int, model_bytes: float) -> float:
     import glob
     import os
 
-    if not lora:
+    if not job.lora_rank:
         return 0.0
-    folder = str(config_value(config, "actor_rollout_ref.model.path", "") or "")
-    files = glob.glob(os.path.join(folder, "*.safetensors"))
+    files = glob.glob(os.path.join(job.model_path, "*.safetensors"))
     return float(sum(os.path.getsize(f) for f in files)) if files else float(model_bytes)
 
 
+@dataclass(frozen=True)
+class _Itemsizes:
+    """Bytes per element of the job's dtypes: the actor's FSDP ``model_dtype`` (``model``), its mixed-precision
+    ``param_dtype`` and ``reduce_dtype``, and the rollout's (``rollout``)."""
+
+    model: int
+    param: int
+    reduce: int
+    rollout: int
+
+
+_DTYPE_NAME = {4: "fp32", 2: "bf16"}
+
+
 def plan_memory(
-    config, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None, settings=None
+    job, slice_spec, backend_profile, *, hf_config=None, workers: int | None = None, settings=None
 ) -> MemoryPlan:
-    """Estimate per-chip memory of the job ``config`` (a composed VeRL config) on ``slice_spec``.
+    """Estimate per-chip memory of a job on ``slice_spec``.
 
     Args:
-        config: VeRL's composed config (``verl train --print-config`` prints it).
+        job: the job's :class:`~verl_backend.driver.job_shape.JobShape`, or VeRL's composed config
+            (``verl train --print-config`` prints it) to read one from (:func:`~verl_backend.driver.job_shape
+            .job_shape`, with ``workers`` and ``settings``).
         slice_spec: a ``SliceTopology``, ``"v6e-4[:2x2]"`` or ``None`` (no HBM to compare with).
         backend_profile: the :class:`~verl_backend.driver.profiles.BackendProfile`; its ``tpu_runtime`` means
-            attention is not assumed fused (XLA's sdpa keeps the softmax output).
-        hf_config: the model's transformers config; ``None`` reads ``actor_rollout_ref.model.path``/config.json.
-        workers: trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node × trainer.nnodes``.
-        settings: the job's :class:`verl_backend.settings.RlTpuSettings` (``plain_module``, ``compile_trainer``,
-            ``response_only_logits`` are read); ``None``: :func:`job_settings_of` ``config``.
+            attention is not assumed fused (XLA's sdpa keeps the softmax output) and arrays take the TPU's tiles.
+        hf_config: the model's transformers config, or its :class:`ModelShape`; ``None`` reads the job's model
+            folder's config.json.
+        workers: with a config, the trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node ×
+            trainer.nnodes``.
+        settings: with a config, the job's :class:`verl_backend.settings.RlTpuSettings` (``plain_module``,
+            ``compile_trainer``, ``response_only_logits`` are read); ``None``: the config's ``rl_tpu`` section.
 
     Returns:
         The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).
+    Raises:
+        OSError, ValueError: the model's config.json cannot be read, or a dtype the plan does not know.
     """
-    get = partial(config_value, config)  # a dotted key of this job's config, or the default
+    if not isinstance(job, JobShape):
+        job = job_shape(job, workers, settings)
+    elif workers is not None or settings is not None:
+        raise TypeError("plan_memory: workers and settings go with a config; a JobShape already has them")
     spec = resolve_slice(slice_spec)
-    settings = job_settings_of(config) if settings is None else settings
-    aro, trust = "actor_rollout_ref", bool(get("actor_rollout_ref.model.trust_remote_code", False))
     if hf_config is None:  # counted once per model folder (the refusal plans a few slices)
         from transformers import AutoConfig
 
-        path = str(get(f"{aro}.model.path"))
-        hf_config, shape = AutoConfig.from_pretrained(path, trust_remote_code=trust), shape_of_path(path, trust)
+        hf_config = AutoConfig.from_pretrained(job.model_path, trust_remote_code=job.trust_remote_code)
+        shape = shape_of_path(job.model_path, job.trust_remote_code)
     else:
-        shape = model_shape(hf_config, trust) if not isinstance(hf_config, ModelShape) else hf_config
-    w = workers or int(get("trainer.n_gpus_per_node", 1)) * int(get("trainer.nnodes", 1))
-    fsdp = int(get(f"{aro}.actor.fsdp_config.fsdp_size", -1))
-    shards = fsdp if 0 < fsdp <= w else w
-    n = int(get(f"{aro}.rollout.n", 1))
-    fc = f"{aro}.actor.fsdp_config"
-    b_model = _bytes(get(f"{fc}.model_dtype", "fp32"), hf_config)
-    b_param = _bytes(get(f"{fc}.mixed_precision.param_dtype", "bf16"))
-    b_reduce = _bytes(get(f"{fc}.mixed_precision.reduce_dtype", "fp32"))
-    lora = int(get(f"{aro}.model.lora_rank", 0))
-    p, p_t = shape.params, (lora * shape.lora_linear if lora else shape.params)
-    p_off, o_off = bool(get(f"{fc}.param_offload", False)), bool(get(f"{fc}.optimizer_offload", False))
-    terms: list[Term] = []
+        shape = model_shape(hf_config, job.trust_remote_code) if not isinstance(hf_config, ModelShape) else hf_config
+    sizes = _Itemsizes(
+        _bytes(job.model_dtype, hf_config),
+        _bytes(job.param_dtype),
+        _bytes(job.reduce_dtype),
+        _bytes(job.rollout_dtype, hf_config),
+    )
+    tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs'
+    terms = _resident_terms(job, shape, sizes, hf_config, tpu)
     notes: list[str] = []
-    add = lambda *a: terms.append(Term(*a))
-    dt = {4: "fp32", 2: "bf16"}
-    add(
-        f"parameters ({dt[b_model]})",
-        0 if p_off else p * b_model / shards,
-        "resident",
-        "offloaded" if p_off else f"{p:.3e} x {b_model} B / {shards}",
-    )
-    add(
-        f"gradients ({dt[b_model]})",
-        0 if p_off else p_t * b_model / shards,
-        "resident",
-        "offloaded" if p_off else f"{p_t:.3e} x {b_model} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""),
-    )
-    add(
-        "optimizer (AdamW, 2 moments)",
-        0 if o_off else 2 * p_t * b_model / shards,
-        "resident",
-        "offloaded" if o_off else f"2 x {p_t:.3e} x {b_model} B / {shards}",
-    )
-    use_kl = bool(get(f"{aro}.actor.use_kl_loss", False)) or bool(get("algorithm.use_kl_in_reward", False))
-    if use_kl and not lora:
-        b_ref = _bytes(get(f"{aro}.ref.fsdp_config.model_dtype", "fp32"), hf_config)
-        off = bool(get(f"{aro}.ref.fsdp_config.param_offload", False))
-        add(
-            f"reference policy ({dt[b_ref]})",
-            0 if off else p * b_ref / shards,
-            "resident",
-            "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}",
-        )
-    placement = native_engine_kwargs(get(f"{aro}.rollout", {})).sampler_placement
-    b_roll = _bytes(get(f"{aro}.rollout.dtype", "bfloat16"), hf_config)
-    in_worker = placement == "worker"
-    tpu = backend_profile.tpu_runtime  # TPU: each array as the chip lays it out (tpu_bytes), the compiled graphs' terms
-    weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
-    add(
-        f"sampler weights ({dt[b_roll]}, unsharded)",
-        weights if in_worker else 0,
-        "resident",
-        (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else "")) if in_worker else "in the rollout server process",
-    )
-
-    # the actor update: FSDP2 gather buffers, activations at the micro batch, the LM head's logits
-    single_plain = shards == 1 and bool(settings.plain_module) and not backend_profile.tpu_runtime
-    if shards > 1 or (b_param != b_model and not single_plain):
-        # VeRL's apply_fsdp2 shards each block, and embedding and LM head apart when untied; the root stays gathered
-        def units(itemsize):  # (root or LM head, one block) in a dtype, as the TPU lays them out, else dense
-            if not tpu:
-                return (
-                    shape.root_params if shape.tied else shape.vocab * shape.hidden
-                ) * itemsize, shape.layer_params * itemsize
-            head = shape._params(shape.head_shapes, shape.vocab * shape.hidden, itemsize, "")
-            block = shape._params(shape.block_shapes, shape.layer_params, itemsize, "")
-            return arrays_bytes(head if shape.tied else head[-1:]), arrays_bytes(block)
-
-        (root_p, block_p), (root_r, block_r) = units(b_param), units(b_reduce)
-        if shape.tied:
-            gathered = root_p + 2 * (block_p + block_r)
-            how = "root (kept) + 2 blocks unsharded, params and grads"
-        else:
-            gathered = max(block_p, root_p) + block_p + max(block_r, root_r) + block_r
-            how = "largest unit (LM head) + 1 block unsharded, params and grads"
-        add("FSDP2 gather buffers", gathered, "update", how + (", TPU tiles" if tpu else ""))
-    prompt_len, resp_len = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
-    seq = prompt_len + resp_len
-    actor = f"{aro}.actor"
-    packed = bool(get(f"{aro}.model.use_remove_padding", False))
-    bucketed = not packed and bool(settings.compile_trainer)
-    if bucketed:  # the compiled trainer pads each micro batch on to a power of two (rl_tpu.compiled_blocks)
-        from rl_tpu.compiled_blocks import bucket_length
-
-        seq = bucket_length(seq)
-    sp = max(
-        int(get(f"{actor}.ulysses_sequence_parallel_size", 1)), int(get(f"{fc}.ulysses_sequence_parallel_size", 1))
-    )
-    dp = max(1, w // sp)
-    if bool(get(f"{actor}.use_dynamic_bsz", False)):
-        tokens = int(get(f"{actor}.ppo_max_token_len_per_gpu", 16384))
-        micro, micro_how = max(1, tokens // seq), f"{tokens} tokens (use_dynamic_bsz)"
-        logit_tokens = tokens
+    graphs: dict[str, float] = {}  # TPU, padded micro batches: what each compiled graph holds
+    gather = _gather_buffers(job, shape, sizes, tpu)
+    if gather is not None:
+        terms.append(gather)
+    if tpu and not job.packed:
+        terms += _compiled_update_terms(job, shape, sizes, graphs, notes)
     else:
-        micro = per_chip_micro_batch(get, f"{actor}.ppo_micro_batch_size_per_gpu", dp) or max(
-            1, int(get(f"{actor}.ppo_mini_batch_size", 1)) * n // dp
-        )
-        prompts = math.ceil(micro / n) if packed and bool(get(f"{actor}.use_prefix_grouper", False)) else micro
-        tokens = prompts * prompt_len + micro * resp_len
-        micro_how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
-        response_only = packed and bool(settings.response_only_logits)
-        logit_tokens = micro * resp_len if response_only else micro * seq
-        tokens = micro * seq if bucketed else tokens
-    tokens = math.ceil(tokens / sp)
-    fused = not backend_profile.tpu_runtime
-    block = shape.block_elements(seq, fused)
-    checkpointed = bool(get(f"{aro}.model.enable_gradient_checkpointing", False))
-    graphs: dict[str, float] = {}
-    if tpu and not packed:  # the compiled TPU graphs' own arrays (ModelShape.block_graph and head_graph), tiled
-        rows, length = micro, math.ceil(seq / sp)
-        g, hg = shape.block_graph(rows, length, b_param), shape.head_graph(rows, length, b_param)
-        x = tpu_bytes((rows, length, shape.hidden), b_param)
-        fwd_out = arrays_bytes(g["saved"]) + arrays_bytes(g["returned"])
-        shared = arrays_bytes(g["arguments"][-3:])  # cos, sin, mask: made once a forward, read by every block
-        if checkpointed:
-            acts = shape.layers * x + fwd_out + shared
-            how = (
-                f"checkpointed: {shape.layers} x block input + one block's forward outputs "
-                f"({len(g['saved'])} saved tensors, its inputs and parameters returned) + rotary and mask"
+        terms += _eager_update_terms(job, shape, sizes, fused=not tpu)
+    terms.append(_log_prob_term(job, shape, sizes, fused=not tpu))
+    if graphs:  # XLA's: the no-grad LM head's logits and log-softmax, and one no-grad block's output and temporaries
+        graphs["log-prob forward"] = terms[-1].bytes
+    if job.critic:
+        terms += _critic_terms(job, shape, sizes, fused=not tpu, graphs=graphs, notes=notes)
+    if job.sampler_placement == "worker":
+        terms += _generation_terms(job, shape, sizes, tpu, graphs)
+    if job.packed:
+        notes.append("packed micro batches: activations counted at the longest prompt and response (an upper bound)")
+    host_terms = _host_terms(job, shape, sizes) if backend_profile.host_memory else []
+    hbm = spec.hbm_gib * GIB if spec is not None else None
+    where = f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)" if spec else job.device
+    return MemoryPlan(shape, where, job.workers, job.shards, terms, hbm, notes, graphs, host_terms)
+
+
+def _trainable(job: JobShape, shape: ModelShape) -> float:
+    """Trainable parameters: the LoRA adapter's (rank × the adapted linear layers' widths), else all of them."""
+    return job.lora_rank * shape.lora_linear if job.lora_rank else shape.params
+
+
+def _resident_terms(job: JobShape, shape: ModelShape, sizes: _Itemsizes, hf_config, tpu: bool) -> list[Term]:
+    """What a chip holds all run long: the actor's parameters, gradients and AdamW moments (sharded), the reference
+    policy's parameters (a KL loss or penalty, not under LoRA), and the sampler's own unsharded weights when it runs
+    inside the worker (TPU arrays as the chip tiles them)."""
+    p, p_t, b, shards, lora = shape.params, _trainable(job, shape), sizes.model, job.shards, job.lora_rank
+    dt = _DTYPE_NAME
+    terms = [
+        Term(
+            f"parameters ({dt[b]})",
+            0 if job.param_offload else p * b / shards,
+            "resident",
+            "offloaded" if job.param_offload else f"{p:.3e} x {b} B / {shards}",
+        ),
+        Term(
+            f"gradients ({dt[b]})",
+            0 if job.param_offload else p_t * b / shards,
+            "resident",
+            "offloaded"
+            if job.param_offload
+            else f"{p_t:.3e} x {b} B / {shards}" + (f" (LoRA rank {lora})" if lora else ""),
+        ),
+        Term(
+            "optimizer (AdamW, 2 moments)",
+            0 if job.optimizer_offload else 2 * p_t * b / shards,
+            "resident",
+            "offloaded" if job.optimizer_offload else f"2 x {p_t:.3e} x {b} B / {shards}",
+        ),
+    ]
+    if job.reference and not lora:
+        b_ref, off = _bytes(job.ref_model_dtype, hf_config), job.ref_param_offload
+        terms.append(
+            Term(
+                f"reference policy ({dt[b_ref]})",
+                0 if off else p * b_ref / shards,
+                "resident",
+                "offloaded" if off else f"{p:.3e} x {b_ref} B / {shards}",
             )
-        else:
-            acts = shape.layers * fwd_out + shared
-            how = f"{shape.layers} x one block's forward outputs + rotary and mask"
-        add("activations", acts, "update", f"{micro_how}, padded to {rows}x{length}; {how}; TPU tiles")
-        head = sum(arrays_bytes(hg[k]) for k in ("saved", "returned", "temporaries"))
-        add(
+        )
+    b_roll, in_worker = sizes.rollout, job.sampler_placement == "worker"
+    weights = arrays_bytes(shape.sampler_graph(1, 1, 1, b_roll)["weights"]) if tpu else p * b_roll
+    terms.append(
+        Term(
+            f"sampler weights ({dt[b_roll]}, unsharded)",
+            weights if in_worker else 0,
+            "resident",
+            (f"{p:.3e} x {b_roll} B" + (", TPU tiles" if tpu else ""))
+            if in_worker
+            else "in the rollout server process",
+        )
+    )
+    return terms
+
+
+def _gather_buffers(job: JobShape, shape: ModelShape, sizes: _Itemsizes, tpu: bool) -> Term | None:
+    """FSDP2's all-gather buffers during the update (VeRL's ``apply_fsdp2`` shards each block, and the embedding and
+    LM head apart when untied; the root stays gathered), or ``None`` where nothing is gathered: one shard in the
+    model's own dtype, or one plain (unwrapped) CPU rank (``rl_tpu.plain_module``)."""
+    single_plain = job.shards == 1 and job.plain_module and not tpu
+    if not (job.shards > 1 or (sizes.param != sizes.model and not single_plain)):
+        return None
+
+    def units(itemsize):  # (root or LM head, one block) in a dtype, as the TPU lays them out, else dense
+        if not tpu:
+            root = shape.root_params if shape.tied else shape.vocab * shape.hidden
+            return root * itemsize, shape.layer_params * itemsize
+        head = shape._params(shape.head_shapes, shape.vocab * shape.hidden, itemsize, "")
+        block = shape._params(shape.block_shapes, shape.layer_params, itemsize, "")
+        return arrays_bytes(head if shape.tied else head[-1:]), arrays_bytes(block)
+
+    (root_p, block_p), (root_r, block_r) = units(sizes.param), units(sizes.reduce)
+    if shape.tied:
+        gathered = root_p + 2 * (block_p + block_r)
+        how = "root (kept) + 2 blocks unsharded, params and grads"
+    else:
+        gathered = max(block_p, root_p) + block_p + max(block_r, root_r) + block_r
+        how = "largest unit (LM head) + 1 block unsharded, params and grads"
+    return Term("FSDP2 gather buffers", gathered, "update", how + (", TPU tiles" if tpu else ""))
+
+
+def _update_length(job: JobShape) -> int:
+    """The longest micro batch's length the update holds: prompt plus response, padded to the compiled trainer's
+    power-of-two bucket when it pads (:attr:`JobShape.bucketed`)."""
+    return job.padded_length if job.bucketed else job.sequence_length
+
+
+def _compiled_update_terms(
+    job: JobShape, shape: ModelShape, sizes: _Itemsizes, graphs: dict[str, float], notes: list[str]
+) -> list[Term]:
+    """The actor update's terms on TPU with padded micro batches: the compiled graphs' own arrays
+    (:meth:`ModelShape.block_graph`, :meth:`ModelShape.head_graph`), tiled, at the micro batch's padded length;
+    fills ``graphs`` with what each compiled graph is expected to hold and adds the MoE note to ``notes``."""
+    seq, b_param = _update_length(job), sizes.param
+    rows, micro_how, _, _ = _micro_batch_tokens(job, seq)
+    length = math.ceil(seq / job.sequence_parallel)
+    g, hg = shape.block_graph(rows, length, b_param), shape.head_graph(rows, length, b_param)
+    x = tpu_bytes((rows, length, shape.hidden), b_param)
+    fwd_out = arrays_bytes(g["saved"]) + arrays_bytes(g["returned"])
+    shared = arrays_bytes(g["arguments"][-3:])  # cos, sin, mask: made once a forward, read by every block
+    if job.gradient_checkpointing:
+        acts = shape.layers * x + fwd_out + shared
+        how = (
+            f"checkpointed: {shape.layers} x block input + one block's forward outputs "
+            f"({len(g['saved'])} saved tensors, its inputs and parameters returned) + rotary and mask"
+        )
+    else:
+        acts = shape.layers * fwd_out + shared
+        how = f"{shape.layers} x one block's forward outputs + rotary and mask"
+    head = sum(arrays_bytes(hg[k]) for k in ("saved", "returned", "temporaries"))
+    temps = arrays_bytes(shape.block_temporaries(rows, length, b_param))
+    terms = [
+        Term("activations", acts, "update", f"{micro_how}, padded to {rows}x{length}; {how}; TPU tiles"),
+        Term(
             "LM head logits",
             head,
             "update",
             f"{rows * length} tokens x {shape.vocab}: logits ({b_param} B) + "
             f"fp32 log-softmax, the head's input and weight returned for the backward; TPU tiles",
-        )
-        temps = arrays_bytes(shape.block_temporaries(rows, length, b_param))
-        add(
+        ),
+        Term(
             "update temporaries",
             temps,
             "update",
             "one block graph's: 2 fp32 score-sized arrays + MLP and q/k/v "
             "gradients (an upper bound: XLA fuses them away at small widths)"
             + (" + the experts' weights gathered per token and their gradients (batched_mm)" if shape.experts else ""),
+        ),
+    ]
+    if shape.experts:
+        notes.append(
+            f"MoE on TPU: experts run as transformers' batched_mm (grouped_mm's torch.cumsum lowers to "
+            f"chlo.scan, which libtpu 0.0.52 refuses); each of {rows * length} tokens x "
+            f"{shape.experts_active} experts gathers its expert's weights: "
+            f"{rows * length * shape.experts_active * 3 * shape.intermediate * shape.hidden * b_param / GIB:.2f}"
+            f" GiB a block graph (docs/tpu.md, MoE on TPU)"
         )
-        if shape.experts:
-            notes.append(
-                f"MoE on TPU: experts run as transformers' batched_mm (grouped_mm's torch.cumsum lowers to "
-                f"chlo.scan, which libtpu 0.0.52 refuses); each of {rows * length} tokens x "
-                f"{shape.experts_active} experts gathers its expert's weights: "
-                f"{rows * length * shape.experts_active * 3 * shape.intermediate * shape.hidden * b_param / GIB:.2f}"
-                f" GiB a block graph (docs/tpu.md, MoE on TPU)"
-            )
-        graphs.update(
-            {
-                "block forward arguments": arrays_bytes(g["arguments"]),
-                "activations": acts,
-                "block backward outputs": arrays_bytes(g["gradients"]),
-                "update temporaries": temps,
-                "LM head forward arguments": arrays_bytes(hg["arguments"]),
-                "LM head logits": head,
-                "LM head backward outputs": arrays_bytes(hg["gradients"]),
-            }
-        )
+    graphs.update(
+        {
+            "block forward arguments": arrays_bytes(g["arguments"]),
+            "activations": acts,
+            "block backward outputs": arrays_bytes(g["gradients"]),
+            "update temporaries": temps,
+            "LM head forward arguments": arrays_bytes(hg["arguments"]),
+            "LM head logits": head,
+            "LM head backward outputs": arrays_bytes(hg["gradients"]),
+        }
+    )
+    return terms
+
+
+def _micro_batch_tokens(job: JobShape, seq: int) -> tuple[int, str, int, int]:
+    """One update micro batch at the longest length ``seq``: ``(sequences, how, tokens per chip, LM-head tokens)``. Tokens are
+    counted at the longest prompt and response; a packed micro batch under the prefix grouper holds each prompt once
+    per group, a bucketed one ``seq`` a sequence; the LM head runs at response tokens only on packed micro batches
+    with ``rl_tpu.response_only_logits``; ``use_dynamic_bsz`` holds ``ppo_max_token_len_per_gpu`` tokens."""
+    if job.dynamic_batch:
+        tokens = job.max_tokens_per_chip
+        micro = max(1, tokens // seq)
+        return micro, f"{tokens} tokens (use_dynamic_bsz)", math.ceil(tokens / job.sequence_parallel), tokens
+    micro, n = job.update_micro_batch, job.rollout_n
+    prompts = math.ceil(micro / n) if job.packed and job.prefix_grouper else micro
+    tokens = prompts * job.prompt_length + micro * job.response_length
+    how = f"{micro} seqs, {tokens} tokens" + (" (prompt once per group)" if prompts < micro else "")
+    response_only = job.packed and job.response_only_logits
+    logit_tokens = micro * job.response_length if response_only else micro * seq
+    tokens = micro * seq if job.bucketed else tokens
+    return micro, how, math.ceil(tokens / job.sequence_parallel), logit_tokens
+
+
+def _eager_update_terms(job: JobShape, shape: ModelShape, sizes: _Itemsizes, fused: bool) -> list[Term]:
+    """The actor update's terms off TPU (or with packed micro batches): the activations saved for the backward per
+    token and block (Korthikanti et al. 2022, this module's docstring), checkpointed or not, and the LM head's
+    logits with their fp32 log-softmax and gradient."""
+    seq, b_param = _update_length(job), sizes.param
+    _, micro_how, tokens, logit_tokens = _micro_batch_tokens(job, seq)
+    block = shape.block_elements(seq, fused)
+    if job.gradient_checkpointing:
+        elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
     else:
-        if checkpointed:
-            elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
-        else:
-            elems, how = shape.layers * block, f"L x {block} elements/token"
-        add("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}")
-        add(
+        elems, how = shape.layers * block, f"L x {block} elements/token"
+    return [
+        Term("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}"),
+        Term(
             "LM head logits",
             logit_tokens * shape.vocab * (b_param + 8),
             "update",
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B",
-        )
+        ),
+    ]
 
-    # forward-only log-probs (reference policy, old policy unless bypassed)
-    lp = max(per_chip_micro_batch(get, f"{aro}.{r}.log_prob_micro_batch_size_per_gpu", w) for r in ("rollout", "ref"))
-    lp = lp or max(1, int(get("data.train_batch_size", 1)) * n // w)
-    lp_tokens = lp * (resp_len if packed and bool(settings.response_only_logits) else seq)
-    lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * block * b_param
-    add("log-prob forward", lp_bytes, "log-prob", f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
-    if graphs:  # XLA's: the no-grad LM head's logits and log-softmax, and one no-grad block's output and temporaries
-        graphs["log-prob forward"] = lp_bytes
 
-    # critic (PPO with GAE): its own parameters, gradients and moments; its update phase
-    if runs_critic(get):
-        cpath, cshape = get("critic.model.path", None), shape
-        if cpath and str(cpath) != str(get(f"{aro}.model.path")):
-            try:
-                cshape = shape_of_path(str(cpath), trust)
-            except (OSError, ValueError):
-                notes.append(
-                    f"critic.model.path={cpath} has no readable config.json: the critic is counted as the actor"
-                )
-        cb = _bytes(get("critic.fsdp.model_dtype", get("critic.model_config.model_dtype", "fp32")))
-        add(
-            f"critic params+grads+AdamW ({dt[cb]})",
+def _log_prob_term(job: JobShape, shape: ModelShape, sizes: _Itemsizes, fused: bool) -> Term:
+    """The forward-only log-probs (the reference policy's, the old policy's unless bypassed) at the larger of their
+    micro batches: logits with their fp32 log-softmax, and one block's working set."""
+    seq, b_param = _update_length(job), sizes.param
+    lp = max(job.log_prob_micro_batch, job.ref_log_prob_micro_batch)
+    lp_tokens = lp * (job.response_length if job.packed and job.response_only_logits else seq)
+    lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * shape.block_elements(seq, fused) * b_param
+    return Term("log-prob forward", lp_bytes, "log-prob", f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
+
+
+def _critic_terms(
+    job: JobShape, shape: ModelShape, sizes: _Itemsizes, fused: bool, graphs: dict[str, float], notes: list[str]
+) -> list[Term]:
+    """PPO with GAE: the critic's parameters, gradients and AdamW moments (resident) and its update's activations
+    (the compiled block graph's arrays plus the value head's on TPU, where ``graphs`` is filled; else per token)."""
+    cshape = shape
+    if job.critic_model_path:
+        try:
+            cshape = shape_of_path(job.critic_model_path, job.trust_remote_code)
+        except (OSError, ValueError):
+            notes.append(
+                f"critic.model.path={job.critic_model_path} has no readable config.json: the critic is counted as "
+                "the actor"
+            )
+    cb, shards, seq, b_param = _bytes(job.critic_model_dtype), job.shards, _update_length(job), sizes.param
+    terms = [
+        Term(
+            f"critic params+grads+AdamW ({_DTYPE_NAME[cb]})",
             4 * cshape.params * cb / shards,
             "resident",
             f"4 x {cshape.params:.3e} x {cb} B / {shards}",
         )
-        cmicro = per_chip_micro_batch(get, "critic.ppo_micro_batch_size_per_gpu", dp) or max(
-            1, int(get("critic.ppo_mini_batch_size", 1)) * n // dp
+    ]
+    cmicro, ckpt, sp = job.critic_micro_batch, job.critic_gradient_checkpointing, job.sequence_parallel
+    if graphs:  # the compiled block graph's arrays at the critic's micro batch, as the actor's, + the value head
+        rows, length = cmicro, math.ceil(seq / sp)
+        cg = cshape.block_graph(rows, length, b_param)
+        x = tpu_bytes((rows, length, cshape.hidden), b_param)
+        fwd_out = arrays_bytes(cg["saved"]) + arrays_bytes(cg["returned"])
+        kept = cshape.layers * x + fwd_out if ckpt else cshape.layers * fwd_out
+        head = 2 * x + 2 * tpu_bytes((rows, length), 4)  # its norm's output, the hidden states, rsqrt, values
+        cacts = kept + arrays_bytes(cg["arguments"][-3:]) + head
+        graphs["critic activations"] = cacts
+        how = (
+            f"{cmicro} seqs, padded to {rows}x{length}"
+            + (", checkpointed" if ckpt else "")
+            + "; as the actor's + the value head's outputs; TPU tiles"
         )
+        terms.append(Term("critic activations", cacts, "critic", how))
+    else:
         cblock = cshape.block_elements(seq, fused)
-        ckpt = bool(get("critic.model.enable_gradient_checkpointing", False))
-        if graphs:  # the compiled block graph's arrays at the critic's micro batch, as the actor's above, + value head
-            rows, length = cmicro, math.ceil(seq / sp)
-            cg = cshape.block_graph(rows, length, b_param)
-            x = tpu_bytes((rows, length, cshape.hidden), b_param)
-            fwd_out = arrays_bytes(cg["saved"]) + arrays_bytes(cg["returned"])
-            kept = cshape.layers * x + fwd_out if ckpt else cshape.layers * fwd_out
-            head = 2 * x + 2 * tpu_bytes((rows, length), 4)  # its norm's output, the hidden states, rsqrt, values
-            cacts = kept + arrays_bytes(cg["arguments"][-3:]) + head
-            graphs["critic activations"] = cacts
-            add(
-                "critic activations",
-                cacts,
-                "critic",
-                f"{cmicro} seqs, padded to {rows}x{length}"
-                + (", checkpointed" if ckpt else "")
-                + "; as the actor's + the value head's outputs; TPU tiles",
-            )
-        else:
-            celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
-            add(
+        celems = cshape.layers * cshape.hidden + cblock if ckpt else cshape.layers * cblock
+        terms.append(
+            Term(
                 "critic activations",
                 cmicro * seq / sp * (celems + 2 * cshape.hidden) * b_param,
                 "critic",
                 f"{cmicro} seqs" + (", checkpointed" if ckpt else ""),
             )
+        )
+    return terms
 
-    # generation: the sampler's static KV cache (in the worker only)
-    if in_worker:
-        r = f"{aro}.rollout"
-        rp, rr = int(get(f"{r}.prompt_length", prompt_len)), int(get(f"{r}.response_length", resp_len))
-        share = math.ceil(int(get("data.train_batch_size", 1)) * n / w)
-        batch = min(_pow2(share), _pow2(int(get(f"{r}.max_num_seqs", 64))))
-        kv_how = f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B"
-        if tpu:  # the compiled decode step's arrays (ModelShape.sampler_graph), tiled
-            sg = shape.sampler_graph(batch, 1, rp + rr, b_roll)
-            kv, steps = arrays_bytes(sg["cache"]), arrays_bytes(sg["outputs"])
-            prefill = arrays_bytes(shape.sampler_temporaries(batch, rp, rp + rr, b_roll))
-            decode = arrays_bytes(shape.sampler_temporaries(batch, 1, rp + rr, b_roll))
-            add("sampler KV cache", kv, "generation", kv_how + ", TPU tiles")
-            add(
-                "sampler step outputs",
-                steps,
-                "generation",
-                f"a step's logits ({batch} x {shape.vocab} x {b_roll} B) "
-                "and the KV cache rewritten into new arrays (its arguments are not donated)",
-            )
-            add(
-                "sampler temporaries",
-                max(prefill, decode),
-                "generation",
-                f"the {'prefill' if prefill >= decode else 'decode step'}'s: "
-                + (
-                    f"2 fp32 score-sized arrays {batch}x{shape.heads}x{rp}x{rp + rr} + keys/values repeated in fp32"
-                    if prefill >= decode
-                    else "a copy of each layer's key or value + keys/values repeated in fp32"
-                ),
-            )
-            if graphs:
-                inputs = arrays_bytes(sg["arguments"][len(sg["weights"]) :])  # the cache, ids, mask, positions
-                graphs.update(
-                    {
-                        "sampler weights + KV cache": weights + inputs,
-                        "sampler step outputs": steps,
-                        "sampler temporaries": max(prefill, decode),
-                    }
-                )
-        else:
-            kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll
-            add("sampler KV cache", kv, "generation", kv_how)
-            add("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B")
-    if packed:
-        notes.append("packed micro batches: activations counted at the longest prompt and response (an upper bound)")
-    host_terms: list[Term] = []
-    if backend_profile.host_memory:  # every process of the CPU job on one host
-        if not in_worker:
-            host_terms.append(
-                Term(
-                    f"rollout server weights ({dt[b_roll]})",
-                    p * b_roll,
-                    "host",
-                    f"{p:.3e} x {b_roll} B, the server's own copy",
-                )
-            )
-            r = get(f"{aro}.rollout", {})
-            if b_roll == 4 and native_engine_kwargs(r).packed_weights is not False:
-                # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
-                # the query/key/value projections once more as one fused matrix
-                linear = shape.layers * shape.layer_params + shape.vocab * shape.hidden
-                fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-                host_terms.append(
-                    Term(
-                        "rollout server packed weights",
-                        (linear + fused) * 4,
-                        "host generation",
-                        f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates",
-                    )
-                )
-            rp = int(get(f"{aro}.rollout.prompt_length", prompt_len))
-            rr = int(get(f"{aro}.rollout.response_length", resp_len))
-            batch = min(
-                _pow2(int(get("data.train_batch_size", 1)) * n), _pow2(int(get(f"{aro}.rollout.max_num_seqs", 64)))
-            )
-            host_terms.append(
-                Term(
-                    "rollout server KV cache",
-                    2 * shape.layers * shape.kv_heads * shape.head_dim * (rp + rr) * batch * b_roll,
-                    "host generation",
-                    f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {rp + rr} x {batch} x {b_roll} B",
-                )
-            )
-            refill = _files_refilled(config, lora, p * b_model)
-            if refill:  # the third phase: the rollout wakes and takes the adapter (LoRA, adapter-only sync)
-                host_terms.append(
-                    Term(
-                        "rollout server files (mapped)",
-                        refill,
-                        "host sync",
-                        "the model's safetensors, mapped while the server refills its released weights "
-                        "from them and merges the adapter (file pages, counted in its PSS)",
-                    )
-                )
-        host_terms.append(
-            Term(
-                "trainer worker runtime",
-                w * TRAINER_RUNTIME_BYTES,
-                "host",
-                f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)",
-            )
-        )
-        host_terms.append(
-            Term(
-                "driver and Ray processes",
-                JOB_RUNTIME_BYTES,
-                "host",
-                "driver, Ray's daemons, VeRL's loop and queue actors (measured)",
-            )
-        )
-    hbm = spec.hbm_gib * GIB if spec is not None else None
-    where = (
-        f"{spec.accelerator_type} ({spec.chips} chips, {spec.hbm_gib:g} GiB HBM each)"
-        if spec
-        else str(get("trainer.device", "cpu"))
+
+def _generation_terms(
+    job: JobShape, shape: ModelShape, sizes: _Itemsizes, tpu: bool, graphs: dict[str, float]
+) -> list[Term]:
+    """Generation with the sampler inside the worker: its static KV cache at :attr:`JobShape.sampler_batch` rows
+    and the largest cache bucket, and on TPU the compiled decode step's outputs and the prefill's or decode step's
+    temporaries (:meth:`ModelShape.sampler_graph`, tiled; ``graphs`` filled), else its last-position logits."""
+    b_roll, batch, rp, slots = sizes.rollout, job.sampler_batch, job.rollout_prompt_length, job.cache_slots
+    kv_how = f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {slots} x {batch} x {b_roll} B"
+    if not tpu:
+        kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * slots * batch * b_roll
+        return [
+            Term("sampler KV cache", kv, "generation", kv_how),
+            Term("sampler logits", batch * shape.vocab * 4, "generation", f"{batch} x {shape.vocab} x 4 B"),
+        ]
+    sg = shape.sampler_graph(batch, 1, slots, b_roll)
+    kv, steps = arrays_bytes(sg["cache"]), arrays_bytes(sg["outputs"])
+    prefill = arrays_bytes(shape.sampler_temporaries(batch, rp, slots, b_roll))
+    decode = arrays_bytes(shape.sampler_temporaries(batch, 1, slots, b_roll))
+    temporaries = (
+        f"the prefill's: 2 fp32 score-sized arrays {batch}x{shape.heads}x{rp}x{slots} + keys/values repeated in fp32"
+        if prefill >= decode
+        else "the decode step's: a copy of each layer's key or value + keys/values repeated in fp32"
     )
-    return MemoryPlan(shape, where, w, shards, terms, hbm, notes, graphs, host_terms)
+    if graphs:
+        weights = arrays_bytes(sg["weights"])
+        inputs = arrays_bytes(sg["arguments"][len(sg["weights"]) :])  # the cache, ids, mask, positions
+        graphs.update(
+            {
+                "sampler weights + KV cache": weights + inputs,
+                "sampler step outputs": steps,
+                "sampler temporaries": max(prefill, decode),
+            }
+        )
+    return [
+        Term("sampler KV cache", kv, "generation", kv_how + ", TPU tiles"),
+        Term(
+            "sampler step outputs",
+            steps,
+            "generation",
+            f"a step's logits ({batch} x {shape.vocab} x {b_roll} B) "
+            "and the KV cache rewritten into new arrays (its arguments are not donated)",
+        ),
+        Term("sampler temporaries", max(prefill, decode), "generation", temporaries),
+    ]
+
+
+def _host_terms(job: JobShape, shape: ModelShape, sizes: _Itemsizes) -> list[Term]:
+    """CPU backend: what the job's other processes hold on the same host: the rollout server's own weights, its
+    packed copies and KV cache while it generates, the model's files it maps during an adapter-only LoRA sync (unless
+    the sampler runs inside the worker), each trainer worker's runtime and the job's fixed processes (measured
+    constants, this module's docstring)."""
+    terms: list[Term] = []
+    p, b_roll, w = shape.params, sizes.rollout, job.workers
+    if job.sampler_placement != "worker":
+        terms.append(
+            Term(
+                f"rollout server weights ({_DTYPE_NAME[b_roll]})",
+                p * b_roll,
+                "host",
+                f"{p:.3e} x {b_roll} B, the server's own copy",
+            )
+        )
+        if b_roll == 4 and job.packed_weights is not False:
+            # rl_tpu.sampler.packed: a packed copy of every float32 Linear (the LM head's too) while generating,
+            # the query/key/value projections once more as one fused matrix
+            linear = shape.layers * shape.layer_params + shape.vocab * shape.hidden
+            fused = shape.layers * shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+            terms.append(
+                Term(
+                    "rollout server packed weights",
+                    (linear + fused) * 4,
+                    "host generation",
+                    f"({linear:.3e} + {fused:.3e} fused q/k/v) x 4 B, while it generates",
+                )
+            )
+        slots, batch = job.cache_slots, job.server_batch
+        terms.append(
+            Term(
+                "rollout server KV cache",
+                2 * shape.layers * shape.kv_heads * shape.head_dim * slots * batch * b_roll,
+                "host generation",
+                f"2 x {shape.layers} x {shape.kv_heads} x {shape.head_dim} x {slots} x {batch} x {b_roll} B",
+            )
+        )
+        refill = _files_refilled(job, p * sizes.model)
+        if refill:  # the third phase: the rollout wakes and takes the adapter (LoRA, adapter-only sync)
+            terms.append(
+                Term(
+                    "rollout server files (mapped)",
+                    refill,
+                    "host sync",
+                    "the model's safetensors, mapped while the server refills its released weights "
+                    "from them and merges the adapter (file pages, counted in its PSS)",
+                )
+            )
+    terms.append(
+        Term(
+            "trainer worker runtime",
+            w * TRAINER_RUNTIME_BYTES,
+            "host",
+            f"{w} x {TRAINER_RUNTIME_BYTES / GIB:.2f} GiB: Python, torch, VeRL (measured)",
+        )
+    )
+    terms.append(
+        Term(
+            "driver and Ray processes",
+            JOB_RUNTIME_BYTES,
+            "host",
+            "driver, Ray's daemons, VeRL's loop and queue actors (measured)",
+        )
+    )
+    return terms

@@ -299,7 +299,7 @@ def fit_default_micro_batches(config, user_keys: set[str], source: str = "the em
     """
     from omegaconf import OmegaConf
 
-    from verl_backend.driver.aot.graphs import runs_critic
+    from verl_backend.driver.job_keys import runs_critic
 
     workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     n, batch = int(config.actor_rollout_ref.rollout.n), int(config.data.train_batch_size)

@@ -277,8 +277,9 @@ def test_job_graphs_follow_the_config():
     }
     graphs = job_graphs(config, workers=4)
     assert graphs[0] == GraphRequest("block", 2, 512) and graphs[1] == GraphRequest("lm_head", 2, 512)
-    # the old policy's log-probs are recomputed (no bypass), at the update's micro batch when none is set
-    assert graphs[2:4] == [GraphRequest("block_forward", 2, 512), GraphRequest("lm_head_forward", 2, 512)]
+    # the old policy's log-probs are recomputed (no bypass); with no log-prob micro batch set (VeRL refuses that), at
+    # a worker's whole share of the step (8 x 4 over 4 workers), as the memory plan counts it (JobShape)
+    assert graphs[2:4] == [GraphRequest("block_forward", 8, 512), GraphRequest("lm_head_forward", 8, 512)]
     assert graphs[4] == GraphRequest("prefill", 8, 100, 300)  # 8x4 rows over 4 workers; the rollout's 100 + 200
     assert [g.batch for g in graphs if g.kind == "decode"] == [8, 4, 2, 1]
     # bypass mode reuses the rollout's log-probs: no forward graph; a KL loss brings the reference's, at its micro

@@ -25,6 +25,7 @@ from verl_backend.driver.memory_plan import (
     USABLE_FRACTION,
     plan_memory,
 )
+from verl_backend.driver.job_shape import job_shape
 from verl_backend.driver.memory_fit import check_memory_fits
 from verl_backend.driver.model_shape import arrays_bytes, tpu_bytes
 from verl_backend.driver.plan import compose_config
@@ -414,8 +415,8 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
     config, model_path = _aot_config(monkeypatch, tmp_path, argv)
     compiled = json.loads(XLA_V6E8.read_text())[job]
     hf = AutoConfig.from_pretrained(model_path) if model_path else None
-    planned, notes = planned_as_compiled(config, 8)
-    assert notes == []  # the TPU profile compiles both (profiles.TPU_SETTINGS), and both jobs set micro batches
+    planned, notes = planned_as_compiled(job_shape(config, 8))
+    assert notes == []  # the TPU profile compiles the trainer (profiles.TPU_SETTINGS)
     rows = plan_comparison(plan_memory(planned, "v6e-8", TPU, hf_config=hf), compiled, True)
     measured = {name: (plan, xla) for name, plan, xla, _ in rows if xla is not None}
     # the no-grad log-prob forward in both; the critic's (GAE) in the default job only
@@ -443,25 +444,29 @@ def test_the_plan_beside_xla_term_by_term(monkeypatch, tmp_path, default_model_d
 
 
 def test_aot_only_plans_the_job_it_compiles(monkeypatch, tmp_path, default_model_dir):
-    """``--aot-only``'s plan is the job's with both compile flags on. The TPU default job runs as it is: the TPU
-    profile's micro batches of 8 (VeRL sets none); where a job sets no actor micro batch, the graphs' micro batch of 1,
-    said in the table's head line. Negative control: without the flags and the micro batch the plan counts another
-    micro batch."""
+    """``--aot-only``'s plan is the job's with the compiled trainer on, and the plan and the graph list read one micro
+    batch off the job (``JobShape``): the TPU default job's profile micro batches of 8; where a job sets no actor
+    micro batch (VeRL 0.9.1 refuses that outside ``use_dynamic_bsz``), the mini batch's share in both (32 sequences
+    on 8 chips), where the graphs took 1 and the plan 32 before. Negative control: a job with the compiled trainer
+    off gets the flag turned on, said in a note."""
+    import dataclasses
+
+    from verl_backend.driver.aot.graphs import job_graphs
     from verl_backend.driver.aot.job import planned_as_compiled
 
     model = f"actor_rollout_ref.model.path={default_model_dir}"
-    flags = ["rl_tpu.compile_trainer=true", "rl_tpu.compile_sampler=true"]
     default, _ = _aot_config(monkeypatch, tmp_path / "a", [model])
-    planned, notes = planned_as_compiled(default, 8)
-    assert notes == [f for f in flags if not OmegaConf.select(default, f.split("=")[0])]
-    assert planned.rl_tpu.compile_trainer
+    planned, notes = planned_as_compiled(job_shape(default, 8))
+    assert notes == [] and planned.compile_trainer
     assert "8 seqs" in next(t.how for t in plan_memory(planned, "v6e-8", TPU).terms if t.name == "activations")
+    assert job_graphs(planned)[0].batch == 8
+    off, notes = planned_as_compiled(dataclasses.replace(planned, compile_trainer=False))
+    assert notes == ["rl_tpu.compile_trainer=true"] and off.compile_trainer
     key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
     bare, _ = _aot_config(monkeypatch, tmp_path / "b", [f"{key}=null", model])
-    planned, notes = planned_as_compiled(bare, 8)
-    assert notes[-1] == f"{key}=1 (the graphs' micro batch; the job sets none)"
-    assert "1 seqs" in next(t.how for t in plan_memory(planned, "v6e-8", TPU).terms if t.name == "activations")
-    assert "32 seqs" in next(t.how for t in plan_memory(bare, "v6e-8", TPU).terms if t.name == "activations")
+    planned, _ = planned_as_compiled(job_shape(bare, 8))
+    assert "32 seqs" in next(t.how for t in plan_memory(planned, "v6e-8", TPU).terms if t.name == "activations")
+    assert job_graphs(planned)[0].batch == 32
 
 
 def test_a_cpu_job_that_fits_only_without_packed_weights_samples_on_plain_weights(tmp_path):

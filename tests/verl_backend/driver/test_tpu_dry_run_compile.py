@@ -53,7 +53,7 @@ def _composed(monkeypatch, tmp_path: Path, argv: list[str], where: str):
 
 def test_the_dry_runs_graph_list_is_aot_onlys_and_a_missing_bucket_is_found(monkeypatch, tmp_path, tiny_model_dir):
     from verl_backend.driver.aot.job import aot_jobs
-    from verl_backend.driver.aot.graphs import job_workers
+    from verl_backend.driver.job_shape import job_shape
     from verl_backend.driver.profiles import PROFILES
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -75,11 +75,7 @@ def test_the_dry_runs_graph_list_is_aot_onlys_and_a_missing_bucket_is_found(monk
     recorded = json.loads((tmp_path / "run" / "aot" / "graphs.json").read_text())
     assert recorded == graph_list(dry["config"])
     # what --aot-only lowers for the same job: the graphs of its lowering subprocess's jobs
-    lowered = [
-        g
-        for j in aot_jobs(aot["config"], job_workers(aot["config"]), model_path=aot["model_path"])
-        for g in j["graphs"]
-    ]
+    lowered = [g for j in aot_jobs(job_shape(aot["config"]), model_path=aot["model_path"]) for g in j["graphs"]]
     assert len(lowered) == len(recorded) >= 4
     assert graph_list_differences(recorded, lowered) == []
     # the update, the no-grad log-prob forward (old policy recomputed, KL loss's reference), the sampler

@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from verl_backend.driver.aot.graphs import graph_list, job_workers
+from verl_backend.driver.aot.graphs import graph_list
+from verl_backend.driver.job_shape import job_shape
 from verl_backend.driver.aot.run import (
     COMPILE_TIMEOUT_S,
     LOWER_TIMEOUT_S,
@@ -59,7 +60,8 @@ class DryRunCompile:
         lower_timeout_s: float = LOWER_TIMEOUT_S,
         compile_timeout_s: float = COMPILE_TIMEOUT_S,
     ):
-        self.config, self.slice_name, self.enabled, self.python = config, slice_name, enabled, python
+        self.slice_name, self.enabled, self.python = slice_name, enabled, python
+        self.job = job_shape(config)  # the typed job the graph list, the lowering and the report read
         self.folder = Path(out) / "aot"
         self.timeouts = (lower_timeout_s, compile_timeout_s)
         self.entry: dict | None = None  # set when the check ended (or never started)
@@ -72,7 +74,7 @@ class DryRunCompile:
         """Write ``aot/graphs.json`` and start lowering in the background (nothing starts when the check is off or
         cannot run: :attr:`entry` then says why)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        graphs = graph_list(self.config)
+        graphs = graph_list(self.job)
         (self.folder / "graphs.json").write_text(json.dumps(graphs, indent=1))
         self._base = {"slice": self.slice_name, "graphs": len(graphs), "graphs_file": str(self.folder / "graphs.json")}
         if not self.enabled:
@@ -91,7 +93,7 @@ class DryRunCompile:
             from verl_backend.driver.aot.job import aot_jobs
 
             self.topology, self.generation, self.hbm_gib = jax_topology(self.slice_name)
-            self.jobs = aot_jobs(self.config, job_workers(self.config))
+            self.jobs = aot_jobs(self.job)
         except Exception as exc:  # no config.json, a slice libtpu has no name for: said, training goes on
             self.entry = {**self._base, "status": "failed", "line": f"failed: {_one_line(exc)}"}
             return self
@@ -154,10 +156,7 @@ class DryRunCompile:
         ok = sum(1 for g in compiled.get("graphs", []) if not g.get("error"))
         failed = errors(result)
         layers = int(self.jobs[0]["config"].get("num_hidden_layers", 1))
-        from verl_backend.driver.aot.graphs import config_get
-
-        checkpointed = bool(config_get(self.config, "actor_rollout_ref.model.enable_gradient_checkpointing", True))
-        chip = per_chip_bytes(compiled, layers, checkpointed) if not compiled.get("error") else {}
+        chip = per_chip_bytes(compiled, layers, self.job.gradient_checkpointing) if not compiled.get("error") else {}
         hbm = self.hbm_gib * 2**30
         entry.update(
             lowered=lowered,

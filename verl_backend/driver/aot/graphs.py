@@ -1,4 +1,4 @@
-"""Which graphs a TPU job compiles, with their shapes: the input of ``verl train --aot-only`` (no torch import).
+"""Which graphs a TPU job compiles, with their shapes: the input of ``verl train --aot-only``.
 
 A :class:`GraphRequest` is one graph kind at one shape:
 
@@ -16,15 +16,15 @@ A :class:`GraphRequest` is one graph kind at one shape:
   ``cache`` slots (``rl_tpu.sampler``'s buckets), last-position logits;
 - ``decode``: the same with ``(batch, 1)`` tokens.
 
-:func:`job_graphs` reads them off a composed VeRL config the way the trainer and the sampler pick their shapes.
+:func:`job_graphs` reads them off the job's :class:`~verl_backend.driver.job_shape.JobShape` the way the trainer and
+the sampler pick their shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# the config readers the memory plan shares (re-exported: graphs.config_get etc. still work)
-from verl_backend.driver.job_keys import config_get, per_chip_micro_batch, pow2, runs_critic  # noqa: F401
+from verl_backend.driver.job_shape import JobShape, job_shape
 
 #: graph kinds of the trainer worker's models (actor, reference policy), of the critic, and of the sampler
 TRAINER_KINDS = ("block", "lm_head", "block_forward", "lm_head_forward")
@@ -57,79 +57,55 @@ class GraphRequest:
         return f"{where}.{self.kind}[{self.batch}x{self.seq}{cache}{block}]"
 
 
-def job_graphs(config, workers: int) -> list[GraphRequest]:
-    """The graphs one chip compiles for a composed VeRL ``config`` run on ``workers`` trainer workers, each listed
-    once (a shape two models share is one graph: the blocks' parameters are graph inputs).
+def job_graphs(job, workers: int | None = None) -> list[GraphRequest]:
+    """The graphs one chip compiles for a job, each listed once (a shape two models share is one graph: the blocks'
+    parameters are graph inputs).
 
-    Trainer, at the padded length of prompt plus response (a power of two): the actor's update at its micro batch
-    (``actor.ppo_micro_batch_size_per_gpu``, else 1); the no-grad log-prob forward at
-    ``rollout.log_prob_micro_batch_size_per_gpu`` when the old policy's log-probs are recomputed
-    (``algorithm.rollout_correction.bypass_mode`` false) and at ``ref.log_prob_micro_batch_size_per_gpu`` when a
-    reference policy runs (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); with GAE the critic's update at
-    ``critic.ppo_micro_batch_size_per_gpu`` and its values forward at ``critic.forward_micro_batch_size_per_gpu``
-    (else the update's), on the actor's model shape. Sampler (in the worker): this worker's share of
-    ``train_batch_size × rollout.n`` (at most ``rollout.max_num_seqs``, a power of two), at the largest of the
-    rollout's buckets (:func:`verl_backend.rollout.sampling._buckets`: powers of two up to the rollout's
-    ``prompt_length`` and ``response_length``, those limits last): a prefill of ``prompt_length`` tokens against a
-    cache of ``prompt_length + response_length`` slots; decode also at every halved batch bucket (the sampler drops
-    finished rows), down to 1. Smaller prompt and generation buckets compile graphs of their own, not listed.
+    Args:
+        job: the job's :class:`~verl_backend.driver.job_shape.JobShape`, or a composed VeRL config to read one from.
+        workers: with a config, the trainer workers (``None``: :func:`job_workers`).
+
+    Trainer, at the padded length of prompt plus response (:attr:`JobShape.padded_length`, the compiled trainer's
+    bucket): the actor's update at its micro batch; the no-grad log-prob forward at the old policy's log-prob micro
+    batch when its log-probs are recomputed (``algorithm.rollout_correction.bypass_mode`` false) and at the
+    reference policy's when one runs (a KL loss or KL reward); with GAE the critic's update and its values forward
+    at the critic's micro batches, on the actor's model shape. Sampler (in the worker): :attr:`JobShape
+    .sampler_batch` rows at the largest of the rollout's buckets (:func:`verl_backend.rollout.sampling._buckets`:
+    powers of two up to the rollout's ``prompt_length`` and ``response_length``, those limits last): a prefill of
+    ``prompt_length`` tokens against a cache of ``prompt_length + response_length`` slots; decode also at every
+    halved batch bucket (the sampler drops finished rows), down to 1. Smaller prompt and generation buckets compile
+    graphs of their own, not listed.
     """
-
-    def get(key, default):
-        return config_get(config, key, default)
-
-    def micro(key, fallback):
-        return per_chip_micro_batch(get, key, workers) or fallback
-
-    aro = "actor_rollout_ref"
-    prompt, response = int(get("data.max_prompt_length", 512)), int(get("data.max_response_length", 512))
-    update = micro(f"{aro}.actor.ppo_micro_batch_size_per_gpu", 1)
-    seq = pow2(prompt + response)
+    if not isinstance(job, JobShape):
+        job = job_shape(job, workers)
+    seq, update = job.padded_length, job.update_micro_batch
     out = [GraphRequest("block", update, seq), GraphRequest("lm_head", update, seq)]
-    forwards = []
-    if not _true(get("algorithm.rollout_correction.bypass_mode", False)):  # the old policy's log-probs, recomputed
-        forwards.append(micro(f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", update))
-    if _true(get(f"{aro}.actor.use_kl_loss", False)) or _true(get("algorithm.use_kl_in_reward", False)):
-        forwards.append(micro(f"{aro}.ref.log_prob_micro_batch_size_per_gpu", update))
+    forwards = [job.log_prob_micro_batch] if job.old_log_probs else []
+    if job.reference:
+        forwards.append(job.ref_log_prob_micro_batch)
     for rows in forwards:
         out += [GraphRequest("block_forward", rows, seq), GraphRequest("lm_head_forward", rows, seq)]
-    if runs_critic(get):
-        critic = micro("critic.ppo_micro_batch_size_per_gpu", 1)
-        values = micro("critic.forward_micro_batch_size_per_gpu", critic)
+    if job.critic:
         out += [
-            GraphRequest("block", critic, seq),
-            GraphRequest("value_head", critic, seq),
-            GraphRequest("block_forward", values, seq),
-            GraphRequest("value_head_forward", values, seq),
+            GraphRequest("block", job.critic_micro_batch, seq),
+            GraphRequest("value_head", job.critic_micro_batch, seq),
+            GraphRequest("block_forward", job.critic_forward_micro_batch, seq),
+            GraphRequest("value_head_forward", job.critic_forward_micro_batch, seq),
         ]
-    rows = int(get("data.train_batch_size", 1)) * int(get(f"{aro}.rollout.n", 1))
-    share = max(1, -(-rows // max(1, workers)))
-    batch = pow2(min(share, int(get(f"{aro}.rollout.max_num_seqs", share) or share)))
-    p = int(get(f"{aro}.rollout.prompt_length", prompt) or prompt)  # the rollout's largest buckets
-    cache = p + int(get(f"{aro}.rollout.response_length", response) or response)
-    out.append(GraphRequest("prefill", batch, p, cache))
-    b = batch
-    while b >= 1:
-        out.append(GraphRequest("decode", b, 1, cache))
-        b //= 2
+    batch, prompt, cache = job.sampler_batch, job.rollout_prompt_length, job.cache_slots
+    out.append(GraphRequest("prefill", batch, prompt, cache))
+    while batch >= 1:
+        out.append(GraphRequest("decode", batch, 1, cache))
+        batch //= 2
     return list(dict.fromkeys(out))  # each shape once, in the order first listed
 
 
-def _true(value) -> bool:
-    return value is True or str(value).lower() == "true"
-
-
-def job_workers(config) -> int:
-    """The trainer workers of a composed config (``trainer.n_gpus_per_node × trainer.nnodes``): one per chip."""
-    return int(config_get(config, "trainer.n_gpus_per_node", 1)) * int(config_get(config, "trainer.nnodes", 1))
-
-
-def graph_list(config) -> list[dict]:
-    """The job's (graph, input shapes) list as ``--aot-only`` lowers it (:func:`job_graphs` over
-    :func:`job_workers`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block``
+def graph_list(job) -> list[dict]:
+    """The (graph, input shapes) list of ``job`` (a :class:`~verl_backend.driver.job_shape.JobShape` or a composed
+    config) as ``--aot-only`` lowers it (:func:`job_graphs`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block``
     empty: the lowering adds a graph per kind of block); what the TPU dry run records in its run folder
     (``aot/graphs.json``)."""
-    return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(config, job_workers(config))]
+    return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(job)]
 
 
 def graph_list_differences(ours: list[dict], theirs: list[dict]) -> list[str]:

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from verl_backend.driver.aot.graphs import config_get as _get
-from verl_backend.driver.aot.graphs import SAMPLER_KINDS, job_graphs, job_workers
+from verl_backend.driver.aot.graphs import SAMPLER_KINDS, job_graphs
+from verl_backend.driver.job_shape import JobShape, job_shape
 from verl_backend.driver.aot.run import (
     AotError,
     errors,
@@ -44,19 +44,17 @@ def model_config(path: str) -> dict:
     return json.loads(file.read_text())
 
 
-def aot_jobs(config, workers: int, attention: str = "sdpa", model_path: str | None = None) -> list[dict]:
-    """The lowering subprocess's ``jobs`` for a composed VeRL ``config``: the trainer's graphs in its FSDP
-    ``param_dtype`` (VeRL's default bf16) and the sampler's in ``rollout.dtype``; the model is ``model_path``'s
-    config.json when given, else the job's ``actor_rollout_ref.model.path``."""
-    cfg = model_config(str(model_path or _get(config, "actor_rollout_ref.model.path")))
+def aot_jobs(job: JobShape, attention: str = "sdpa", model_path: str | None = None) -> list[dict]:
+    """The lowering subprocess's ``jobs`` for a job's :class:`~verl_backend.driver.job_shape.JobShape`: the trainer's
+    graphs in its FSDP ``param_dtype`` (VeRL's default bf16) and the sampler's in the rollout's dtype; the model is
+    ``model_path``'s config.json when given, else the job's."""
+    cfg = model_config(str(model_path or job.model_path))
     model_type = cfg.get("model_type")
     if not model_type:
         raise AotError("the model's config.json has no model_type")
-    train_dtype = _DTYPES.get(
-        str(_get(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "bf16")), "bfloat16"
-    )
-    sample_dtype = _DTYPES.get(str(_get(config, "actor_rollout_ref.rollout.dtype", "bfloat16")), "bfloat16")
-    graphs = [dataclasses.asdict(g) for g in job_graphs(config, workers)]
+    train_dtype = _DTYPES.get(job.param_dtype, "bfloat16")
+    sample_dtype = _DTYPES.get(job.rollout_dtype, "bfloat16")
+    graphs = [dataclasses.asdict(g) for g in job_graphs(job)]
     trainer = [g for g in graphs if g["kind"] not in SAMPLER_KINDS]  # the actor's, the reference's, the critic's
     sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     base = {"config": cfg, "model_type": model_type, "attention": attention}
@@ -79,7 +77,8 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
     if not slice_name:
         raise AotError("--aot-only compiles for a slice's chip: give --slice, e.g. --slice v6e-8")
     topo, generation, hbm_gib = jax_topology(slice_name)
-    jobs = aot_jobs(config, job_workers(config), model_path=model_path)
+    job = job_shape(config)
+    jobs = aot_jobs(job, model_path=model_path)
     print(
         f"[rl-tpu] --aot-only: lowering {sum(len(j['graphs']) for j in jobs)} graph shapes of "
         f"{jobs[0]['model_type']} with TorchTPU, compiling for {slice_name} ({topo}) with libtpu, no chip",
@@ -98,7 +97,7 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
     )
     print(f"bound ms: max(FLOPs / peak, bytes / HBM bandwidth) at {generation}'s peaks; {note}")
     layers = int(jobs[0]["config"].get("num_hidden_layers", 1))
-    checkpointed = bool(_get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", True))
+    checkpointed = job.gradient_checkpointing
     chip = per_chip_bytes(compiled, layers, checkpointed)
     hbm = hbm_gib * 2**30
     kept = "gradient checkpointing: each block's input" if checkpointed else "every block's saved tensors"
@@ -109,38 +108,23 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
         f"HBM); largest sampler graph {chip['largest_sampler_graph'] / 2**30:.2f} GiB "
         f"({100 * chip['largest_sampler_graph'] / hbm:.0f}%); StableHLO and logs in {result.folder}"
     )
-    print(plan_lines(config, slice_name, compiled, checkpointed, model_path))
+    print(plan_lines(job, slice_name, compiled, model_path))
     failed = errors(result)
     for line in failed:
         print(f"[rl-tpu] {line}")
     return 1 if failed else 0
 
 
-def planned_as_compiled(config, workers: int):
-    """A copy of ``config`` for the memory plan of the job ``--aot-only`` compiles: ``rl_tpu.compile_trainer`` and
-    ``rl_tpu.compile_sampler`` on (the graphs are compiled with both, whatever the job says), and the actor's micro
-    batch the graphs use (:func:`~verl_backend.driver.aot.graphs.job_graphs`) where the config has none. Returns
-    ``(config, notes)``: a line for each key set here."""
-    import copy
-
-    from omegaconf import OmegaConf
-
-    planned = copy.deepcopy(config) if OmegaConf.is_config(config) else OmegaConf.create(config)
-    OmegaConf.set_struct(planned, False)
-    notes = []
-    for key in ("rl_tpu.compile_trainer", "rl_tpu.compile_sampler"):
-        if not _get(planned, key, False):
-            OmegaConf.update(planned, key, True, force_add=True)
-            notes.append(f"{key}=true")
-    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-    if not _get(planned, micro, None):
-        block = next(g for g in job_graphs(planned, workers) if g.kind == "block")
-        OmegaConf.update(planned, micro, block.batch, force_add=True)
-        notes.append(f"{micro}={block.batch} (the graphs' micro batch; the job sets none)")
-    return planned, notes
+def planned_as_compiled(job: JobShape) -> tuple[JobShape, list[str]]:
+    """The job ``--aot-only`` compiles, for its memory plan: ``rl_tpu.compile_trainer`` on (the graphs are compiled
+    whatever the job says; the sampler's too, which the plan counts from its placement). Returns ``(job, notes)``: a
+    line for each setting changed here."""
+    if job.compile_trainer:
+        return job, []
+    return dataclasses.replace(job, compile_trainer=True), ["rl_tpu.compile_trainer=true"]
 
 
-def plan_lines(config, slice_name: str, compiled: dict, checkpointed: bool, model_path: str | None = None) -> str:
+def plan_lines(job: JobShape, slice_name: str, compiled: dict, model_path: str | None = None) -> str:
     """The memory plan (``--print-config``'s, for the job as compiled: :func:`planned_as_compiled`) beside XLA's
     compiled bytes, term by term (:func:`plan_comparison`), with the ratio plan / XLA, as text; one line saying why
     when the plan cannot be made."""
@@ -151,11 +135,11 @@ def plan_lines(config, slice_name: str, compiled: dict, checkpointed: bool, mode
         from verl_backend.driver.profiles import profile
 
         hf = AutoConfig.from_pretrained(model_path) if model_path else None
-        planned, notes = planned_as_compiled(config, job_workers(config))
+        planned, notes = planned_as_compiled(job)
         plan = plan_memory(planned, slice_name, profile("tpu"), hf_config=hf)
     except Exception as exc:  # the plan is a comparison here, never a reason to fail the compile report
         return f"memory plan: not made ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]})"
-    return comparison_table(plan_comparison(plan, compiled, checkpointed), notes)
+    return comparison_table(plan_comparison(plan, compiled, job.gradient_checkpointing), notes)
 
 
 def comparison_table(rows: list[tuple[str, float | None, float | None, str]], notes: list[str] = ()) -> str:
