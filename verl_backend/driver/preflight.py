@@ -423,6 +423,110 @@ def check_model_folder(key: str, path: Path, tokenizer_path: str | None) -> None
         ) from None
 
 
+def _smallest_multiple(size: int, of: int, n: int) -> int:
+    """The smallest batch size >= ``size`` (and > 0) whose product with ``n`` (``rollout.n``) is a multiple of
+    ``of``: one whose sequences split over ``of`` workers or data-parallel ranks."""
+    step = of // math.gcd(of, n)
+    return max(step, -(-size // step) * step)
+
+
+def _check_step_split(batch: int, n: int, workers: int, pool: str) -> None:
+    """Refuse a step of ``batch × n`` sequences that does not split over the ``workers`` (VeRL's ``validate_config``;
+    the caller skips it under ``use_dynamic_bsz``); ``pool`` names the workers and where their count came from.
+
+    Raises:
+        BadInputError: one line naming ``data.train_batch_size``, ``rollout.n`` and a batch size that splits.
+    """
+    if (batch * n) % workers:
+        raise BadInputError(
+            f"data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} = {batch * n} sequences per step do "
+            f"not split evenly over the {pool}: set data.train_batch_size={_smallest_multiple(batch, workers, n)} "
+            f"(a multiple of {workers // math.gcd(workers, n)}), or run on fewer workers"
+        )
+
+
+def _check_mini_batches(roles: list, batch: int, n: int, workers: int, pool: str) -> dict[str, int]:
+    """Refuse a PPO mini batch above ``data.train_batch_size`` or whose ``× n`` sequences do not split over the
+    role's data-parallel ranks (``workers`` / its Ulysses sequence-parallel size), role by role in ``roles``
+    (``[(config key prefix, its section)]``); a role without ``ppo_mini_batch_size`` is skipped.
+
+    Returns:
+        The data-parallel size of each role checked: ``{role: ranks}``.
+
+    Raises:
+        BadInputError: one line naming the role's ``ppo_mini_batch_size`` and a value that works.
+    """
+    dp_of: dict[str, int] = {}
+    for role, section in roles:
+        mini = section.ppo_mini_batch_size
+        if mini is None:
+            continue
+        mini = int(mini)
+        if not section.use_dynamic_bsz and batch < mini:
+            raise BadInputError(
+                f"data.train_batch_size={batch} is below {role}.ppo_mini_batch_size={mini}: a PPO update needs "
+                f"that many prompts; set {role}.ppo_mini_batch_size={batch} or raise data.train_batch_size"
+            )
+        engine = section.get("fsdp_config" if role != "critic" else "fsdp") or {}
+        sp = max(
+            int(section.get("ulysses_sequence_parallel_size") or 1),
+            int(engine.get("ulysses_sequence_parallel_size") or 1),
+        )
+        dp = max(1, workers // sp)
+        dp_of[role] = dp
+        if (mini * n) % dp:
+            raise BadInputError(
+                f"{role}.ppo_mini_batch_size={mini} × actor_rollout_ref.rollout.n={n} = {mini * n} sequences per "
+                f"PPO update do not split over the {dp} data-parallel ranks of the {pool}: set "
+                f"{role}.ppo_mini_batch_size={_smallest_multiple(mini, dp, n)} (a multiple of {dp // math.gcd(dp, n)})"
+            )
+    return dp_of
+
+
+def _check_micro_batches(roles: list, n: int, dp_of: dict[str, int]) -> None:
+    """Refuse a ``ppo_micro_batch_size_per_gpu`` that does not divide each data-parallel rank's share of a PPO update
+    (``ppo_mini_batch_size × n`` / the role's ranks in ``dp_of``): VeRL's engine splits that share into micro batches
+    (workers/engine/utils.py asserts). Roles without a mini or micro batch, or under ``use_dynamic_bsz``, pass.
+
+    Raises:
+        BadInputError: one line naming the role's micro batch key, the share and its arithmetic.
+    """
+    for role, section in roles:
+        mini, micro = section.ppo_mini_batch_size, section.get("ppo_micro_batch_size_per_gpu")
+        if mini is None or not micro or section.use_dynamic_bsz:
+            continue
+        share = int(mini) * n // dp_of[role]
+        if share % int(micro):
+            raise BadInputError(
+                f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {share} sequences each "
+                f"data-parallel rank gets per PPO update ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / "
+                f"{dp_of[role]} ranks): set it to a divisor of {share}"
+            )
+
+
+def _check_log_prob_micro_batches(config, batch: int, n: int, workers: int) -> None:
+    """Refuse a rollout's or reference policy's ``log_prob_micro_batch_size_per_gpu`` that does not divide the
+    ``batch × n / workers`` sequences each worker scores per step: VeRL's engine splits that share into log-prob
+    micro batches (workers/engine/utils.py). Unset, or under ``log_prob_use_dynamic_bsz``, passes.
+
+    Raises:
+        BadInputError: one line naming the key, the share and its arithmetic.
+    """
+    per_rank = batch * n // max(1, workers)
+    for key in (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ):
+        section = config.actor_rollout_ref.rollout if ".rollout." in key else config.actor_rollout_ref.ref
+        micro = section.get("log_prob_micro_batch_size_per_gpu")
+        if micro and not section.get("log_prob_use_dynamic_bsz", False) and per_rank % int(micro):
+            raise BadInputError(
+                f"{key}={micro} does not divide the {per_rank} sequences each worker scores per step "
+                f"(data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} / {workers} workers): set it to a "
+                f"divisor of {per_rank}"
+            )
+
+
 def check_batch_sizes(config, workers_from: str = "") -> None:
     """Refuse batch sizes that do not split over the workers, before Ray starts (VeRL finds out later, as a traceback).
 
@@ -455,68 +559,11 @@ def check_batch_sizes(config, workers_from: str = "") -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # need_critic warns that a non-GAE estimator has no critic
         roles = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if need_critic(config) else [])
-
-    def multiple(size: int, of: int) -> int:
-        """The smallest value >= size whose product with n is a multiple of ``of``."""
-        step = of // math.gcd(of, n)
-        return max(step, -(-size // step) * step)
-
-    if not actor.use_dynamic_bsz and (batch * n) % workers:
-        raise BadInputError(
-            f"data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} = {batch * n} sequences per step do "
-            f"not split evenly over the {pool}: set data.train_batch_size={multiple(batch, workers)} (a multiple "
-            f"of {workers // math.gcd(workers, n)}), or run on fewer workers"
-        )
-    dp_of: dict[str, int] = {}
-    for role, section in roles:
-        mini = section.ppo_mini_batch_size
-        if mini is None:
-            continue
-        mini = int(mini)
-        if not section.use_dynamic_bsz and batch < mini:
-            raise BadInputError(
-                f"data.train_batch_size={batch} is below {role}.ppo_mini_batch_size={mini}: a PPO update needs "
-                f"that many prompts; set {role}.ppo_mini_batch_size={batch} or raise data.train_batch_size"
-            )
-        engine = section.get("fsdp_config" if role != "critic" else "fsdp") or {}
-        sp = max(
-            int(section.get("ulysses_sequence_parallel_size") or 1),
-            int(engine.get("ulysses_sequence_parallel_size") or 1),
-        )
-        dp = max(1, workers // sp)
-        dp_of[role] = dp
-        if (mini * n) % dp:
-            raise BadInputError(
-                f"{role}.ppo_mini_batch_size={mini} × actor_rollout_ref.rollout.n={n} = {mini * n} sequences per "
-                f"PPO update do not split over the {dp} data-parallel ranks of the {pool}: set "
-                f"{role}.ppo_mini_batch_size={multiple(mini, dp)} (a multiple of {dp // math.gcd(dp, n)})"
-            )
-    # VeRL's engine splits each rank's share of a PPO update into micro batches (workers/engine/utils.py asserts)
-    for role, section in roles:
-        mini, micro = section.ppo_mini_batch_size, section.get("ppo_micro_batch_size_per_gpu")
-        if mini is None or not micro or section.use_dynamic_bsz:
-            continue
-        share = int(mini) * n // dp_of[role]
-        if share % int(micro):
-            raise BadInputError(
-                f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {share} sequences each "
-                f"data-parallel rank gets per PPO update ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / "
-                f"{dp_of[role]} ranks): set it to a divisor of {share}"
-            )
-    # VeRL's engine splits each rank's share of the batch into log-prob micro batches (workers/engine/utils.py)
-    per_rank = batch * n // max(1, workers)
-    for key in (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    ):
-        section = config.actor_rollout_ref.rollout if ".rollout." in key else config.actor_rollout_ref.ref
-        micro = section.get("log_prob_micro_batch_size_per_gpu")
-        if micro and not section.get("log_prob_use_dynamic_bsz", False) and per_rank % int(micro):
-            raise BadInputError(
-                f"{key}={micro} does not divide the {per_rank} sequences each worker scores per step "
-                f"(data.train_batch_size={batch} × actor_rollout_ref.rollout.n={n} / {workers} workers): set it to a "
-                f"divisor of {per_rank}"
-            )
+    if not actor.use_dynamic_bsz:
+        _check_step_split(batch, n, workers, pool)
+    dp_of = _check_mini_batches(roles, batch, n, workers, pool)
+    _check_micro_batches(roles, n, dp_of)
+    _check_log_prob_micro_batches(config, batch, n, workers)
 
 
 # VeRL 0.9.1's registered advantage estimators (verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY) that its V1
