@@ -173,92 +173,122 @@ def _causal_mask(batch, seq, dtype, device):
     return mask[None, None].expand(batch, 1, seq, seq).contiguous()  # (batch, 1, seq, seq) additive
 
 
+def _trace_block(model, backend, index: int, batch: int, seq: int, dtype, device: str, grad: bool) -> None:
+    """Trace decoder block ``index`` of ``model`` with ``backend`` (a :class:`Recorder`'s) on a ``(batch, seq,
+    hidden)`` input on ``device``, with its rotary tables (of the block's layer type where the model has several) and
+    a causal mask; with ``grad``, through its backward too (the update's graphs), else under no_grad."""
+    import torch
+
+    inner = model.model
+    layer_type = _layer_type(model, index)
+    layer = inner.layers[index]  # the name dynamo gives its submodules in the graph and in errors: L['layer']
+    x = torch.randn(batch, seq, model.config.hidden_size, dtype=dtype, device=device).requires_grad_(grad)
+    pos = torch.arange(seq, device=device)[None].expand(batch, seq)
+    rotary = inner.rotary_emb
+    if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
+        cos, sin = rotary(x, pos, layer_type)
+    else:
+        cos, sin = rotary(x, pos)
+    mask = _causal_mask(batch, seq, dtype, device)
+
+    def block(x, cos, sin, mask):
+        out = layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)(x, cos.detach(), sin.detach(), mask)
+    if grad:
+        out.float().sum().backward()
+
+
+def _trace_head(model, backend, kind: str, batch: int, seq: int, dtype, device: str, grad: bool) -> None:
+    """Trace the final norm and a head of ``model`` with ``backend`` on a ``(batch, seq, hidden)`` input on
+    ``device``: for ``lm_head*`` kinds the LM head's fp32 log-probs of the labels, ``(batch, seq)``; for
+    ``value_head*`` VeRL's critic head (the model's ...ForTokenClassification with one label, its ``score`` Linear
+    with bias, made here; random weights off the meta device), fp32 values ``(batch, seq)``. With ``grad``, through
+    the backward too, else under no_grad."""
+    import torch
+
+    hidden = model.config.hidden_size
+    norm = model.model.norm
+    h = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
+    if kind.startswith("lm_head"):
+        head = model.lm_head
+        labels = torch.zeros(batch, seq, dtype=torch.long, device=device)
+
+        def logprob(h, labels):
+            logits = head(norm(h)).float()  # (batch, seq, vocab) fp32
+            return torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (batch, seq)
+
+        fn, args = logprob, (h, labels)
+    else:  # VeRL's critic: the model's ...ForTokenClassification with one label, its `score` Linear (with bias)
+        score = torch.nn.Linear(hidden, 1, dtype=dtype, device=device)
+        if device != "meta":
+            torch.nn.init.normal_(score.weight, 0, 0.2)
+
+        def values(h):
+            return score(norm(h)).float().squeeze(-1)  # (batch, seq) fp32
+
+        fn, args = values, (h,)
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    if grad:
+        out.sum().backward()
+
+
+def _trace_sampler_step(model, backend, kind: str, batch: int, seq: int, cache_len: int, dtype, device: str) -> None:
+    """Trace one sampler step of ``model`` with ``backend``, under no_grad: a ``prefill`` of ``seq`` tokens or a
+    ``decode`` of one, for ``batch`` rows, into a static KV cache of ``cache_len`` positions (its tensors made on
+    ``device`` before the trace, so the graph takes them as inputs)."""
+    import torch
+    from transformers import StaticCache
+
+    from rl_tpu.sampler.compiled import model_logits
+
+    config = model.config
+    q = seq if kind == "prefill" else 1
+    ids = torch.randint(0, config.vocab_size, (batch, q), device=device)
+    mask = torch.ones(batch, cache_len, dtype=torch.long, device=device)
+    pos = torch.arange(q, device=device)[None].expand(batch, q).contiguous()
+    cache = StaticCache(config=config, max_cache_len=cache_len)
+    # the cache's tensors are made at the first update, on the keys' device: make them now, outside the graph
+    with torch.no_grad():
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        probe = torch.zeros(batch, config.num_key_value_heads, 1, head_dim, dtype=dtype, device=device)
+        for cache_layer in cache.layers:
+            cache_layer.lazy_initialization(probe, probe)
+
+    def step(ids, mask, pos, cache):
+        return model_logits(model, ids, mask, pos, cache)
+
+    with torch.no_grad():
+        torch.compile(step, backend=backend, fullgraph=True, dynamic=False)(ids, mask, pos, cache)
+
+
 def trace(
     model, request: dict, device: str = "meta", rec: Recorder | None = None, layer: int = 0
 ) -> list[tuple[str, object, list]]:
     """The FX graphs of one :class:`~verl_backend.driver.aot.graphs.GraphRequest` (dict form) of ``model``:
     ``[(part, graph_module, example_inputs)]`` with part ``fwd`` or ``bwd``. Inputs live on ``device``; ``rec``:
     the recorder to trace with (default: a new one); ``layer``: the block a ``block`` / ``block_forward`` graph
-    traces (its rotary tables of that block's layer type)."""
+    traces (its rotary tables of that block's layer type).
+
+    Raises:
+        ValueError: an unknown graph kind.
+    """
     import torch
 
     kind, batch, seq, cache_len = request["kind"], request["batch"], request["seq"], request["cache"]
-    config = model.config
     dtype = next(model.parameters()).dtype
     rec = rec or Recorder()
     torch.compiler.reset()  # a new trace each time (dynamo caches per code object)
-    inner = model.model
-    hidden = config.hidden_size
     grad = kind in WITH_BACKWARD  # the update's graphs; the *_forward kinds run under no_grad (log-probs, values)
     if kind in ("block", "block_forward"):
-        layer_type = _layer_type(model, layer)
-        layer = inner.layers[layer]
-        x = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
-        pos = torch.arange(seq, device=device)[None].expand(batch, seq)
-        rotary = inner.rotary_emb
-        if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
-            cos, sin = rotary(x, pos, layer_type)
-        else:
-            cos, sin = rotary(x, pos)
-        mask = _causal_mask(batch, seq, dtype, device)
-
-        def block(x, cos, sin, mask):
-            out = layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=pos)
-            return out[0] if isinstance(out, tuple) else out
-
-        with torch.set_grad_enabled(grad):
-            out = torch.compile(block, backend=rec.backend, fullgraph=True, dynamic=False)(
-                x, cos.detach(), sin.detach(), mask
-            )
-        if grad:
-            out.float().sum().backward()
+        _trace_block(model, rec.backend, layer, batch, seq, dtype, device, grad)
     elif kind in ("lm_head", "lm_head_forward", "value_head", "value_head_forward"):
-        norm = inner.norm
-        h = torch.randn(batch, seq, hidden, dtype=dtype, device=device).requires_grad_(grad)
-        if kind.startswith("lm_head"):
-            head = model.lm_head
-            labels = torch.zeros(batch, seq, dtype=torch.long, device=device)
-
-            def logprob(h, labels):
-                logits = head(norm(h)).float()  # (batch, seq, vocab) fp32
-                return torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (batch, seq)
-
-            fn, args = logprob, (h, labels)
-        else:  # VeRL's critic: the model's ...ForTokenClassification with one label, its `score` Linear (with bias)
-            score = torch.nn.Linear(hidden, 1, dtype=dtype, device=device)
-            if device != "meta":
-                torch.nn.init.normal_(score.weight, 0, 0.2)
-
-            def values(h):
-                return score(norm(h)).float().squeeze(-1)  # (batch, seq) fp32
-
-            fn, args = values, (h,)
-        with torch.set_grad_enabled(grad):
-            out = torch.compile(fn, backend=rec.backend, fullgraph=True, dynamic=False)(*args)
-        if grad:
-            out.sum().backward()
+        _trace_head(model, rec.backend, kind, batch, seq, dtype, device, grad)
     elif kind in ("prefill", "decode"):
-        from transformers import StaticCache
-
-        from rl_tpu.sampler.compiled import model_logits
-
-        q = seq if kind == "prefill" else 1
-        ids = torch.randint(0, config.vocab_size, (batch, q), device=device)
-        mask = torch.ones(batch, cache_len, dtype=torch.long, device=device)
-        pos = torch.arange(q, device=device)[None].expand(batch, q).contiguous()
-        cache = StaticCache(config=config, max_cache_len=cache_len)
-        # the cache's tensors are made at the first update, on the keys' device: make them now, outside the graph
-        with torch.no_grad():
-            head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-            probe = torch.zeros(batch, config.num_key_value_heads, 1, head_dim, dtype=dtype, device=device)
-            for layer in cache.layers:
-                layer.lazy_initialization(probe, probe)
-
-        def step(ids, mask, pos, cache):
-            return model_logits(model, ids, mask, pos, cache)
-
-        with torch.no_grad():
-            torch.compile(step, backend=rec.backend, fullgraph=True, dynamic=False)(ids, mask, pos, cache)
+        _trace_sampler_step(model, rec.backend, kind, batch, seq, cache_len, dtype, device)
     else:
         raise ValueError(f"unknown graph kind {kind!r}")
     return rec.graphs
@@ -357,11 +387,162 @@ def graph_name(request: dict, part: str, index: int, parts: int) -> str:
     return base
 
 
+def _job_model(job: dict):
+    """The model of one lowering job and its kinds of block (:func:`block_kinds`): on the meta device, or for a
+    numerics job on CPU with random weights far from zero (N(0, 0.2) on every matrix, so a wrong op shows in the
+    numbers); in training mode (dropout on: random ops in the graphs) where the job asks for ``train_mode``."""
+    import torch
+
+    numerics = job.get("numerics")
+    device = "cpu" if numerics is not None else "meta"
+    model = build_model(
+        job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device, job.get("experts")
+    )
+    kinds = block_kinds(model)
+    if numerics is not None:  # real random weights far from zero, so a wrong op shows in the numbers
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.2)
+    if job.get("train_mode"):  # dropout on: random ops in the graphs
+        model.train()
+    return model, kinds
+
+
+def _per_block_kind(requests: list[dict], kinds: list[dict]) -> list[tuple[dict, int, int | None]]:
+    """The job's graph requests with each ``block`` / ``block_forward`` one made one per kind of block:
+    ``[(request, block traced, blocks of its kind)]`` (a block request gets ``"block"``: the kind's label; any
+    other request the block 0 and ``None``)."""
+    expanded = []
+    for request in requests:
+        if request["kind"] in ("block", "block_forward"):
+            expanded += [({**request, "block": k["label"]}, k["layer"], k["layers"]) for k in kinds]
+        else:
+            expanded.append((request, 0, None))
+    return expanded
+
+
+def _trace_request(model, request: dict, layer: int, numerics: dict | None) -> tuple[list, list | None]:
+    """The graphs of ``request`` to lower (:func:`trace`) and, for a numerics job, each graph's torch eager inputs
+    and outputs: ``(graphs, runs)``, ``runs`` ``None`` off a numerics job. A numerics job traces on CPU: once with a
+    capturing recorder, whose run is the reference, then again with ``numerics["wrong"]``'s wrong decomposition
+    when the job is the negative control (the graphs lowered are then the wrong ones).
+
+    Raises:
+        Exception: whatever dynamo / aot_autograd raise while tracing.
+    """
+    import torch
+
+    if numerics is None:
+        return trace(model, request, layer=layer), None
+    # torch eager on CPU runs each graph once (the reference), then the graphs to lower are traced again, with a
+    # wrong decomposition for the control
+    ref = Recorder(capture=True)
+    torch.manual_seed(1)
+    graphs = trace(model, request, "cpu", ref, layer=layer)
+    runs = ref.runs
+    if numerics.get("wrong"):
+        torch.manual_seed(1)
+        graphs = trace(model, request, "cpu", Recorder(wrong=numerics["wrong"]), layer=layer)
+    return graphs, runs
+
+
+def _tracing_failure_record(base: dict, request: dict, exc: BaseException) -> dict:
+    """The lowered.json record of a request whose tracing failed: no file, its ``op`` and a one-line ``error``
+    naming the op, the module (:func:`tracing_failure`) and the graph."""
+    from verl_backend.driver.aot.graphs import GraphRequest
+
+    name = GraphRequest(**request).name
+    op, where, why = tracing_failure(exc)
+    return {
+        **base,
+        "graph": name,
+        "file": None,
+        "seconds": None,
+        "mosaic": None,
+        "op": op,
+        "error": f"tracing failed: {op or 'an op'}{f' in {where}' if where else ''} of graph {name}: {why}",
+    }
+
+
+def _lowering_failure_record(base: dict, name: str, exc) -> dict:
+    """The lowered.json record of graph ``name`` that TorchTPU could not lower (``exc``: its ``LoweringError``): no
+    file, its ``op`` and a one-line ``error``; a random op's says that it needs the TPU generator, hence a chip."""
+    where = f" in {exc.module}" if exc.module else ""
+    why = str(exc)
+    if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
+        why = f"a random op needs the TPU generator, which needs a chip ({why})"
+    return {
+        **base,
+        "graph": name,
+        "file": None,
+        "seconds": None,
+        "mosaic": None,
+        "op": exc.op,
+        "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
+    }
+
+
+def _save_numerics(path: Path, run: tuple[list, list], constants: list) -> str:
+    """Write one graph's torch eager run (``(inputs, outputs)``) beside its StableHLO ``path`` as ``.npz``: the
+    tensor inputs, then the lifted constants (:func:`lift_constants`), as ``in<i>``, the tensor outputs as
+    ``out<i>``. Returns the file's path."""
+    import numpy as np
+    import torch
+
+    args, outs = run
+    args = list(args) + [c.detach().clone() for c in constants]
+    arrays = {f"in{i}": a.numpy() for i, a in enumerate(t for t in args if isinstance(t, torch.Tensor))}
+    arrays.update({f"out{i}": o.numpy() for i, o in enumerate(t for t in outs if isinstance(t, torch.Tensor))})
+    file = str(path.with_suffix(".npz"))
+    np.savez(file, **arrays)
+    return file
+
+
+def _lower_graphs(
+    graphs: list, request: dict, base: dict, folder: Path, runs: list | None, start: float, first: int
+) -> list[dict]:
+    """Lower each traced graph of ``request`` to StableHLO (:func:`lower`) and write it to ``folder/<n>.mlir``,
+    ``n`` counting on from ``first`` (the records already made); with ``runs`` (a numerics job), its torch eager
+    run beside it (:func:`_save_numerics`). ``start``: when the request's tracing began
+    (``time.perf_counter()``, seconds). Returns one lowered.json record per graph; a graph TorchTPU cannot lower is
+    a record with its one-line error, not an exception."""
+    from verl_backend.patches.torch_tpu_aot import LoweringError
+
+    records = []
+    for index, (part, gm, example) in enumerate(graphs):
+        name = graph_name(request, part, index, len(graphs))
+        t0 = time.perf_counter()
+        try:
+            text, constants = lower(gm, example)
+        except LoweringError as exc:
+            records.append(_lowering_failure_record(base, name, exc))
+            continue
+        path = folder / f"{first + len(records)}.mlir"
+        path.write_text(text)
+        record = {
+            **base,
+            "graph": name,
+            "file": str(path),
+            "seconds": time.perf_counter() - t0,
+            "trace_seconds": t0 - start,
+            "mosaic": "tpu_custom_call" in text,
+            "inputs": len(example),
+            "error": None,
+            # ATen ops after TorchTPU's decompositions: what strict eager mode would launch one by one
+            "ops": sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+        }
+        if runs is not None and index < len(runs):
+            record["numerics"] = _save_numerics(path, runs[index], constants)
+        records.append(record)
+    return records
+
+
 def run(spec: dict) -> list[dict]:
     """Lower every graph of ``spec`` (see the module docstring); returns the records written to lowered.json."""
     import torch
 
-    from verl_backend.patches.torch_tpu_aot import LoweringError, apply
+    from verl_backend.patches.torch_tpu_aot import apply
 
     apply()
     torch.manual_seed(0)
@@ -370,26 +551,8 @@ def run(spec: dict) -> list[dict]:
     for job in spec["jobs"]:
         folder = out / job["label"]
         folder.mkdir(parents=True, exist_ok=True)
-        numerics = job.get("numerics")
-        device = "cpu" if numerics is not None else "meta"
-        model = build_model(
-            job["config"], job["model_type"], _dtype(job["dtype"]), job["attention"], device, job.get("experts")
-        )
-        kinds = block_kinds(model)
-        if numerics is not None:  # real random weights far from zero, so a wrong op shows in the numbers
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() >= 2:
-                        p.normal_(0, 0.2)
-        if job.get("train_mode"):  # dropout on: random ops in the graphs
-            model.train()
-        expanded = []  # (request, block traced, blocks of its kind): a block graph per kind of block
-        for request in job["graphs"]:
-            if request["kind"] in ("block", "block_forward"):
-                expanded += [({**request, "block": k["label"]}, k["layer"], k["layers"]) for k in kinds]
-            else:
-                expanded.append((request, 0, None))
-        for request, layer, count in expanded:
+        model, kinds = _job_model(job)
+        for request, layer, count in _per_block_kind(job["graphs"], kinds):
             start = time.perf_counter()
             base = {
                 "label": job["label"],
@@ -398,84 +561,12 @@ def run(spec: dict) -> list[dict]:
                 "block": request.get("block", ""),
                 "block_layers": count,
             }
-            runs = None
             try:
-                if numerics is None:
-                    graphs = trace(model, request, layer=layer)
-                else:  # torch eager on CPU runs each graph once (the reference), then the graphs to lower are
-                    ref = Recorder(capture=True)  # traced again, with a wrong decomposition for the control
-                    torch.manual_seed(1)
-                    graphs = trace(model, request, "cpu", ref, layer=layer)
-                    runs = ref.runs
-                    if numerics.get("wrong"):
-                        torch.manual_seed(1)
-                        graphs = trace(model, request, "cpu", Recorder(wrong=numerics["wrong"]), layer=layer)
+                graphs, runs = _trace_request(model, request, layer, job.get("numerics"))
             except Exception as exc:  # dynamo / aot tracing on meta
-                from verl_backend.driver.aot.graphs import GraphRequest
-
-                name = GraphRequest(**request).name
-                op, where, why = tracing_failure(exc)
-                records.append(
-                    {
-                        **base,
-                        "graph": name,
-                        "file": None,
-                        "seconds": None,
-                        "mosaic": None,
-                        "op": op,
-                        "error": f"tracing failed: {op or 'an op'}{f' in {where}' if where else ''} of "
-                        f"graph {name}: {why}",
-                    }
-                )
+                records.append(_tracing_failure_record(base, request, exc))
                 continue
-            for index, (part, gm, example) in enumerate(graphs):
-                name = graph_name(request, part, index, len(graphs))
-                t0 = time.perf_counter()
-                try:
-                    text, constants = lower(gm, example)
-                except LoweringError as exc:
-                    where = f" in {exc.module}" if exc.module else ""
-                    why = str(exc)
-                    if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
-                        why = f"a random op needs the TPU generator, which needs a chip ({why})"
-                    records.append(
-                        {
-                            **base,
-                            "graph": name,
-                            "file": None,
-                            "seconds": None,
-                            "mosaic": None,
-                            "op": exc.op,
-                            "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
-                        }
-                    )
-                    continue
-                path = folder / f"{len(records)}.mlir"
-                path.write_text(text)
-                record = {
-                    **base,
-                    "graph": name,
-                    "file": str(path),
-                    "seconds": time.perf_counter() - t0,
-                    "trace_seconds": t0 - start,
-                    "mosaic": "tpu_custom_call" in text,
-                    "inputs": len(example),
-                    "error": None,
-                    # ATen ops after TorchTPU's decompositions: what strict eager mode would launch one by one
-                    "ops": sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-                }
-                if runs is not None and index < len(runs):
-                    import numpy as np
-
-                    args, outs = runs[index]
-                    args = list(args) + [c.detach().clone() for c in constants]
-                    arrays = {f"in{i}": a.numpy() for i, a in enumerate(t for t in args if isinstance(t, torch.Tensor))}
-                    arrays.update(
-                        {f"out{i}": o.numpy() for i, o in enumerate(t for t in outs if isinstance(t, torch.Tensor))}
-                    )
-                    record["numerics"] = str(path.with_suffix(".npz"))
-                    np.savez(record["numerics"], **arrays)
-                records.append(record)
+            records += _lower_graphs(graphs, request, base, folder, runs, start, len(records))
     (out / "lowered.json").write_text(json.dumps(records, indent=1))
     return records
 
