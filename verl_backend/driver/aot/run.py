@@ -334,31 +334,22 @@ def _shape_of(graph: str) -> str:
     return graph[graph.index("[") + 1 : graph.index("]")]
 
 
-def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float | None, float | None, str]]:
-    """The memory plan (:mod:`verl_backend.driver.memory_plan`) beside XLA's compiled bytes, term by term:
-    ``[(term, plan bytes, XLA bytes, what XLA's number is)]``. Each row with an XLA number is a quantity of the
-    compiled graphs the plan computes from the model's shapes (``MemoryPlan.graphs``: the arrays of
-    :meth:`~verl_backend.driver.model_shape.ModelShape.block_graph` and its siblings, each sized as the TPU lays it
-    out); the plan's terms in no graph (:data:`IN_NO_GRAPH`) follow with XLA ``None``."""
-    graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
+def _first_shape_graph(graphs: list[dict], kind: str, suffix: str = "") -> dict | None:
+    """The ``kind`` graph ending in ``suffix`` of the first shape compiled (:func:`_by_shape`); of several kinds of
+    block at that shape, the one with the most output + temporary bytes; ``None`` when none compiled."""
+    shapes = list(_by_shape(graphs, kind, suffix).values())
+    return max(shapes[0], key=lambda g: g["output_bytes"] + g["temp_bytes"]) if shapes else None
 
-    def first(kind, suffix=""):  # the first shape's graph; of several kinds of block, the one with most outputs
-        shapes = list(_by_shape(graphs, kind, suffix).values())
-        return max(shapes[0], key=lambda g: g["output_bytes"] + g["temp_bytes"]) if shapes else None
 
+def _update_rows(plan, fwd: dict | None, bwd: dict | None, checkpointed: bool) -> list[tuple[str, float, str]]:
+    """XLA's numbers for the plan's update terms from the block's forward (``fwd``) and backward (``bwd``) graph
+    records: ``[(term, bytes, what XLA's number is)]`` for the block forward arguments, the activations
+    (:func:`saved_activations` over the model's layers), the block backward outputs and the larger temporaries; the
+    rows of a graph that did not compile are left out."""
     layers = getattr(plan.model, "layers", 1)
-    planned = dict(plan.graphs)
-    fwd, bwd, hf, hb = (
-        first("block", ".fwd"),
-        first("block", ".bwd"),
-        first("lm_head", ".fwd"),
-        first("lm_head", ".bwd"),
-    )
-    decode = max((g for g in graphs if g["kind"] == "decode"), key=lambda g: g["argument_bytes"], default=None)
-    sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
-    xla: list[tuple[str, float | None, str]] = []
+    rows: list[tuple[str, float, str]] = []
     if fwd:
-        xla.append(
+        rows.append(
             (
                 "block forward arguments",
                 fwd["argument_bytes"],
@@ -371,9 +362,9 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
             if checkpointed
             else f"{layers} x {fwd['graph']} outputs + rotary and mask"
         )
-        xla.append(("activations", saved_activations(fwd, layers, checkpointed), how))
+        rows.append(("activations", saved_activations(fwd, layers, checkpointed), how))
     if bwd:
-        xla.append(
+        rows.append(
             (
                 "block backward outputs",
                 bwd["output_bytes"],
@@ -382,50 +373,102 @@ def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str,
         )
     if fwd or bwd:
         temps = [g for g in (fwd, bwd) if g]
-        xla.append(
+        rows.append(
             (
                 "update temporaries",
                 max(g["temp_bytes"] for g in temps),
                 "the larger temporaries of " + " and ".join(g["graph"] for g in temps),
             )
         )
+    return rows
+
+
+def _lm_head_rows(hf: dict | None, hb: dict | None) -> list[tuple[str, float, str]]:
+    """XLA's numbers for the plan's LM head terms from its forward (``hf``) and backward (``hb``) graph records:
+    ``[(term, bytes, what XLA's number is)]``, the arguments and logits (outputs + temporaries) of the forward and
+    the outputs of the backward; a graph that did not compile gives no rows."""
+    rows: list[tuple[str, float, str]] = []
     if hf:
-        xla.append(("LM head forward arguments", hf["argument_bytes"], f"{hf['graph']} arguments"))
-        xla.append(("LM head logits", hf["output_bytes"] + hf["temp_bytes"], f"{hf['graph']} outputs + temporaries"))
+        rows.append(("LM head forward arguments", hf["argument_bytes"], f"{hf['graph']} arguments"))
+        rows.append(("LM head logits", hf["output_bytes"] + hf["temp_bytes"], f"{hf['graph']} outputs + temporaries"))
     if hb:
-        xla.append(("LM head backward outputs", hb["output_bytes"], f"{hb['graph']} outputs"))
+        rows.append(("LM head backward outputs", hb["output_bytes"], f"{hb['graph']} outputs"))
+    return rows
+
+
+def _sampler_rows(graphs: list[dict]) -> list[tuple[str, float, str]]:
+    """XLA's numbers for the plan's sampler terms: ``[(term, bytes, what XLA's number is)]``, the weights and KV cache
+    (the arguments of the decode graph with the most) and its step outputs, then the largest temporaries of any
+    sampler graph (:data:`~verl_backend.driver.aot.graphs.SAMPLER_KINDS`)."""
+    rows: list[tuple[str, float, str]] = []
+    decode = max((g for g in graphs if g["kind"] == "decode"), key=lambda g: g["argument_bytes"], default=None)
     if decode:
-        xla.append(("sampler weights + KV cache", decode["argument_bytes"], f"{decode['graph']} arguments"))
-        xla.append(("sampler step outputs", decode["output_bytes"], f"{decode['graph']} outputs"))
+        rows.append(("sampler weights + KV cache", decode["argument_bytes"], f"{decode['graph']} arguments"))
+        rows.append(("sampler step outputs", decode["output_bytes"], f"{decode['graph']} outputs"))
+    sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     if sampler:
         top = max(sampler, key=lambda g: g["temp_bytes"])
-        xla.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
-    # the no-grad forward: one block's and the LM head's outputs and temporaries (one at a time), largest micro batch
+        rows.append(("sampler temporaries", top["temp_bytes"], f"{top['graph']} temporaries (the largest)"))
+    return rows
+
+
+def _log_prob_forward_rows(graphs: list[dict]) -> list[tuple[str, float, str]]:
+    """XLA's number for the plan's no-grad log-prob forward: one block's and the LM head's outputs and temporaries
+    (one at a time), at the micro batch shape where their sum is largest (of several kinds of block, the largest
+    one's); ``[]`` when no shape has both a block_forward and an lm_head_forward graph."""
     block_forward = {
         shape: max(kinds, key=lambda g: g["output_bytes"] + g["temp_bytes"])
         for shape, kinds in _by_shape(graphs, "block_forward").items()
     }
     pairs = [(block_forward.get(_shape_of(g["graph"])), g) for g in graphs if g["kind"] == "lm_head_forward"]
     pairs = [(b, h) for b, h in pairs if b]
-    if pairs:
-        b, h = max(pairs, key=lambda bh: sum(g["output_bytes"] + g["temp_bytes"] for g in bh))
-        xla.append(
-            (
-                "log-prob forward",
-                sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
-                f"{b['graph']} and {h['graph']} outputs + temporaries",
-            )
+    if not pairs:
+        return []
+    b, h = max(pairs, key=lambda bh: sum(g["output_bytes"] + g["temp_bytes"] for g in bh))
+    return [
+        (
+            "log-prob forward",
+            sum(g["output_bytes"] + g["temp_bytes"] for g in (b, h)),
+            f"{b['graph']} and {h['graph']} outputs + temporaries",
         )
-    value = first("value_head", ".fwd")
+    ]
+
+
+def _critic_rows(graphs: list[dict], layers: int, checkpointed: bool) -> list[tuple[str, float, str]]:
+    """XLA's number for the plan's critic activations: the saved activations (:func:`saved_activations`) of the
+    block forward graphs at the first value head's shape, plus that value head forward's outputs; ``[]`` without
+    both."""
+    value = _first_shape_graph(graphs, "value_head", ".fwd")
     cfwd = value and _by_shape(graphs, "block", ".fwd").get(_shape_of(value["graph"]))
-    if cfwd:
-        xla.append(
-            (
-                "critic activations",
-                saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
-                f"as activations, from {', '.join(g['graph'] for g in cfwd)}, + {value['graph']} outputs",
-            )
+    if not cfwd:
+        return []
+    return [
+        (
+            "critic activations",
+            saved_activations(cfwd, layers, checkpointed) + value["output_bytes"],
+            f"as activations, from {', '.join(g['graph'] for g in cfwd)}, + {value['graph']} outputs",
         )
+    ]
+
+
+def plan_comparison(plan, compiled: dict, checkpointed: bool) -> list[tuple[str, float | None, float | None, str]]:
+    """The memory plan (:mod:`verl_backend.driver.memory_plan`) beside XLA's compiled bytes, term by term:
+    ``[(term, plan bytes, XLA bytes, what XLA's number is)]``. Each row with an XLA number is a quantity of the
+    compiled graphs the plan computes from the model's shapes (``MemoryPlan.graphs``: the arrays of
+    :meth:`~verl_backend.driver.model_shape.ModelShape.block_graph` and its siblings, each sized as the TPU lays it
+    out); the plan's terms in no graph (:data:`IN_NO_GRAPH`) follow with XLA ``None``."""
+    graphs = [g for g in compiled.get("graphs", []) if not g.get("error")]
+    layers = getattr(plan.model, "layers", 1)
+    planned = dict(plan.graphs)
+    fwd, bwd = _first_shape_graph(graphs, "block", ".fwd"), _first_shape_graph(graphs, "block", ".bwd")
+    hf, hb = _first_shape_graph(graphs, "lm_head", ".fwd"), _first_shape_graph(graphs, "lm_head", ".bwd")
+    xla = (
+        _update_rows(plan, fwd, bwd, checkpointed)
+        + _lm_head_rows(hf, hb)
+        + _sampler_rows(graphs)
+        + _log_prob_forward_rows(graphs)
+        + _critic_rows(graphs, layers, checkpointed)
+    )
     out = [(name, planned[name], number, how) for name, number, how in xla if name in planned]
     compared = {name for name, *_ in out}
     for term in plan.terms:
