@@ -22,6 +22,7 @@ driver's memory plan reads the typed settings too (:func:`from_mapping` over the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -34,8 +35,9 @@ from verl_backend.errors import BadInputError
 RECORD_ENV = "RL_TPU_SETTINGS"  # the job's resolved settings, JSON, in every worker's runtime_env
 # process-wide variables the driver forwards from its own environment to every Ray worker of the job
 # (driver.runner) and a rollout server actor takes from the process that creates it (rollout.sampling.server_env):
-# the one list both use
-FORWARDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
+# the one list both use. Not the thread count: rl_tpu.num_threads goes by the record alone, and each process's entry
+# point sets torch's count from it (the engine's initialisation, the rollout server, the driver before VeRL runs)
+FORWARDED_ENV = ("OMP_WAIT_POLICY", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
 # litert export's quantization recipes (edge_export.quantize.RECIPES; not imported: the driver needs no litert)
 EXPORT_RECIPES = ("none", "dynamic-int8", "weight-int8", "dynamic-int4", "dynamic-int4-block")
 
@@ -57,6 +59,7 @@ class Setting:
         reader: ``"driver"`` (read by ``verl train`` only) or ``"workers"`` (read inside Ray workers, from the record).
         mirrors: a VeRL config key this setting follows: users set that key, and the driver copies its value here
             for the workers VeRL hands no such key (:func:`mirror_from_config`).
+        metavar: how ``--help`` names the flag's value (``None``: argparse's default).
     """
 
     name: str
@@ -70,6 +73,7 @@ class Setting:
     checkpoint_format: bool = False
     reader: str = "workers"
     mirrors: str | None = None
+    metavar: str | None = None
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -277,6 +281,7 @@ SETTINGS: tuple[Setting, ...] = (
         "items beside PyTorch; a failed export exits 3 and leaves the checkpoint as it was",
         flag="--export",
         reader="driver",
+        metavar="OUT.litertlm",
     ),
     Setting(
         "export_quantize",
@@ -305,12 +310,34 @@ SETTINGS: tuple[Setting, ...] = (
         env="RL_TPU_CACHE",
     ),
     # --- the built-in data (used when data.train_files is not given)
+    # the default task, for every backend's job (the CPU default's, a TPU job's without --config): additions of two
+    # 1-2 digit terms, where the base model is right about half the time (docs/recipe.md)
     Setting("task", str, "basic_arithmetic", "reasoning-gym task of the built-in data", reader="driver"),
     Setting("train_size", int, 256, "built-in training problems", minimum=1, reader="driver"),
-    Setting("val_size", int, 32, "built-in held-out problems", minimum=1, reader="driver"),
+    Setting(
+        "val_size",
+        int,
+        200,
+        "built-in held-out problems (the before -> after line's 95% interval is about +-6 points at 200)",
+        minimum=1,
+        reader="driver",
+    ),
     Setting("seed", int, 1, "seed of the built-in data (held-out: seed + 1000)", minimum=0, reader="driver"),
     Setting(
-        "task_config", dict, None, "reasoning-gym task options, a mapping (JSON on the command line)", reader="driver"
+        "task_config",
+        dict,
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 2,
+            "operators": ["+"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+        "reasoning-gym task options, a mapping (JSON on the command line); the default is the default task's, "
+        "and a task given without options takes reasoning-gym's own",
+        reader="driver",
     ),
     Setting(
         "gsm8k_jsonl", str, "", "GSM8K jsonl (question, answer ending '#### N') to train on instead", reader="driver"
@@ -325,11 +352,20 @@ SETTINGS: tuple[Setting, ...] = (
     ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _default(value: Any, metadata: Mapping[str, Any] | None = None):
+    """A dataclass field defaulting to ``value``; a mapping or list is copied for each instance."""
+    if isinstance(value, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(value), metadata=metadata)
+    return field(default=value, metadata=metadata)
+
+
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}
 
 RlTpuSettings = make_dataclass(
     "RlTpuSettings",
-    [(s.name, s.type, field(default=s.default, metadata={"help": s.help})) for s in SETTINGS],
+    [(s.name, s.type, _default(s.default, {"help": s.help})) for s in SETTINGS],
     frozen=True,
 )
 RlTpuSettings.__module__ = __name__
@@ -433,6 +469,8 @@ def resolve(
         elif s.env and environ.get(s.env, "").strip():
             values[s.name] = parse_value(s, environ[s.env], f"{s.env}={environ[s.env]!r}")
             _deprecated(s.env, f"rl_tpu.{s.name}={environ[s.env]}")
+    if ("task" in cli or "task" in file) and "task_config" not in values:
+        values["task_config"] = None  # the default options belong to the default task: this one takes its own
     for flag, given in (flags or {}).items():
         if given is None:
             continue
@@ -564,92 +602,119 @@ def from_mapping(raw: Mapping[str, Any], where: str) -> "RlTpuSettings":
 
 # --- the sections: what each process entry point hands down as parameters (torchtitan-style component configs).
 # The entry point reads the job's record once (:func:`current`) and builds its section with one function; nothing
-# below it reads the record (tests/verl_backend/test_settings_reads.py fails when a module does).
+# below it reads the record (tests/verl_backend/test_settings_reads.py fails when a module does). A section's fields
+# are table settings, declared in :data:`SETTINGS` only (name, type, default, help), plus what the section derives.
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """The training engine's switches (built by :func:`engine_settings` in the engine's initialisation,
-    :class:`verl_backend.workers.engine.RlTpuFSDPEngineWithLMHead`; each is the ``rl_tpu.<name>`` of the same name).
-
-    Attributes:
-        shared_weights: move the actor's parameters into shared memory for the rollout (one CPU rank).
-        compile_trainer: run the transformer blocks as torch.compile graphs.
-        trim_backward: on CPU, hand freed activation pages back to the OS during the actor's backward.
-        response_only_logits: the LM head runs at response positions only.
-        shared_prefix: hold each prompt once for its GRPO samples (Prefix Grouper).
-        plain_module: on one CPU rank, run the model without FSDP2.
-    """
-
-    shared_weights: bool = BY_NAME["shared_weights"].default
-    compile_trainer: bool = BY_NAME["compile_trainer"].default
-    trim_backward: bool = BY_NAME["trim_backward"].default
-    response_only_logits: bool = BY_NAME["response_only_logits"].default
-    shared_prefix: bool = BY_NAME["shared_prefix"].default
-    plain_module: bool = BY_NAME["plain_module"].default
+def _section(name: str, keys: tuple[str, ...], doc: str, derived: tuple[tuple[str, type, Any, str], ...] = ()):
+    """A frozen dataclass ``name`` whose fields are the table settings ``keys`` (their types and defaults from
+    :data:`SETTINGS`) followed by ``derived`` ``(name, type, default, help)`` fields; its docstring is ``doc`` with
+    one attribute line per field, from the settings' help."""
+    specs = [(k, BY_NAME[k].type, _default(BY_NAME[k].default)) for k in keys]
+    specs += [(n, t, field(default=d)) for n, t, d, _ in derived]
+    cls = make_dataclass(name, specs, frozen=True)
+    cls.__module__ = __name__
+    lines = [f"        {k}: ``rl_tpu.{k}``: {BY_NAME[k].help}." for k in keys]
+    lines += [f"        {n}: {h}" for n, _, _, h in derived]
+    cls.__doc__ = f"{doc}\n\n    Attributes:\n" + "\n".join(lines)
+    return cls
 
 
-def engine_settings(settings: "RlTpuSettings") -> EngineSettings:
+def _section_of(cls, settings: "RlTpuSettings", **derived):
+    """``cls``'s section of the job's ``settings``: each table field copied, the ``derived`` ones given."""
+    return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name not in derived}, **derived)
+
+
+EngineSettings = _section(
+    "EngineSettings",
+    (
+        "shared_weights",
+        "compile_trainer",
+        "trim_backward",
+        "response_only_logits",
+        "shared_prefix",
+        "plain_module",
+        "num_threads",
+    ),
+    "The training engine's switches (built by :func:`engine_settings` in the engine's initialisation, "
+    ":class:`verl_backend.workers.engine.RlTpuFSDPEngineWithLMHead`).",
+)
+
+
+def engine_settings(settings: "RlTpuSettings") -> "EngineSettings":
     """The engine's section of the job's ``settings``."""
-    return EngineSettings(**{f.name: bool(getattr(settings, f.name)) for f in fields(EngineSettings)})
+    return _section_of(EngineSettings, settings)
 
 
-@dataclass(frozen=True)
-class RolloutSettings:
-    """The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter
-    :class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server
-    :class:`verl_backend.rollout.server.NativeRolloutServer`).
-
-    Attributes:
-        shared_weights: ``rl_tpu.shared_weights`` (weight sync through shared memory on one host).
-        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (every sync proved by a probe).
-        compile_sampler: ``rl_tpu.compile_sampler`` (prefill and decode as torch.compile graphs).
-        threads: torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else
-            ``rl_tpu.num_threads`` (0: leave the process's count as it is).
-        job_seed: ``rl_tpu.job_seed`` (``None``: an unseeded run).
-    """
-
-    shared_weights: bool = BY_NAME["shared_weights"].default
-    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
-    compile_sampler: bool = BY_NAME["compile_sampler"].default
-    threads: int = 0
-    job_seed: int | None = BY_NAME["job_seed"].default
+RolloutSettings = _section(
+    "RolloutSettings",
+    ("shared_weights", "verify_weight_sync", "compile_sampler", "job_seed"),
+    "The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter "
+    ":class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server "
+    ":class:`verl_backend.rollout.server.NativeRolloutServer`).",
+    derived=(
+        (
+            "threads",
+            int,
+            0,
+            "torch threads the rollout samples with: ``rl_tpu.rollout_num_threads``, else ``rl_tpu.num_threads`` "
+            "(0: leave the process's count as it is).",
+        ),
+    ),
+)
 
 
-def rollout_settings(settings: "RlTpuSettings") -> RolloutSettings:
+def rollout_settings(settings: "RlTpuSettings") -> "RolloutSettings":
     """The rollout's section of the job's ``settings``."""
-    return RolloutSettings(
-        shared_weights=bool(settings.shared_weights),
-        verify_weight_sync=bool(settings.verify_weight_sync),
-        compile_sampler=bool(settings.compile_sampler),
-        threads=int(settings.rollout_num_threads or settings.num_threads or 0),
-        job_seed=settings.job_seed,
-    )
+    return _section_of(RolloutSettings, settings, threads=int(settings.rollout_num_threads or settings.num_threads))
 
 
-@dataclass(frozen=True)
-class WeightSyncSettings:
-    """The ``gloo`` checkpoint engine's switches (built by :func:`weight_sync_settings` in the engine's construction,
-    :class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`).
-
-    Attributes:
-        shared_weights: ``rl_tpu.shared_weights`` (buckets through a shared-memory file on one host).
-        verify_weight_sync: ``rl_tpu.verify_weight_sync`` (the trainer's proof goes with every sync).
-        rollout_slice: ``rl_tpu.rollout_slice`` (``""``: none; the rollout pool is then on the trainer's hosts).
-    """
-
-    shared_weights: bool = BY_NAME["shared_weights"].default
-    verify_weight_sync: bool = BY_NAME["verify_weight_sync"].default
-    rollout_slice: str = BY_NAME["rollout_slice"].default
+WeightSyncSettings = _section(
+    "WeightSyncSettings",
+    ("shared_weights", "verify_weight_sync", "rollout_slice"),
+    "The ``gloo`` checkpoint engine's switches (built by :func:`weight_sync_settings` in the engine's construction, "
+    ":class:`verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine`).",
+)
 
 
-def weight_sync_settings(settings: "RlTpuSettings") -> WeightSyncSettings:
+def weight_sync_settings(settings: "RlTpuSettings") -> "WeightSyncSettings":
     """The ``gloo`` checkpoint engine's section of the job's ``settings``."""
-    return WeightSyncSettings(
-        shared_weights=bool(settings.shared_weights),
-        verify_weight_sync=bool(settings.verify_weight_sync),
-        rollout_slice=str(settings.rollout_slice or ""),
-    )
+    return _section_of(WeightSyncSettings, settings)
+
+
+# --- the command line: each setting with a flag is an option of `verl train`, declared by its Setting
+
+
+def flag_dest(flag: str) -> str:
+    """argparse's attribute name for ``flag`` (``--num-threads`` -> ``num_threads``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def flag_options() -> list[tuple[str, dict[str, Any]]]:
+    """``(flag, argparse keyword arguments)`` for every setting with a flag, in table order: a ``bool`` is a switch
+    that sets it true, a setting with choices takes one of them; each help says which key it is a shortcut for.
+    A flag not given parses as ``None`` (the key's own precedence then decides: :func:`resolve`)."""
+    out = []
+    for s in SETTINGS:
+        if not s.flag:
+            continue
+        kwargs: dict[str, Any] = {"default": None, "help": f"{s.help} (shortcut for rl_tpu.{s.name})"}
+        if s.type is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = s.type
+            if s.choices:
+                kwargs["choices"] = list(s.choices)
+            if s.metavar:
+                kwargs["metavar"] = s.metavar
+        out.append((s.flag, kwargs))
+    return out
+
+
+def given_flags(args) -> dict[str, Any]:
+    """``{flag: value}`` of the parsed ``verl train`` arguments ``args`` for every setting's flag (``None``: not
+    given), for :func:`resolve`'s ``flags``."""
+    return {s.flag: getattr(args, flag_dest(s.flag), None) for s in SETTINGS if s.flag}
 
 
 def help_table(width: int = 118) -> str:

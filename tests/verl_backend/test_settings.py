@@ -183,3 +183,70 @@ def test_docs_settings_page_is_generated_from_the_table(tmp_path):
     rows = generated.splitlines()
     dropped = "\n".join(r for r in rows if not r.startswith("| `rl_tpu.seed`")) + "\n"
     assert dropped != page.read_text()
+
+
+def test_flags_and_sections_are_declared_by_the_table_only():
+    """A setting's flag is a ``verl train`` option generated from its ``Setting`` (its help names the key it is a
+    shortcut for), and reaches :func:`~verl_backend.settings.resolve` by :func:`~verl_backend.settings.given_flags`;
+    each section's fields are table settings with the table's types and defaults, plus what the section derives.
+    Negative control: a setting without a flag has no option, so the parser refuses it."""
+    from dataclasses import MISSING, fields
+
+    from verl_backend.driver.cli import _parser, parse_args
+
+    flagged = [s for s in S.SETTINGS if s.flag]
+    assert len(flagged) == 7
+    parser = _parser()
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    helps = {o: a.help for a in train._actions for o in a.option_strings}
+    for s in flagged:
+        assert s.flag in helps and f"shortcut for rl_tpu.{s.name}" in helps[s.flag]
+    args = parse_args(["train", "--backend", "cpu", "--num-threads", "3", "--tpu-dry-run", "--quantize", "weight-int8"])
+    given = S.given_flags(args)
+    assert given["--num-threads"] == 3 and given["--tpu-dry-run"] is True and given["--slice"] is None
+    got = S.resolve({}, {}, {}, flags=given)
+    assert got.num_threads == 3 and got.tpu_dry_run is True and got.export_quantize == "weight-int8"
+    with pytest.raises(BadInputError, match="unknown option '--plain-module'"):
+        parse_args(["train", "--backend", "cpu", "--plain-module"])
+    derived = {"RolloutSettings": {"threads"}}
+    for section in (S.EngineSettings, S.RolloutSettings, S.WeightSyncSettings):
+        for f in fields(section):
+            if f.name in derived.get(section.__name__, ()):
+                continue
+            setting = S.BY_NAME[f.name]  # a KeyError here: a field the table does not declare
+            assert f.type is setting.type and (f.default if f.default is not MISSING else None) == setting.default
+            assert f"rl_tpu.{f.name}" in section.__doc__
+
+
+def test_the_default_task_is_declared_once_for_every_backend(tmp_path):
+    """The built-in data's defaults are the table's: the CPU default job's config names no task, and a TPU job
+    without --config gets the very same problems (additions of two 1-2 digit terms, 200 held out). A task given
+    without options takes reasoning-gym's own (the default options belong to the default task)."""
+    default = S.resolve({}, {}, {})
+    assert default.task == "basic_arithmetic" and default.task_config["operators"] == ["+"] and default.val_size == 200
+    assert S.resolve({"task": "chain_sum"}, {}, {}).task_config is None
+    assert S.resolve({}, {"task": "basic_arithmetic"}, {}).task_config is None
+    assert S.resolve({}, {"task": "chain_sum", "task_config": {"min_terms": 2}}, {}).task_config == {"min_terms": 2}
+    from verl_backend.driver.profiles import PROFILES
+
+    assert "rl_tpu" not in yaml.safe_load(PROFILES["cpu"].default_config.read_text())
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env.pop("VERL_PLATFORM", None)
+    sections = {}
+    for backend in ("cpu", "tpu"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "verl_backend.driver.cli", "train", "--backend", backend, "--print-config"]
+            + ["--output-dir", str(tmp_path / backend)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout[proc.stdout.index("actor_rollout_ref:") :] if "actor_rollout_ref:" in proc.stdout else ""
+        sections[backend] = yaml.safe_load(text)["rl_tpu"]
+    keys = ("task", "task_config", "train_size", "val_size", "seed")
+    assert {k: sections["cpu"][k] for k in keys} == {k: sections["tpu"][k] for k in keys}
+    assert sections["tpu"]["task_config"] == default.task_config
+    files = [sorted((tmp_path / b / "data").glob("*.parquet")) for b in ("cpu", "tpu")]
+    assert [p.read_bytes() for p in files[0]] == [p.read_bytes() for p in files[1]] and files[0]

@@ -26,7 +26,7 @@ They are written into the run's config.yaml and reach every Ray worker with the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from verl_backend.settings import EXPORT_RECIPES, help_table
+    from verl_backend.settings import flag_options, help_table
 
     p = argparse.ArgumentParser(prog="verl", description="VeRL post-training on TPU, CPU or CUDA (rl-tpu).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,51 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run folder for checkpoints, metrics.jsonl, tensorboard/, reward_curve.png "
         "(default: outputs/<trainer.experiment_name>)",
     )
-    option(
-        "--num-threads",
-        type=int,
-        help="torch threads per process (rl_tpu.num_threads; default on cpu: 2, "
-        "fewer when the host has fewer cores per trainer worker)",
-    )
-    option(
-        "--slice",
-        help="TPU slice the workers go on, e.g. v6e-16 or v5p-16:2x2x4: reserved whole with "
-        "ray.util.tpu's slice placement, one worker per chip (default for tpu: $TPU_ACCELERATOR_TYPE/"
-        "$TPU_TOPOLOGY). With --backend cpu: a dry run on a fake slice (rl-tpu cluster up --fake-slice). "
-        "Shortcut for rl_tpu.slice",
-    )
-    option(
-        "--rollout-slice",
-        help="TPU slice for the rollout replicas apart from the trainer's --slice, e.g. "
-        "v6e-8: checked against the Ray cluster before anything waits, then VeRL's separate_async with "
-        "this slice as its rollout pool and rl-tpu's gloo engine. Shortcut for rl_tpu.rollout_slice",
-    )
-    option(
-        "--tpu-dry-run",
-        action="store_true",
-        default=None,
-        help="with --backend cpu: the TPU profile's choices on CPU devices, one gloo rank per chip of a "
-        "fake slice (--slice, default v6e-4: 4 ranks; needs `rl-tpu cluster up --fake-slice` and "
-        "$RAY_ADDRESS); shortcut for rl_tpu.tpu_dry_run=true",
-    )
-    option(
-        "--tpu-eager-mode",
-        choices=["strict", "debug", "fused"],
-        help="TorchTPU eager mode for --backend tpu: strict (DEFER_NEVER, default), debug "
-        "(DEFER_NEVER_AND_LAUNCH_BLOCKING), fused (DEFER_AND_FUSE); shortcut for rl_tpu.tpu_eager_mode",
-    )
-    option(
-        "--export",
-        metavar="OUT.litertlm",
-        help="after training, export the final checkpoint to OUT (.litertlm or .tflite) with litert "
-        "export, verified, a .litertlm scored on the held-out items through the LiteRT-LM runtime; exit "
-        "3 if that fails (the checkpoint stays). Shortcut for rl_tpu.export (needs the export extra)",
-    )
-    option(
-        "--quantize",
-        choices=list(EXPORT_RECIPES),
-        help="quantization of --export (litert export --quantize; default none). Shortcut for rl_tpu.export_quantize",
-    )
+    for flag, kwargs in flag_options():  # the settings with a flag: declared once, by their Setting
+        option(flag, **kwargs)
     option(
         "--max-restarts",
         type=int,

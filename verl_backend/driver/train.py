@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from verl_backend import settings as job_settings
 from verl_backend.driver.bypass_guard import guard_bypass
@@ -72,7 +73,68 @@ def _keys(overrides: list[str]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
+@dataclass
+class _Job:
+    """What the driver has read off the command line, the ``--config`` file and the backend's profile, before VeRL
+    composes the config: the backend, the resolved settings, the user's overrides and the merged list."""
+
+    backend: Any
+    settings: Any
+    config_path: str | None
+    file_overrides: list[str]
+    cli_overrides: list[str]
+    #: the rl_tpu keys the user gave (command line or file): the profile's own settings go under them
+    given: set[str]
+    #: VeRL keys the user gave (file or command line), and on the command line alone
+    user_keys: set[str] = field(default_factory=set)
+    cli_keys: set[str] = field(default_factory=set)
+    slice_keys: dict[str, str] = field(default_factory=dict)
+    slice_from: str = ""
+    rollout_keys: dict[str, str] = field(default_factory=dict)
+    merged: list[str] = field(default_factory=list)
+    #: ``{key: value}`` of :attr:`merged`
+    keys: dict[str, str] = field(default_factory=dict)
+
+
 def _run_train(args, fork_server: dict, console_capture) -> int:
+    """``verl train`` in order: the job's settings, its overrides, its run folder (and console and fork server),
+    the composed config and its checks, then ``--aot-only``, ``--print-config`` or the run itself."""
+    job = _resolve_settings(args)
+    _merge_overrides(args, job)
+    job.settings = _apply_threads(job.backend, job.settings, job.keys)
+    out = _run_folder(args, job.keys)
+    console = None
+    if not args.print_config:
+        if not getattr(args, "aot_only", False):  # --aot-only prints its own report, nothing else runs
+            # from here on the terminal shows what driver/console.py lets through; everything goes to train.log
+            verbose = bool(getattr(args, "verbose", False)) or os.environ.get("VERL_TRAIN_VERBOSE") == "1"
+            console = console_capture.enter_context(capture(out / "train.log", verbose=verbose))
+            console_capture.callback(_stop_ray)  # before the capture ends: Ray forwards workers' lines until it stops
+        fork_server_here(job.backend, fork_server, job.settings)  # first: while this process has one thread, no Ray
+        if console is not None:
+            console.pump()
+        lock_run_folder(out)
+    config = _compose_and_check(args, job, out)
+    settings = job.settings
+    if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
+        from verl_backend.driver.aot.job import run_aot_only
+
+        return run_aot_only(config, settings.slice, model_path=getattr(args, "aot_model_path", None))
+    if args.print_config:
+        return _print_config(config, job)
+    _check_before_run(config, job)
+    return _run(args, config, job, out, fork_server, console)
+
+
+def _resolve_settings(args) -> _Job:
+    """The job's backend and settings: VeRL's versions checked, the backend's profile (its platform set for VeRL
+    before anything imports it), the ``--config`` file's and the command line's overrides split into VeRL's and
+    ``rl_tpu.*``, resolved (:func:`verl_backend.settings.resolve`), the TPU dry run's profile when asked, the
+    profile's settings under the user's, its host settings in place, the model cache as this host sees it.
+
+    Raises:
+        BadInputError: a bad setting, flag or ``--max-restarts``, or a backend that cannot run here.
+    """
     from verl_backend.patches import check_versions
 
     check_versions()  # one line for a VeRL (or TransferQueue) outside the range rl-tpu's patches were tested with
@@ -83,39 +145,42 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     os.environ["VERL_PLATFORM"] = backend.platform
     if int(getattr(args, "max_restarts", 0) or 0) < 0:
         raise BadInputError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
-
     config_path = args.config or backend.default_config
     file_overrides, file_ours = flatten_yaml_overrides(config_path) if config_path else ([], {})
     cli_overrides, cli_ours = split_rl_tpu(list(args.overrides))
     if "task" in cli_ours and "task_config" not in cli_ours and cli_ours["task"] != file_ours.get("task"):
         file_ours = {k: v for k, v in file_ours.items() if k != "task_config"}  # belongs to the file's task
     settings = job_settings.resolve(
-        cli_ours,
-        file_ours,
-        file_name=f"--config {config_path}",
-        flags={
-            "--num-threads": args.num_threads,
-            "--tpu-eager-mode": getattr(args, "tpu_eager_mode", None),
-            "--slice": getattr(args, "slice", None),
-            "--export": getattr(args, "export", None),
-            "--quantize": getattr(args, "quantize", None),
-            "--tpu-dry-run": getattr(args, "tpu_dry_run", None),
-            "--rollout-slice": getattr(args, "rollout_slice", None),
-        },
+        cli_ours, file_ours, file_name=f"--config {config_path}", flags=job_settings.given_flags(args)
     )
     backend, settings = _tpu_dry_run(backend, settings, args)
     given = set(cli_ours) | set(file_ours)  # the profile's own settings, under the user's
-    settings = replace(settings, **{k: v for k, v in backend.settings.items() if k not in given})
+    settings = replace(
+        settings,
+        **{k: v for k, v in backend.settings.items() if k not in given},
+        # the folder as this host sees it: workers on other hosts convert the default model to this very path
+        model_cache=str(cache_root(settings.model_cache)),
+    )
     settings = _apply_profile(backend, settings)
-    # the folder as this host sees it: workers on other hosts convert the default model to this very path
-    settings = replace(settings, model_cache=str(cache_root(settings.model_cache)))
-
     file_overrides, cli_overrides = guard_user_reward(file_overrides), guard_user_reward(cli_overrides)
-    user = {o.split("=", 1)[0].lstrip("+~"): o.partition("=")[2] for o in file_overrides + cli_overrides}
+    return _Job(backend, settings, config_path, file_overrides, cli_overrides, given)
+
+
+def _merge_overrides(args, job: _Job) -> None:
+    """The job's VeRL overrides in precedence order, into ``job``: the backend's defaults (less the micro batches
+    the user replaced), the deprecated aliases of VeRL keys, the slice's keys (``--slice``: one worker per chip;
+    ``rl_tpu.rollout_slice``: VeRL's standalone rollout pool, checked against the cluster now), then the file's and
+    the command line's; ``job.settings.slice`` as resolved.
+
+    Raises:
+        BadInputError: a slice on a backend that takes none, a slice the cluster cannot give.
+    """
+    backend, settings = job.backend, job.settings
+    job.user_keys, job.cli_keys = _keys(job.file_overrides + job.cli_overrides), _keys(job.cli_overrides)
+    user = {o.split("=", 1)[0].lstrip("+~"): o.partition("=")[2] for o in job.file_overrides + job.cli_overrides}
     defaults = drop_replaced_micro_batches(dict(backend.overrides), user)
     defaults.update(job_settings.env_overrides())  # deprecated aliases of VeRL keys: above defaults, below the rest
-    slice_keys: dict[str, str] = {}
-    slice_from = (
+    job.slice_from = (
         f"--slice {args.slice}"
         if getattr(args, "slice", None)
         else f"the TPU dry run's fake slice {settings.slice}"
@@ -126,89 +191,98 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     )
     if backend.slices == "auto" or (backend.slices == "dry_run" and settings.slice):
         # cpu + --slice: a dry run of a TPU job's placement on a (fake) slice, one CPU worker per chip
-        slice_keys, resolved_slice = slice_defaults(
+        job.slice_keys, resolved_slice = slice_defaults(
             settings.slice, "--slice" if getattr(args, "slice", None) else "rl_tpu.slice"
         )
-        settings = replace(settings, slice=resolved_slice)
-        defaults.update(slice_keys)
+        job.settings = replace(settings, slice=resolved_slice)
+        defaults.update(job.slice_keys)
     elif settings.slice:
         raise BadInputError(
             f"rl_tpu.slice (--slice) applies to --backend tpu (or cpu, as a dry run), not {backend.name}"
         )
     # a rollout slice of its own: checked against the cluster now, then VeRL's standalone rollout pool (separate_async)
-    rollout_keys = rollout_slice_keys(settings.rollout_slice, settings.slice, backend.slices)
-    defaults.update(rollout_keys)
-    merged = [normalized_path(o) for o in merge_overrides(defaults, file_overrides, cli_overrides)]
-    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in merged}
+    job.rollout_keys = rollout_slice_keys(job.settings.rollout_slice, job.settings.slice, backend.slices)
+    defaults.update(job.rollout_keys)
+    job.merged = [normalized_path(o) for o in merge_overrides(defaults, job.file_overrides, job.cli_overrides)]
+    job.keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in job.merged}
 
-    settings = _apply_threads(backend, settings, keys)
-    out = _run_folder(args, keys)
-    console = None
-    if not args.print_config:
-        if not getattr(args, "aot_only", False):  # --aot-only prints its own report, nothing else runs
-            # from here on the terminal shows what driver/console.py lets through; everything goes to train.log
-            verbose = bool(getattr(args, "verbose", False)) or os.environ.get("VERL_TRAIN_VERBOSE") == "1"
-            console = console_capture.enter_context(capture(out / "train.log", verbose=verbose))
-            console_capture.callback(_stop_ray)  # before the capture ends: Ray forwards workers' lines until it stops
-        fork_server_here(backend, fork_server, settings)  # first: while this process has one thread and no Ray
-        if console is not None:
-            console.pump()
-        lock_run_folder(out)
+
+def _compose_and_check(args, job: _Job, out: Path):
+    """VeRL's composed config for the job (the model path, the built-in data and the run folder's directories
+    added where the user gave none), with the checks that need it: whole numbers, the advantage estimator, the
+    micro batches fitted to the workers, the bypass guard, batch sizes, the rollout slice, the trainer mode, the
+    packed weights' fit on this host. The resolved settings (the mirrored keys copied in) go in its ``rl_tpu``.
+
+    Raises:
+        BadInputError: one line for the first check that fails.
+    """
+    backend, keys, settings = job.backend, job.keys, job.settings
     extra = model_path_overrides(keys, settings.model_cache) + prepare_data(keys, settings, out)
     if "trainer.default_local_dir" not in keys:
         extra.append(f"trainer.default_local_dir={out / 'checkpoints'}")
     for key, folder in (("trainer.validation_data_dir", "validation"), ("trainer.rollout_data_dir", "rollouts")):
         if key not in keys:  # per-item scores: the accuracy interval (report.py) and the step lines' accuracy
             extra.append(f"{key}={out / folder}")
-    config = compose_config(merged + extra)
+    config = compose_config(job.merged + extra)
     check_whole_numbers(config)
     check_adv_estimator(config)  # fed by VeRL 0.9.1's V1 trainer, or one line
-    if (
-        config_path
-        and Path(config_path).resolve() == Path(backend.default_config or profile("cpu").default_config).resolve()
-    ):
+    default_config = backend.default_config or profile("cpu").default_config
+    if job.config_path and Path(job.config_path).resolve() == Path(default_config).resolve():
         # the embedded default (--backend cpu's, and the dry run's), also when given to --aot-only as --config: the
         # TPU dry run and `--backend tpu --aot-only --config <it>` are then the same job (aot/graphs.json)
-        fit_default_micro_batches(config, _keys(cli_overrides))
+        fit_default_micro_batches(config, job.cli_keys)
     elif any(key in backend.overrides for key in DEFAULT_MICRO_KEYS):  # the TPU profile's, under the user's keys
-        fit_default_micro_batches(config, _keys(file_overrides + cli_overrides), "the TPU profile's default")
-    guard_bypass(config, _keys(file_overrides + cli_overrides))
-    from_slice = slice_keys and all(keys.get(k) == v for k, v in slice_keys.items())
-    check_batch_sizes(config, workers_from=slice_from if from_slice else "")
-    check_rollout_slice_config(config, settings.rollout_slice, rollout_keys, _keys(file_overrides + cli_overrides))
+        fit_default_micro_batches(config, job.user_keys, "the TPU profile's default")
+    guard_bypass(config, job.user_keys)
+    from_slice = job.slice_keys and all(keys.get(k) == v for k, v in job.slice_keys.items())
+    check_batch_sizes(config, workers_from=job.slice_from if from_slice else "")
+    check_rollout_slice_config(config, settings.rollout_slice, job.rollout_keys, job.user_keys)
     check_trainer_mode(config)  # separate_async's requirements (VeRL 0.9.1) we do not meet: one line each
     said = fit_packed_weights(config, backend)  # a CPU job that fits only without the rollout's packed copies
     if said:  # --print-config's stdout stays YAML
         print(said, flush=True, file=sys.stderr if args.print_config else sys.stdout)
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
-    settings = job_settings.mirror_from_config(settings, config)
+    job.settings = job_settings.mirror_from_config(settings, config)
     with open_dict(config):
-        config.rl_tpu = job_settings.as_dict(settings)  # printed, saved in config.yaml; workers get the record
-    if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
-        from verl_backend.driver.aot.job import run_aot_only
+        config.rl_tpu = job_settings.as_dict(job.settings)  # printed, saved in config.yaml; workers get the record
+    return config
 
-        return run_aot_only(config, settings.slice, model_path=getattr(args, "aot_model_path", None))
-    if args.print_config:
-        print(OmegaConf.to_yaml(config))
-        show_memory_plan(config, settings.slice, backend)  # per-chip memory against HBM (driver/memory_fit.py)
-        from verl_backend.rollout.native_kwargs import native_engine_kwargs
-        from verl_backend.weight_sync import plan_routes
 
-        placement = native_engine_kwargs(config.actor_rollout_ref.rollout).sampler_placement
-        print(
-            plan_routes(
-                config,
-                cpu=backend.platform == "cpu",
-                shared_weights=bool(settings.shared_weights),
-                rollout_slice=settings.rollout_slice or None,
-                placement=placement,
-            )
-        )  # each replica's route
-        return 0
+def _print_config(config, job: _Job) -> int:
+    """``--print-config``: the composed config as YAML, the per-chip memory plan under it (driver/memory_fit.py)
+    and each rollout replica's weight-sync route; 0."""
+    from omegaconf import OmegaConf
 
+    from verl_backend.rollout.native_kwargs import native_engine_kwargs
+    from verl_backend.weight_sync import plan_routes
+
+    settings, backend = job.settings, job.backend
+    print(OmegaConf.to_yaml(config))
+    show_memory_plan(config, settings.slice, backend)
+    placement = native_engine_kwargs(config.actor_rollout_ref.rollout).sampler_placement
+    routes = plan_routes(
+        config,
+        cpu=backend.platform == "cpu",
+        shared_weights=bool(settings.shared_weights),
+        rollout_slice=settings.rollout_slice or None,
+        placement=placement,
+    )
+    print(routes)  # each replica's route
+    return 0
+
+
+def _check_before_run(config, job: _Job) -> None:
+    """The checks a run needs and ``--print-config`` does not: memory against the slice or host, the data files,
+    prompt lengths, the user's reward function and estimator, the native rollout's keys, the compiled trainer's
+    padded micro batches, the export's settings; then the epochs fitted to the steps.
+
+    Raises:
+        BadInputError: one line for the first check that fails.
+    """
+    backend, settings = job.backend, job.settings
     check_memory_fits(config, settings.slice, backend)  # a TPU job past its chips' HBM stops here, one line
-    validate_data_files(config, keys)
+    validate_data_files(config, job.keys)
     check_prompt_lengths(config)
     check_user_reward(config)
     check_adv_estimator(config, before_run=True)  # after the user's file: it may register its own
@@ -217,7 +291,7 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
         from rl_tpu.compiled_blocks import refusal
 
         reason = refusal(bool(config.actor_rollout_ref.model.get("use_remove_padding", False)), backend.name)
-        if reason and "compile_trainer" in backend.settings and "compile_trainer" not in given:
+        if reason and "compile_trainer" in backend.settings and "compile_trainer" not in job.given:
             reason += (
                 f"; the {backend.name} profile turned rl_tpu.compile_trainer on: rl_tpu.compile_trainer=false "
                 "runs the blocks eagerly"
@@ -226,28 +300,31 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
             raise BadInputError(reason)
     check_export(settings, config)
     fit_epochs_to_steps(config)
-    prepare_run_folder(config, out)
-    job_runtime_env(config, out, settings, fork_server)
-    OmegaConf.save(config, out / "config.yaml")
 
+
+def _run(args, config, job: _Job, out: Path, fork_server: dict, console) -> int:
+    """The run: the run folder and the job's runtime_env prepared, ``config.yaml`` saved, VeRL's trainer run with
+    restarts (the TPU dry run's compile check beside it), the report written, then the export. Returns the exit
+    code: 0, or :data:`~verl_backend.driver.export_step.EXPORT_FAILED` when the export failed."""
     import gc
+
+    from omegaconf import OmegaConf
 
     from verl_backend.driver.report import write_report
     from verl_backend.host_memory.heap import trim_host_heap
 
+    settings = job.settings
+    prepare_run_folder(config, out)
+    job_runtime_env(config, out, settings, fork_server)
+    OmegaConf.save(config, out / "config.yaml")
     gc.collect()  # what set-up read (data checks, tokenizer) is not needed while the driver waits on Ray
     trim_host_heap()
-    console.say(job_line(config, backend.name, settings.num_threads, out))
-    tpu_compile = None
-    if settings.tpu_dry_run:  # the same job's graphs lowered and compiled for the fake slice's chip, meanwhile
-        from verl_backend.driver.aot.dry_run import DryRunCompile
+    console.say(job_line(config, job.backend.name, settings.num_threads, out))
+    tpu_compile = _start_dry_run_compile(config, settings, out, console)
+    if settings.num_threads:  # this process runs VeRL's TaskRunner (rl_tpu.task_runner=driver, the default)
+        from rl_tpu.device import set_num_threads
 
-        tpu_compile = DryRunCompile(config, settings.slice, out, enabled=settings.tpu_dry_run_compile).start()
-        if tpu_compile.running:
-            console.say(
-                f"[rl-tpu] TPU compile check: lowering {tpu_compile.folder / 'graphs.json'}'s graphs with "
-                f"TorchTPU and compiling them for {settings.slice} with libtpu, beside the training"
-            )
+        set_num_threads(settings.num_threads)
     start = time.time()
     rollouts = config.trainer.get("rollout_data_dir")
     with StepLines(
@@ -273,6 +350,22 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
         return _export(config, out, settings, console)
     return 0
+
+
+def _start_dry_run_compile(config, settings, out: Path, console):
+    """With ``rl_tpu.tpu_dry_run``: the same job's graphs lowered and compiled for the fake slice's chip beside the
+    training (:class:`~verl_backend.driver.aot.dry_run.DryRunCompile`), started and said; else ``None``."""
+    if not settings.tpu_dry_run:
+        return None
+    from verl_backend.driver.aot.dry_run import DryRunCompile
+
+    tpu_compile = DryRunCompile(config, settings.slice, out, enabled=settings.tpu_dry_run_compile).start()
+    if tpu_compile.running:
+        console.say(
+            f"[rl-tpu] TPU compile check: lowering {tpu_compile.folder / 'graphs.json'}'s graphs with "
+            f"TorchTPU and compiling them for {settings.slice} with libtpu, beside the training"
+        )
+    return tpu_compile
 
 
 def _stop_ray() -> None:
@@ -381,8 +474,9 @@ def _apply_profile(backend, settings):
 
 def _apply_threads(backend, settings, keys: dict[str, str]):
     """``rl_tpu.num_threads`` resolved: the user's count, else the profile's default for this host's cores and the
-    job's trainer workers (:func:`verl_backend.driver.profiles.default_threads`); put in ``OMP_NUM_THREADS`` for this
-    process and the fork server started from it (the workers get the settings record)."""
+    job's trainer workers (:func:`verl_backend.driver.profiles.default_threads`). It goes to every process by the
+    settings record alone: each entry point sets torch's count from it (this process before VeRL runs, the engine's
+    initialisation, the rollout server); no ``OMP_NUM_THREADS`` is set for it."""
     if not settings.num_threads:
 
         def count(key: str) -> int:  # an interpolation or a bad value: VeRL's own checks name it later
@@ -395,8 +489,6 @@ def _apply_threads(backend, settings, keys: dict[str, str]):
         settings = replace(
             settings, num_threads=default_threads(backend.default_threads, workers, len(os.sched_getaffinity(0)))
         )
-    if settings.num_threads:
-        os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)
     return settings
 
 

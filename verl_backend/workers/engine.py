@@ -44,7 +44,8 @@ _KEEP_KEY = "rl_tpu_logits_keep"
 class _JobSettingsHere:
     """Engine mixin: the engine's initialisation is where the engine reads the job's settings record, once
     (:func:`verl_backend.settings.current`), and keeps its section as ``self.rl_tpu``
-    (:class:`verl_backend.settings.EngineSettings`), before the module is built; everything below reads that.
+    (:class:`verl_backend.settings.EngineSettings`), before the module is built; everything below reads that. It sets
+    the worker's torch thread count (``rl_tpu.num_threads``) there too.
 
     Raises:
         verl_backend.settings.SettingsMissingError: this process was not started by a ``verl train`` job.
@@ -54,6 +55,10 @@ class _JobSettingsHere:
 
     def initialize(self):
         self.rl_tpu = engine_settings(current())  # the one read of the job's record in a trainer engine
+        if self.rl_tpu.num_threads:  # torch's count in this worker process: from the record, no variable
+            from rl_tpu.device import set_num_threads
+
+            set_num_threads(self.rl_tpu.num_threads)
         return super().initialize()
 
 

@@ -79,3 +79,35 @@ def test_the_wait_policy_is_set_for_this_process_and_every_worker(monkeypatch, t
 def test_an_unknown_wait_policy_is_one_line():
     with pytest.raises(S.BadInputError, match="omp_wait_policy takes one of default, active, passive"):
         S.resolve({"omp_wait_policy": "spin"}, {})
+
+
+def test_the_thread_count_goes_by_the_record_alone(monkeypatch, tmp_path, environ_back, threads_back):
+    """``rl_tpu.num_threads`` reaches a trainer worker in the settings record only: the job's runtime_env carries
+    no ``OMP_NUM_THREADS`` (not even one the driver's shell exported), and the engine's initialisation, where a
+    worker reads its record, sets torch's count from it. Negative control: an engine whose record says 0 leaves the
+    process's count alone."""
+    from verl_backend.driver.runner import job_runtime_env
+    from verl_backend.workers.engine import _JobSettingsHere
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # a user's shell
+    monkeypatch.setenv("VERL_PLATFORM", os.environ.get("VERL_PLATFORM", "cpu"))  # set by verl train before this
+    settings = S.RlTpuSettings(num_threads=1)
+    config = OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 2, "runtime_env": {}}}})
+    job_runtime_env(config, tmp_path, settings, {})
+    env = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert "OMP_NUM_THREADS" not in env and json.loads(env[S.RECORD_ENV])["num_threads"] == 1
+
+    class Base:
+        def initialize(self):
+            return "built"
+
+    class Engine(_JobSettingsHere, Base):
+        pass
+
+    torch.set_num_threads(2)
+    monkeypatch.setenv(S.RECORD_ENV, env[S.RECORD_ENV])
+    assert Engine().initialize() == "built" and torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    monkeypatch.setenv(S.RECORD_ENV, S.record(S.RlTpuSettings(num_threads=0)))
+    Engine().initialize()
+    assert torch.get_num_threads() == 2
