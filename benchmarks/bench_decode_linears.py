@@ -6,9 +6,9 @@ for every linear layer: the weights are graph inputs (so a weight sync needs no 
 ``(out, in)`` layout by MKL's sgemm. The sampler's packed weights (``rl_tpu.sampler.packed``, and inside its compiled
 graphs ``rl_tpu.sampler.compiled_packed``) run on rl-tpu's panel kernel (``rl_tpu.sampler.panel_kernel``: each
 weight streamed from memory while it is multiplied), or on oneDNN's ``_linear_pointwise`` on weights packed once
-per generation where the panel kernel cannot run; both are timed. Inductor packs weights the same way only with ``freezing`` (weights baked
-in as constants: a sync would be ignored), and it refuses a packed (``torch._mkldnn`` layout) tensor as a graph input
-(checked here: ``inductor`` raises, ``aot_eager`` runs it).
+per generation where the panel kernel cannot run; both are timed. Inductor packs weights the same way only with
+``freezing`` (weights baked in as constants: a sync would be ignored), and it refuses a packed (``torch._mkldnn``
+layout) tensor as a graph input (checked here: ``inductor`` raises, ``aot_eager`` runs it).
 
 Printed: ms per decode step for the model's linear layers (the attention, norms and sampling left out), at the batch
 given, for ``F.linear`` (eager), ``mm(x, w.t())`` (what a plain compiled graph calls), oneDNN-packed weights and the

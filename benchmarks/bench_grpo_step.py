@@ -1,4 +1,5 @@
-"""Seconds per GRPO step and peak memory: ``verl train --backend cpu`` (VeRL 0.9.1 on our backend) vs TRL's ``GRPOTrainer``.
+"""Seconds per GRPO step and peak memory: ``verl train --backend cpu`` (VeRL 0.9.1 on our backend)
+vs TRL's ``GRPOTrainer``.
 
 Both sides train the same model (SmolLM2-135M-Instruct, float32, from ``verl_backend.models.ensure_default_model``)
 on the same task (reasoning-gym ``basic_arithmetic``: the parquet that ``verl train`` writes is what TRL reads), with
@@ -14,8 +15,8 @@ TRL runs twice, once each way, and the table gives the ratio to both.
 
 Both run with glibc's default allocator settings. ``RL_TPU_COMPACT_MALLOC=1`` (set it for this script to have our run
 use it) starts every process of ``verl train --backend cpu`` with settings that keep the trainer's backward from
-fragmenting the heap, at the price of speed (``verl_backend.host_memory.heap.HOST_MALLOC_ENV``); ``--trl-malloc tuned`` (or ``both``)
-runs TRL with the same settings.
+fragmenting the heap, at the price of speed (``verl_backend.host_memory.heap.HOST_MALLOC_ENV``); ``--trl-malloc tuned``
+(or ``both``) runs TRL with the same settings.
 
 Step times are the mean over steps 2..N (step 1 is warm-up). Columns:
 

@@ -26,8 +26,8 @@ small batch (2 prompts x 2 samples, one per rank, 16-token responses, micro batc
   which this script puts on the cluster's ``PYTHONPATH``: what a device allocator calls "allocated". Its floor is
   the value when the rank was first seen as ``ray::WorkerDict`` (imports done, no model built), as RSS's is;
 - ``live heap, loop``: the same after the first weight sync (the training loop; the mark is the driver's receipt of
-  the line the first sync prints when done, so the first sync's own peak falls outside). Set-up's transients (a full fp32
-  checkpoint read before its shards and its bf16 sampler copy are placed) are host memory on a TPU, not HBM.
+  the line the first sync prints when done, so the first sync's own peak falls outside). Set-up's transients (a full
+  fp32 checkpoint read before its shards and its bf16 sampler copy are placed) are host memory on a TPU, not HBM.
 
     python benchmarks/bench_memory_plan.py [--steps 2] [--keep DIR] [--out memory_plan.json] [extra VeRL keys ...]
     python benchmarks/bench_memory_plan.py --tpu-dry-run [--steps 1] [extra VeRL keys ...]

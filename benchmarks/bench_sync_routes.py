@@ -47,7 +47,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_step import BenchError, run_ours  # noqa: E402  (the pinned config and the run, shared with the TRL comparison)
+# the pinned config and the run, shared with the TRL comparison
+from bench_grpo_step import BenchError, run_ours  # noqa: E402
 
 LORA = [
     "actor_rollout_ref.model.lora_rank=16",

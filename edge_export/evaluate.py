@@ -7,11 +7,11 @@ at most ``max_tokens`` tokens, and one scorer scores both answers:
 
 - ``exact``: 1 when the answer, stripped, equals the expected text;
 - ``number`` (default): 1 when the last number in the answer equals the expected one (GSM8K ``#### 42`` accepted);
-- ``package.module:function`` or ``path/to/file.py:function``: ``function(answer, expected)``, or VeRL's ``compute_score(data_source,
-  solution_str, ground_truth, extra_info)`` when its parameters are named so (e.g. the project's reasoning-gym and
-  GSM8K scorer ``verl_backend.data.rewards:compute_score``, imported by name only when asked for). A function that
-  returns VeRL's dict form is scored by its ``acc`` (the accuracy VeRL validates on) where it has one, else by its
-  ``score`` (a reward, which may give partial credit for the format).
+- ``package.module:function`` or ``path/to/file.py:function``: ``function(answer, expected)``, or VeRL's
+  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` when its parameters are named so (e.g. the
+  project's reasoning-gym and GSM8K scorer ``verl_backend.data.rewards:compute_score``, imported by name only when asked
+  for). A function that returns VeRL's dict form is scored by its ``acc`` (the accuracy VeRL validates on) where it has
+  one, else by its ``score`` (a reward, which may give partial credit for the format).
 """
 
 from __future__ import annotations

@@ -7,25 +7,25 @@ outside the tested range in one line (``litert export: error: litert-torch 0.11.
 
 - ``tensorflow.lite.python.schema_py_generated`` (:data:`TF_SCHEMA`): litert-torch 0.10.0 imports it without
   depending on TensorFlow; aliased onto ai-edge-litert's byte-identical copy (``edge_export._tf_alias``).
-- ``LiteRTLMCacheMixin.get_max_length`` (:data:`CACHE`): litert-torch 0.10.0's export of a model with sliding-window layers
-  (Gemma3, Mistral, windowed Qwen2) calls ``kv_cache.get_max_length()`` on its KV cache
+- ``LiteRTLMCacheMixin.get_max_length`` (:data:`CACHE`): litert-torch 0.10.0's export of a model with sliding-window
+  layers (Gemma3, Mistral, windowed Qwen2) calls ``kv_cache.get_max_length()`` on its KV cache
   (``export_hf/core/exportable_module.py``, the sliding-window mask), which inherited that method from
   ``transformers.Cache`` until transformers 5 removed it (its replacement is ``get_max_cache_shape``). Every cache
   layer of litert-torch still defines it (its static cache length, in tokens), so the cache's own is the longest
   of its layers'. Without it every sliding-window model fails with ``AttributeError: 'LiteRTLMCache' object has
   no attribute 'get_max_length'``; with it they export and their bundles match PyTorch token for token through
   the LiteRT-LM runtime (``tests/edge_export/test_edge_families.py``). No upstream issue was found for it.
-- ``transformers.integrations.use_kernel_forward_from_hub`` (:data:`KERNEL_HOOK`): importing litert-torch 0.10.0's generative export
-  (``export_hf/core/patches.py``) replaces it for the whole process, so every transformers modeling module imported
-  afterwards (and litert-torch's own export imports Qwen3, Gemma3 and others at once) gets litert-torch's ``RMSNorm``,
-  whose forward calls the custom op ``litert_torch::mark_tensor``. A training or sampling model built later in the
-  same process (``verl train --export`` exports in the driver; a test session runs both) then fails under
-  ``torch.compile`` ("the output of this custom operator ... may not alias any inputs"). ``install()`` imports that
-  module first and puts transformers' own decorator back, so modeling classes stay transformers' own; litert-torch's
-  scoped per-family patches (``model_ext/*/patch.py``, entered only during its export) still apply. Without the
-  global one, the exported graph computes RMSNorm from plain ops instead of an ``odml.rms_norm`` composite: the same
-  numbers with litert-torch's experimental mixed precision off (``edge_export`` never turns it on; it would keep only
-  those composites in fp32), checked through the runtime by the export tests.
+- ``transformers.integrations.use_kernel_forward_from_hub`` (:data:`KERNEL_HOOK`): importing litert-torch 0.10.0's
+  generative export (``export_hf/core/patches.py``) replaces it for the whole process, so every transformers modeling
+  module imported afterwards (and litert-torch's own export imports Qwen3, Gemma3 and others at once) gets
+  litert-torch's ``RMSNorm``, whose forward calls the custom op ``litert_torch::mark_tensor``. A training or sampling
+  model built later in the same process (``verl train --export`` exports in the driver; a test session runs both) then
+  fails under ``torch.compile`` ("the output of this custom operator ... may not alias any inputs"). ``install()``
+  imports that module first and puts transformers' own decorator back, so modeling classes stay transformers' own;
+  litert-torch's scoped per-family patches (``model_ext/*/patch.py``, entered only during its export) still apply.
+  Without the global one, the exported graph computes RMSNorm from plain ops instead of an ``odml.rms_norm`` composite:
+  the same numbers with litert-torch's experimental mixed precision off (``edge_export`` never turns it on; it would
+  keep only those composites in fp32), checked through the runtime by the export tests.
 
 Within the range a patch applies only while it is needed: a cache that defines the method itself, or a litert-torch
 without the module-level swap, is left alone, and the tests say so.

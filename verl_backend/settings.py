@@ -131,8 +131,8 @@ SETTINGS: tuple[Setting, ...] = (
         "num_threads",
         int,
         0,
-        "torch threads per process (0: on cpu 2, or the host's cores over its trainer workers if fewer; torch's own count "
-        "elsewhere)",
+        "torch threads per process (0: on cpu 2, or the host's cores over its trainer workers if fewer; torch's own "
+        "count elsewhere)",
         minimum=0,
         env="RL_TPU_NUM_THREADS",
         flag="--num-threads",
@@ -785,10 +785,13 @@ def settings_markdown() -> str:
         "",
         "rl-tpu's own behaviour settings are keys of the job config's `rl_tpu:` section, given on the command line",
         "(`rl_tpu.plain_module=false`) or in the `--config` YAML (`rl_tpu:` then `plain_module: false`). Precedence,",
-        "highest first: the command line (a flag is its key's shortcut; the two may not disagree), the `--config` file,",
-        "an `RL_TPU_*` environment variable of the `verl` process (deprecated: it warns and names the key), the default.",
+        "highest first: the command line (a flag is its key's shortcut; the two may not disagree), "
+        "the `--config` file,",
+        "an `RL_TPU_*` environment variable of the `verl` process (deprecated: it warns and names the key), "
+        "the default.",
         "They are checked once, before anything starts (one line naming a bad key or value), printed by",
-        "`verl train --print-config` and `verl train --help`, and written into the run's `config.yaml`. The driver hands",
+        "`verl train --print-config` and `verl train --help`, and written into the run's `config.yaml`. "
+        "The driver hands",
         "them to every Ray worker of the job, on every host, as one record in the job's `runtime_env`; a worker never",
         'reads its own environment for them, and a worker without the record refuses to run. "read by": `driver` (the',
         "`verl train` process only) or `workers` (inside the Ray workers, from the record).",

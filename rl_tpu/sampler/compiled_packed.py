@@ -17,16 +17,16 @@ packed copy up in the :class:`PackCache` of the compiled steps (the C++ op by th
 the cache that is running, :meth:`PackCache.active`), keyed by the weight's storage address, shape and strides,
 and used only while the weight's version counter is the one packed and its storage is the one packed (a weak
 reference), so an in-place copy into a parameter, or a parameter rebound to other storage (shared memory), is packed
-again at its next use; copies of freed storage are dropped. A write this process's version counters do not see (another process
-through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCache.release`, which
+again at its next use; copies of freed storage are dropped. A write this process's version counters do not see (another
+process through shared memory, or ``param.data.copy_``) must be announced (:meth:`PackCache.release`, which
 ``Sampler.weights_changed`` calls), as for the eager sampler's packed weights.
 For a weight or input that is not float32 either op is ``torch.nn.functional.linear``; so is the Python op outside
 an active cache (the C++ op always uses the cache its graph names). Copies of freed weights are dropped at the next
 packing in the same cache.
 
 The packed copies and the product are :mod:`rl_tpu.sampler.panel_kernel`'s: rl-tpu's AVX-512 panel kernel (1.35-1.6x
-oneDNN at the decode's 16 rows on this project's AMD EPYC hosts), or oneDNN's inner product where that kernel cannot run. The numbers are float32 as
-before, summed in the kernel's order: they differ from ``F.linear`` by float32 rounding
+oneDNN at the decode's 16 rows on this project's AMD EPYC hosts), or oneDNN's inner product where that kernel cannot
+run. The numbers are float32 as before, summed in the kernel's order: they differ from ``F.linear`` by float32 rounding
 (relative ~1e-6), as :mod:`rl_tpu.sampler.packed` does for the eager CPU sampler. The packed copies cost the weights'
 size again while they exist.
 """

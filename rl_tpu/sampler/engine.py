@@ -14,10 +14,10 @@ One call to :meth:`Sampler.generate`:
 4. stops when every row has met an EOS/stop token or ``max_new_tokens``; when half the rows or more are finished
    the batch shrinks to the next power of two (the finished rows' cache rows are dropped).
 
-So a compiled (XLA/TPU) forward (``packed_prefill=False``, the default off the CPU) sees only shapes ``(batch_bucket, prompt_bucket)`` for prefill and
-``(batch_bucket, 1)`` against a cache of ``prompt_bucket + gen_bucket`` for decode; :attr:`Sampler.shapes_seen`
-records them. With ``compile=True`` those two steps are compiled graphs, one per shape
-(:mod:`rl_tpu.sampler.compiled`).
+So a compiled (XLA/TPU) forward (``packed_prefill=False``, the default off the CPU) sees only shapes
+``(batch_bucket, prompt_bucket)`` for prefill and ``(batch_bucket, 1)`` against a cache of
+``prompt_bucket + gen_bucket`` for decode; :attr:`Sampler.shapes_seen` records them. With ``compile=True`` those two
+steps are compiled graphs, one per shape (:mod:`rl_tpu.sampler.compiled`).
 """
 
 from __future__ import annotations

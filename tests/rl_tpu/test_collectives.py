@@ -1,4 +1,5 @@
-"""The process group and bucketed broadcast on real gloo process groups (spawned processes) and the bucket packing they use."""
+"""The process group and bucketed broadcast on real gloo process groups (spawned processes) and the bucket packing
+they use."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The console of ``verl train``: the lines a person reads; everything else goes to the run's ``train.log``.
 
-While VeRL runs, this process's file descriptors 1 and 2 point at the log file, then at pipes (so VeRL's config dump, Ray's own lines, the
-worker output Ray forwards to the driver, C libraries' prints and tqdm's redraws are all caught). Every line goes to
-``<run folder>/train.log``; the terminal gets only
+While VeRL runs, this process's file descriptors 1 and 2 point at the log file, then at pipes (so VeRL's config dump,
+Ray's own lines, the worker output Ray forwards to the driver, C libraries' prints and tqdm's redraws are all caught).
+Every line goes to ``<run folder>/train.log``; the terminal gets only
 
 - the driver's own lines, written with :meth:`Console.say` (the job's settings line, one line per training step,
   the summary),

@@ -155,6 +155,8 @@ def job_workers(config) -> int:
 def job_shape(config, workers: int | None = None, settings=None) -> JobShape:
     """The :class:`JobShape` of a composed VeRL ``config`` (an OmegaConf node or a nested dict), read once.
 
+    Long as the field list is: one keyword a field of :class:`JobShape`, read top to bottom.
+
     Args:
         workers: trainer workers to plan for (``None``: :func:`job_workers`).
         settings: the job's :class:`verl_backend.settings.RlTpuSettings` (``None``: the config's ``rl_tpu``

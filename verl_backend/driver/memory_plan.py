@@ -513,10 +513,10 @@ def _compiled_update_terms(
 
 
 def _micro_batch_tokens(job: JobShape, seq: int) -> tuple[int, str, int, int]:
-    """One update micro batch at the longest length ``seq``: ``(sequences, how, tokens per chip, LM-head tokens)``. Tokens are
-    counted at the longest prompt and response; a packed micro batch under the prefix grouper holds each prompt once
-    per group, a bucketed one ``seq`` a sequence; the LM head runs at response tokens only on packed micro batches
-    with ``rl_tpu.response_only_logits``; ``use_dynamic_bsz`` holds ``ppo_max_token_len_per_gpu`` tokens."""
+    """One update micro batch at the longest length ``seq``: ``(sequences, how, tokens per chip, LM-head tokens)``.
+    Tokens are counted at the longest prompt and response; a packed micro batch under the prefix grouper holds each
+    prompt once per group, a bucketed one ``seq`` a sequence; the LM head runs at response tokens only on packed micro
+    batches with ``rl_tpu.response_only_logits``; ``use_dynamic_bsz`` holds ``ppo_max_token_len_per_gpu`` tokens."""
     if job.dynamic_batch:
         tokens = job.max_tokens_per_chip
         micro = max(1, tokens // seq)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Rows ``{"step": int, "data": {metric: value}}`` from VeRL's file logger (JSONL), one per step; missing → ``[]``."""
+    """Rows ``{"step": int, "data": {metric: value}}`` from VeRL's file logger (JSONL), one per step;
+    missing → ``[]``."""
     if not path.is_file():
         return []
     by_step: dict[int, dict] = {}

@@ -5,11 +5,11 @@ load balancer, TransferQueue controller and storage). Each imports torch, VeRL, 
 TransferQueue before it does any work: ~0.25-0.3 GiB of private memory per process (``Pss_Anon``;
 ``benchmarks/bench_process_floor.py``), 2.4 GiB for the job, and 10-15 CPU seconds each.
 
-This server imports almost all of it once (:data:`PRELOAD`: everything but Ray and what imports Ray), freezes the objects out of the garbage collector's reach
-(``gc.freeze``: a collection would otherwise write to every object and un-share its page), and then forks one child
-per Ray worker. A child's pages stay shared with the server and its siblings until written (copy-on-write), so what
-the imports built is held once. The idea is Android's zygote and the ``forkserver`` start method of
-:mod:`multiprocessing`; Ray itself has no such mode.
+This server imports almost all of it once (:data:`PRELOAD`: everything but Ray and what imports Ray), freezes the
+objects out of the garbage collector's reach (``gc.freeze``: a collection would otherwise write to every object and
+un-share its page), and then forks one child per Ray worker. A child's pages stay shared with the server and its
+siblings until written (copy-on-write), so what the imports built is held once. The idea is Android's zygote and the
+``forkserver`` start method of :mod:`multiprocessing`; Ray itself has no such mode.
 
 Ray starts each worker through the runtime environment's ``py_executable`` (:func:`worker_py_executable`): a tiny
 client (:mod:`verl_backend.host_memory.fork_client`) that passes its arguments, environment, working directory and

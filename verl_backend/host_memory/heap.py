@@ -1,10 +1,10 @@
 """Host memory of CPU processes whose tensors live on the C heap: glibc malloc settings, heap trims, and a garbage
 collector that skips long-lived objects. The CPU host-memory machinery's glibc and ``gc`` code, all of it, here.
 
-Each part is behind a setting of the job (``verl_backend.settings``): ``rl_tpu.compact_malloc`` (:data:`HOST_MALLOC_ENV`,
-:func:`tune_host_malloc`), ``rl_tpu.trim_backward`` (:class:`BackwardHeapTrim`); :func:`trim_host_heap` between
-phases and :func:`freeze_long_lived_objects` once per worker are on every CPU job. Whether each default pays is
-measured by ``benchmarks/bench_host_memory.py`` (time and memory, median of 3).
+Each part is behind a setting of the job (``verl_backend.settings``): ``rl_tpu.compact_malloc``
+(:data:`HOST_MALLOC_ENV`, :func:`tune_host_malloc`), ``rl_tpu.trim_backward`` (:class:`BackwardHeapTrim`);
+:func:`trim_host_heap` between phases and :func:`freeze_long_lived_objects` once per worker are on every CPU job.
+Whether each default pays is measured by ``benchmarks/bench_host_memory.py`` (time and memory, median of 3).
 Where there is no glibc every function does nothing and says so by its return value.
 """
 

@@ -264,9 +264,10 @@ class NativeServerAdapter(BaseRollout):
         Records ``last_sync`` (:meth:`verl_backend.weight_sync.SyncReport.as_metrics`: version, transport, bytes,
         copied bytes, seconds, buckets).
 
-        A stream that can be closed (the ``gloo`` engine's :class:`~verl_backend.weight_sync.pool_stream.ReceivedWeights`)
-        is closed on the way out, raised or not: what this replica did not read is drained, so the trainer and the
-        other replicas finish the sync instead of waiting for the group's timeout.
+        A stream that can be closed (the ``gloo`` engine's
+        :class:`~verl_backend.weight_sync.pool_stream.ReceivedWeights`) is closed on the way out, raised or not: what
+        this replica did not read is drained, so the trainer and the other replicas finish the sync instead of waiting
+        for the group's timeout.
 
         Raises:
             ValueError: ``wire_format`` other than ``"named_tensors"`` (delta sync is not supported).
@@ -278,7 +279,8 @@ class NativeServerAdapter(BaseRollout):
             if callable(close):
                 try:
                     close()
-                except Exception as exc:  # noqa: BLE001 -- the load's own error is the one to see; the drain's is logged
+                except Exception as exc:  # noqa: BLE001 -- the load's own error is the one to see;
+                    # the drain's is logged
                     logger.warning("weight sync: draining the rest of the stream after a failed load: %s", exc)
             raise
         if callable(close):

@@ -279,7 +279,8 @@ class NativeRolloutServer:
         if self.shared is not None and not self.shared.resident:
             raise RuntimeError(
                 "the native rollout is asleep: sleep() released its weights; sync weights first "
-                "(VeRL's checkpoint_manager.update_weights does) or set actor_rollout_ref.rollout.free_cache_engine=False"
+                "(VeRL's checkpoint_manager.update_weights does) or set "
+                "actor_rollout_ref.rollout.free_cache_engine=False"
             )
         start = time.perf_counter()
         if self.worker_method is None:

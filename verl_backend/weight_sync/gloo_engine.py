@@ -32,9 +32,9 @@ on every trainer rank and ``receive_weights`` on every rollout worker, then ``fi
 
 Same host (the CPU backend's ``separate_async``, a TPU host that holds both pools): the bytes skip gloo's TCP
 loopback. In ``prepare`` the source makes a shared-memory file of two halves of ``bucket_size``
-(:mod:`verl_backend.weight_sync.pool_shared_memory`); each rollout worker maps it read-only if it is on the same host (boot id)
-and sees the same file (a nonce). One all-reduce at the start of the sync picks the transport for the whole group:
-shared memory only if every receiver mapped it, else the byte broadcast above, unchanged (never a mix). Then the
+(:mod:`verl_backend.weight_sync.pool_shared_memory`); each rollout worker maps it read-only if it is on the same host
+(boot id) and sees the same file (a nonce). One all-reduce at the start of the sync picks the transport for the whole
+group: shared memory only if every receiver mapped it, else the byte broadcast above, unchanged (never a mix). Then the
 source packs each bucket into the free half and broadcasts only its header; each receiver copies the bucket out into
 a fresh buffer, and a one-number all-reduce per bucket tells the source that half may be reused (packing bucket k+1
 overlaps the copies of bucket k). Cost: a memory copy on each side instead of a socket, and 2 x ``bucket_size`` of
@@ -223,7 +223,7 @@ class GlooCheckpointEngine(InWorkerGenerate, CheckpointEngine):
                 held.close()
         self._file, self._mapping, self._shared = None, None, False
 
-    # -- the sync -------------------------------------------------------------------------------------------------------
+    # -- the sync ----------------------------------------------------------------------------------------------------
     def _transport(self, can_map: bool) -> PoolBroadcast:
         """The one collective that picks the sync's transport for the whole group: shared memory if every rank could
         use the file, else the byte broadcast."""

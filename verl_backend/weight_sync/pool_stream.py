@@ -21,7 +21,8 @@ class PoolSyncError(RuntimeError):
 
 
 class ReceivedWeights:
-    """What :meth:`~verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine.receive_weights` returns: iterate it once for ``(name, tensor)`` pairs.
+    """What :meth:`~verl_backend.weight_sync.gloo_engine.GlooCheckpointEngine.receive_weights` returns: iterate it once
+    for ``(name, tensor)`` pairs.
 
     A consumer that copies each tensor before asking for the next one (the native rollout's in-process CPU load and
     its shared-memory writer) may call :meth:`allow_views` before iterating: through shared memory it then gets

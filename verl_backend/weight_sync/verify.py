@@ -382,11 +382,12 @@ def stale_packed_copies(sampler) -> list[str]:
 @dataclass
 class VerifyResult:
     """One sync's verification: ``ok``; the probe's ``max_abs_diff``, ``mean_abs_diff``, ``score`` (its difference
-    as a fraction of its bound, :func:`probe_score`) and ``probe_ok``; ``seconds`` (the rollout side's check: its probe and fingerprints); ``pack_seconds`` (packing
-    the sampler's weight copies before the probe: work the next batch would do anyway, so not the check's cost);
-    ``differing`` (tensors whose fingerprint differs, else stale packed copies), ``first_tensor`` (the first of them,
-    or ``None``), ``unchecked`` (fingerprints sent under names the model does not have, e.g. an adapter-only LoRA
-    payload's matrices: the rollout merges them, so only the probe checks them) and the one-line ``message``."""
+    as a fraction of its bound, :func:`probe_score`) and ``probe_ok``; ``seconds`` (the rollout side's check: its probe
+    and fingerprints); ``pack_seconds`` (packing the sampler's weight copies before the probe: work the next batch would
+    do anyway, so not the check's cost); ``differing`` (tensors whose fingerprint differs, else stale packed copies),
+    ``first_tensor`` (the first of them, or ``None``), ``unchecked`` (fingerprints sent under names the model does not
+    have, e.g. an adapter-only LoRA payload's matrices: the rollout merges them, so only the probe checks them) and the
+    one-line ``message``."""
 
     ok: bool
     max_abs_diff: float

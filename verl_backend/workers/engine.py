@@ -312,9 +312,9 @@ def share_fsdp_parameters(module: torch.nn.Module, name: str = "rl_tpu_actor"):
     the same: each parameter's ``.data`` becomes its view of the file.
 
     Every ``FSDPParam``'s sharded storage (what the optimizer updates and the all-gather reads; FSDP2's private
-    names, read only through :mod:`verl_backend.patches.fsdp2_internals`) becomes a view of the file, so a reader that maps it (the rollout
-    server, :class:`rl_tpu.shared_weights.SharedWeightsReader`) sees each optimizer step with no copy. The
-    ``Parameter`` objects stay the same (the optimizer's references remain valid); FSDP2's lazy init keeps the
+    names, read only through :mod:`verl_backend.patches.fsdp2_internals`) becomes a view of the file, so a reader that
+    maps it (the rollout server, :class:`rl_tpu.shared_weights.SharedWeightsReader`) sees each optimizer step with no
+    copy. The ``Parameter`` objects stay the same (the optimizer's references remain valid); FSDP2's lazy init keeps the
     storage since it is already padded (``FSDPParam.reset_sharded_param``, torch 2.13). Slot names are the
     state-dict keys after VeRL's ``convert_weight_keys`` (the names ``get_per_tensor_param`` yields, i.e. the
     rollout model's); tied weights share a slot.

@@ -141,9 +141,9 @@ def match_saved_config_dtype(hf_dir: str | os.PathLike) -> str | None:
 
 
 class HFConfigDtypeOnSave:
-    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype (:func:`match_saved_config_dtype`);
-    with LoRA, ``huggingface/`` becomes the merged model and ``lora_adapter/`` the adapter
-    (:func:`save_lora_checkpoint`)."""
+    """Engine mixin: after VeRL saves a checkpoint, rank 0 fixes its HF config's dtype
+    (:func:`match_saved_config_dtype`); with LoRA, ``huggingface/`` becomes the merged model and ``lora_adapter/`` the
+    adapter (:func:`save_lora_checkpoint`)."""
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(

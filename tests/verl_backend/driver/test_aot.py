@@ -468,7 +468,8 @@ _CHLO_MODULES = {
         "tensor<4xi32>",
         "tensor<4xi32>",
         """%c = stablehlo.constant dense<0> : tensor<i32>
-    %0:2 = chlo.scan(%arg0) inits (%c) dimension=0  attributes {is_associative = true, is_reverse = false, scan_dim_size = 4 : i64} {
+    %0:2 = chlo.scan(%arg0) inits (%c) dimension=0  attributes {is_associative = true, is_reverse = false, """
+        """scan_dim_size = 4 : i64} {
     ^bb0(%input: tensor<i32>, %carry: tensor<i32>):
       %1 = stablehlo.add %input, %carry : tensor<i32>
       stablehlo.return %1, %1 : tensor<i32>, tensor<i32>
@@ -492,7 +493,10 @@ _CHLO_MODULES = {
         "tensor<4x8xf32>",
         """%w = stablehlo.constant dense<1.0> : tensor<2x8x8xf32>
     %g = stablehlo.constant dense<2> : tensor<2xi32>
-    %0 = "chlo.ragged_dot"(%arg0, %w, %g) <{precision_config = [#chlo<precision DEFAULT>, #chlo<precision DEFAULT>], ragged_dot_dimension_numbers = #chlo.ragged_dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [1], lhs_ragged_dimensions = [0], rhs_group_dimensions = [0]>}> : (tensor<4x8xf32>, tensor<2x8x8xf32>, tensor<2xi32>) -> tensor<4x8xf32>
+    %0 = "chlo.ragged_dot"(%arg0, %w, %g) <{precision_config = [#chlo<precision DEFAULT>, #chlo<precision DEFAULT>], """
+        "ragged_dot_dimension_numbers = #chlo.ragged_dot<lhs_contracting_dimensions = [1], "
+        "rhs_contracting_dimensions = [1], lhs_ragged_dimensions = [0], rhs_group_dimensions = [0]>}> "
+        """: (tensor<4x8xf32>, tensor<2x8x8xf32>, tensor<2xi32>) -> tensor<4x8xf32>
     return %0 : tensor<4x8xf32>""",
     ),
 }

@@ -51,8 +51,8 @@ def _verl_separate_async_assert(config) -> str | None:
             SEP + ["trainer.v1.separate_async.parameter_sync_step=4"],
             (
                 "needs data.train_batch_size (4) == "
-                "trainer.v1.separate_async.parameter_sync_step (4) × actor_rollout_ref.actor.ppo_mini_batch_size (4) (VeRL "
-                "0.9.1 asserts it); set trainer.v1.separate_async.parameter_sync_step=1"
+                "trainer.v1.separate_async.parameter_sync_step (4) × actor_rollout_ref.actor.ppo_mini_batch_size (4) "
+                "(VeRL 0.9.1 asserts it); set trainer.v1.separate_async.parameter_sync_step=1"
             ),
             "train_batch_size must equal",
         ),
@@ -65,8 +65,8 @@ def _verl_separate_async_assert(config) -> str | None:
         (
             ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1"],
             (
-                "actor_rollout_ref.rollout.nnodes=0: trainer.v1.trainer_mode=separate_async samples on a rollout pool of its "
-                "own; set actor_rollout_ref.rollout.nnodes to 1 or more"
+                "actor_rollout_ref.rollout.nnodes=0: trainer.v1.trainer_mode=separate_async samples on a rollout "
+                "pool of its own; set actor_rollout_ref.rollout.nnodes to 1 or more"
             ),
             "nnodes must be > 0",
         ),
@@ -74,8 +74,8 @@ def _verl_separate_async_assert(config) -> str | None:
         (
             SEP + ["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
             (
-                "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that sends "
-                "to another pool"
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: VeRL's separate_async needs an engine that "
+                "sends to another pool"
             ),
             "please use nccl/nixl/mooncake",
         ),

@@ -141,7 +141,7 @@ def test_a_fast_path_key_that_is_not_a_bool_is_refused():
         sampler_fast_paths(OmegaConf.create({"engine_kwargs": {"native": {"lean_decode": "no"}}}))
 
 
-# --- the bf16 bucketed sampler against an fp32 forward, and the negative control ---------------------------------------
+# --- the bf16 bucketed sampler against an fp32 forward, and the negative control -------------------------------------
 
 
 def _mismatch(sampler, model_dir: Path) -> tuple[float, float, int]:

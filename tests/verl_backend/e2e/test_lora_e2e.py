@@ -1,9 +1,9 @@
 """End to end: ``verl train --backend cpu`` with VeRL's LoRA keys (``lora_rank=8 lora_alpha=16``) on a tiny random
 Llama (weights far from zero: peaked distributions), 2 GRPO steps, on the CPU default's path and on the TPU
 engine's (FSDP2-wrapped, padded micro batches, the sampler in the trainer worker). Each sync sends the adapter only;
-the rollout merges it onto its base weights and samples on the merged model, so its log-probs are the trainer's (whose forward runs the adapter
-unmerged) after every sync: VeRL's own merged export (bfloat16) gave rollout_probs_diff_max 7e-4 and per-sequence
-log-prob differences up to 0.011 at step 1 on this model, a full fine-tuning run 8e-9 and 1e-6."""
+the rollout merges it onto its base weights and samples on the merged model, so its log-probs are the trainer's (whose
+forward runs the adapter unmerged) after every sync: VeRL's own merged export (bfloat16) gave rollout_probs_diff_max
+7e-4 and per-sequence log-prob differences up to 0.011 at step 1 on this model, a full fine-tuning run 8e-9 and 1e-6."""
 
 from __future__ import annotations
 

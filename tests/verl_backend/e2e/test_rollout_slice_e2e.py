@@ -3,7 +3,8 @@ trainer's pool is one slice and VeRL's standalone rollout replica is the other, 
 ``ray.util.tpu``; ``separate_async``, the rollout pool's shape and the ``gloo`` checkpoint engine come from the one
 setting, and every step's weights reach the rollout slice through that engine. With 2 mini-batches per sync cycle and
 bypass mode off, VeRL's ``DetachActorWorker`` saves pi_old and restores it for the second mini-batch's old log-probs on
-rl-tpu's engine (the patched save, ``test_patches.py::test_detached_actor_keeps_pi_old_on_cpu_for_sharded_and_plain_modules``).
+rl-tpu's engine (the patched save,
+``test_patches.py::test_detached_actor_keeps_pi_old_on_cpu_for_sharded_and_plain_modules``).
 
 The sampler is the TPU profile's (``sampler_placement=worker``, bucketed, no CPU fast path): on a TPU a process owns
 its chip, so the rollout slice's ``CheckpointEngineWorker`` (the process holding the chip) samples, and its rollout

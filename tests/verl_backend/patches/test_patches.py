@@ -228,7 +228,8 @@ def test_resource_check_counts_cpus_and_slice_pool_replaces_verls(job_settings):
             import time
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not any(
-                    a.get("ActorClassName") == "Doomed" and a.get("State") == "DEAD" for a in ri.actor_table().values()):
+                    a.get("ActorClassName") == "Doomed" and a.get("State") == "DEAD" """
+        """for a in ri.actor_table().values()):
                 time.sleep(0.2)
             dead = [a.get("DeathCause") is not None for a in ri.actor_table().values()
                     if a.get("ActorClassName") == "Doomed" and a.get("State") == "DEAD"]
@@ -511,8 +512,8 @@ def test_installed_versions_pass():
         (
             {"verl": "0.9.1", "TransferQueue": "0.1.11", "ray": "2.61.0"},
             (
-                "ray 2.61.0 is outside the tested range <2.61,>=2.60 of rl-tpu's patch ray._private.state.actors; install "
-                '"ray<2.61,>=2.60"'
+                "ray 2.61.0 is outside the tested range <2.61,>=2.60 of rl-tpu's patch ray._private.state.actors; "
+                'install "ray<2.61,>=2.60"'
             ),
         ),
         (

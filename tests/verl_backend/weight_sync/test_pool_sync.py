@@ -9,8 +9,8 @@ embedding (larger than a bucket: sent in chunks), bf16 and int64 tensors, and en
 buckets. Each receiver checks every tensor bit for bit, consumes slowly and checks it again before asking for the
 next (the source must not overwrite a half a receiver is still reading); rollout worker 0 keeps the first layers'
 tensors to the end of the stream (the halves of the shared file are reused many times by then) and checks them
-again; rollout worker 1 opts in to views of the shared file (``ReceivedWeights.allow_views``). Peak memory is the process's max RSS over
-the first sync minus before it.
+again; rollout worker 1 opts in to views of the shared file (``ReceivedWeights.allow_views``). Peak memory is the
+process's max RSS over the first sync minus before it.
 """
 
 from __future__ import annotations

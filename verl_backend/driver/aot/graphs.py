@@ -102,9 +102,9 @@ def job_graphs(job, workers: int | None = None) -> list[GraphRequest]:
 
 def graph_list(job) -> list[dict]:
     """The (graph, input shapes) list of ``job`` (a :class:`~verl_backend.driver.job_shape.JobShape` or a composed
-    config) as ``--aot-only`` lowers it (:func:`job_graphs`), as JSON records: ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block``
-    empty: the lowering adds a graph per kind of block); what the TPU dry run records in its run folder
-    (``aot/graphs.json``)."""
+    config) as ``--aot-only`` lowers it (:func:`job_graphs`), as JSON records:
+    ``{"graph": name, "kind", "batch", "seq", "cache", "block"}`` (``block`` empty: the lowering adds a graph per kind
+    of block); what the TPU dry run records in its run folder (``aot/graphs.json``)."""
     return [{"graph": g.name, **dataclasses.asdict(g)} for g in job_graphs(job)]
 
 

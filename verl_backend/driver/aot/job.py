@@ -102,7 +102,8 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
     hbm = hbm_gib * 2**30
     kept = "gradient checkpointing: each block's input" if checkpointed else "every block's saved tensors"
     print(
-        f"per chip, from XLA ({kept}): {layers} blocks' saved activations {chip['saved_activations'] / 2**30:.2f} GiB + "
+        f"per chip, from XLA ({kept}): {layers} blocks' saved activations "
+        f"{chip['saved_activations'] / 2**30:.2f} GiB + "
         f"largest trainer graph {chip['largest_trainer_graph'] / 2**30:.2f} GiB = "
         f"{chip['training_peak'] / 2**30:.2f} GiB ({100 * chip['training_peak'] / hbm:.0f}% of {hbm_gib:g} GiB "
         f"HBM); largest sampler graph {chip['largest_sampler_graph'] / 2**30:.2f} GiB "
