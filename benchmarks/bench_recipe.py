@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from verl_backend.settings import BY_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "recipe"
 RESULTS = OUT / "results.jsonl"
@@ -61,16 +63,9 @@ TASKS = {
         "allow_negation": False,
     },
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-    # basic_arithmetic with "+" only: no item needs the negative numbers the 135M model never samples
-    "addition": {
-        "min_terms": 2,
-        "max_terms": 2,
-        "min_digits": 1,
-        "max_digits": 2,
-        "operators": ["+"],
-        "allow_parentheses": False,
-        "allow_negation": False,
-    },
+    # basic_arithmetic with "+" only: no item needs the negative numbers the 135M model never samples (the default
+    # job's task, declared once in verl_backend/settings.py)
+    "addition": BY_NAME["task_config"].default,
 }
 # reasoning-gym's dataset name of each task (a task here is a dataset and its config)
 DATASET = {"basic_arithmetic": "basic_arithmetic", "chain_sum": "chain_sum", "addition": "basic_arithmetic"}
