@@ -152,6 +152,20 @@ def job_workers(config) -> int:
     return int(config_get(config, "trainer.n_gpus_per_node", 1)) * int(config_get(config, "trainer.nnodes", 1))
 
 
+def job_settings_of(config):
+    """The job's typed settings (:class:`verl_backend.settings.RlTpuSettings`) from the composed config's ``rl_tpu``
+    section (``verl train`` writes the resolved table there), parsed by :func:`verl_backend.settings.from_mapping`;
+    a config without the section, or a key left out, takes the table's defaults.
+
+    Raises:
+        BadInputError: an unknown key or a bad value in ``config.rl_tpu``.
+    """
+    from verl_backend.settings import from_mapping
+
+    section = config_get(config, "rl_tpu", None)
+    return from_mapping(section if section is not None else {}, "config rl_tpu")
+
+
 def job_shape(config, workers: int | None = None, settings=None) -> JobShape:
     """The :class:`JobShape` of a composed VeRL ``config`` (an OmegaConf node or a nested dict), read once.
 
@@ -171,11 +185,7 @@ def job_shape(config, workers: int | None = None, settings=None) -> JobShape:
     def get(key, default=None):
         return config_get(config, key, default)
 
-    if settings is None:
-        from verl_backend.settings import from_mapping
-
-        section = get("rl_tpu", None)
-        settings = from_mapping(section if section is not None else {}, "config rl_tpu")
+    settings = job_settings_of(config) if settings is None else settings
     w = int(workers or job_workers(config))
     fsdp = int(get(f"{_ARO}.actor.fsdp_config.fsdp_size", -1))
     sp = max(

@@ -245,20 +245,6 @@ def resolve_slice(slice_spec):
     return slice_spec
 
 
-def job_settings_of(config):
-    """The job's typed settings (:class:`verl_backend.settings.RlTpuSettings`) from the composed config's ``rl_tpu``
-    section (``verl train`` writes the resolved table there), parsed by :func:`verl_backend.settings.from_mapping`;
-    a config without the section, or a key left out, takes the table's defaults.
-
-    Raises:
-        BadInputError: an unknown key or a bad value in ``config.rl_tpu``.
-    """
-    from verl_backend.settings import from_mapping
-
-    section = config_value(config, "rl_tpu", None)
-    return from_mapping(section if section is not None else {}, "config rl_tpu")
-
-
 def _files_refilled(job: JobShape, model_bytes: float) -> float:
     """Bytes of the model's files the CPU rollout server maps during an adapter-only LoRA sync. With shared-memory
     weights given back while it sleeps (``rl_tpu.shared_weights``, ``rollout.free_cache_engine``: the defaults) it

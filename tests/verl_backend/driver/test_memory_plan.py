@@ -542,7 +542,7 @@ def test_a_lora_cpu_job_plans_the_rollouts_refill_from_the_model_files(tmp_path)
 
     from transformers import Qwen3Config
 
-    from verl_backend.driver.memory_plan import job_settings_of
+    from verl_backend.driver.job_shape import job_settings_of
 
     Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path)
     lora = {
