@@ -185,6 +185,16 @@ SETTINGS: tuple[Setting, ...] = (
         "runs eagerly, said in one line; on by default with --backend tpu (the TPU profile's)",
     ),
     Setting(
+        "compile_backend",
+        str,
+        "device",
+        "the torch.compile backend of compile_trainer and compile_sampler: device (the device's: tpu on TPU, "
+        "inductor on CPU/CUDA) or tpu-on-cpu (each graph lowered to StableHLO by TorchTPU as on a chip, in a "
+        "lowering server from .venv-aot, then compiled and run by XLA:CPU; the TPU dry run's default where "
+        ".venv-aot exists: verl_backend/tpu_on_cpu.py)",
+        choices=("device", "tpu-on-cpu"),
+    ),
+    Setting(
         "slice",
         str,
         "",
@@ -630,6 +640,7 @@ EngineSettings = _section(
     (
         "shared_weights",
         "compile_trainer",
+        "compile_backend",
         "trim_backward",
         "response_only_logits",
         "shared_prefix",
@@ -648,7 +659,7 @@ def engine_settings(settings: "RlTpuSettings") -> "EngineSettings":
 
 RolloutSettings = _section(
     "RolloutSettings",
-    ("shared_weights", "verify_weight_sync", "compile_sampler", "job_seed"),
+    ("shared_weights", "verify_weight_sync", "compile_sampler", "compile_backend", "job_seed"),
     "The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter "
     ":class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server "
     ":class:`verl_backend.rollout.server.NativeRolloutServer`).",

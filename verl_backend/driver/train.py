@@ -298,8 +298,31 @@ def _check_before_run(config, job: _Job) -> None:
             )
         if reason:
             raise BadInputError(reason)
+    if settings.compile_backend == "tpu-on-cpu":
+        _check_tpu_on_cpu(backend.name, settings)
     check_export(settings, config)
     fit_epochs_to_steps(config)
+
+
+def _check_tpu_on_cpu(backend_name: str, settings) -> None:
+    """``rl_tpu.compile_backend=tpu-on-cpu`` runs TorchTPU's graphs on the host's CPU: only with ``--backend cpu``,
+    and only with torch-tpu in ``.venv-aot``.
+
+    Raises:
+        BadInputError: another backend, or no torch-tpu.
+    """
+    from verl_backend.tpu_on_cpu import aot_python_path
+
+    if backend_name != "cpu":
+        raise BadInputError(
+            f"rl_tpu.compile_backend=tpu-on-cpu executes TorchTPU's graphs on XLA:CPU: use it with --backend cpu "
+            f"(--tpu-dry-run), not --backend {backend_name}, whose compile backend is its device's"
+        )
+    if aot_python_path() is None:
+        raise BadInputError(
+            "rl_tpu.compile_backend=tpu-on-cpu needs torch-tpu 0.2.0 in .venv-aot: make it with .ci/aot_venv, or "
+            "leave rl_tpu.compile_backend=device"
+        )
 
 
 def _run(args, config, job: _Job, out: Path, fork_server: dict, console) -> int:

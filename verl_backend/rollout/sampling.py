@@ -39,6 +39,8 @@ def build_sampler(
     from rl_tpu.expert_slices import has_fused_experts, tpu_experts_kwargs
     from rl_tpu.sampler import Sampler
 
+    from verl_backend.tpu_on_cpu import compile_backend
+
     settings = RolloutSettings() if settings is None else settings
     device = torch.device(device)
     dtype = getattr(torch, str(getattr(rollout_config, "dtype", "float32") or "float32"))
@@ -55,6 +57,15 @@ def build_sampler(
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    fast_paths = sampler_fast_paths(rollout_config)
+    backend = compile_backend(settings.compile_backend, "sampler") if settings.compile_sampler else None
+    if backend is not None:  # the chip's graphs: the model's own linear layers, not oneDNN's packed copies
+        if fast_paths.get("packed_weights"):
+            raise ValueError(
+                "rollout.engine_kwargs.native.packed_weights=true with rl_tpu.compile_backend=tpu-on-cpu: packed "
+                "weights are oneDNN's and no TPU graph has them; leave packed_weights unset"
+            )
+        fast_paths["packed_weights"] = False
     sampler = Sampler(
         model,
         pad_token_id=pad,
@@ -64,7 +75,8 @@ def build_sampler(
         max_batch_size=max(1, int(getattr(rollout_config, "max_num_seqs", 64) or 64)),
         device=device,
         compile=bool(settings.compile_sampler),
-        **sampler_fast_paths(rollout_config),
+        compile_backend=backend,
+        **fast_paths,
     )
     on = {True: "on", False: "off"}
     float32 = next(sampler.model.parameters()).dtype == torch.float32  # oneDNN packs float32 weights only

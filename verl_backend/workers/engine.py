@@ -125,10 +125,12 @@ class RlTpuFSDPEngineWithLMHead(
             from rl_tpu.compiled_blocks import CompiledBlocks
             from rl_tpu.sampler.compiled import compile_backend_for
 
-            # the backend of the worker's platform (its parameters may be offloaded to the host)
-            self.compiled_blocks = CompiledBlocks(
-                self.module, compile_backend_for(get_device_name()), say=lambda line: print(line, flush=True)
-            )
+            from verl_backend.tpu_on_cpu import compile_backend
+
+            # the backend of the worker's platform (its parameters may be offloaded to the host), or tpu-on-cpu
+            region = "reference.block" if self.engine_config.forward_only else "actor.block"
+            backend = compile_backend(self.rl_tpu.compile_backend, region) or compile_backend_for(get_device_name())
+            self.compiled_blocks = CompiledBlocks(self.module, backend, say=lambda line: print(line, flush=True))
             print(
                 f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "
                 f"{'reference policy' if self.engine_config.forward_only else 'actor'} compile per input shape "
