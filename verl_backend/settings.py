@@ -195,6 +195,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("device", "tpu-on-cpu"),
     ),
     Setting(
+        "compile_cache_dir",
+        str,
+        "",
+        "with rl_tpu.compile_backend=tpu-on-cpu: the folder of each graph's StableHLO, by (graph, input shapes), "
+        "shared by the host's processes, and of each process's graph counts (stats/); default the run folder's "
+        "tpu-on-cpu/",
+    ),
+    Setting(
         "slice",
         str,
         "",
@@ -641,6 +649,7 @@ EngineSettings = _section(
         "shared_weights",
         "compile_trainer",
         "compile_backend",
+        "compile_cache_dir",
         "trim_backward",
         "response_only_logits",
         "shared_prefix",
@@ -659,7 +668,7 @@ def engine_settings(settings: "RlTpuSettings") -> "EngineSettings":
 
 RolloutSettings = _section(
     "RolloutSettings",
-    ("shared_weights", "verify_weight_sync", "compile_sampler", "compile_backend", "job_seed"),
+    ("shared_weights", "verify_weight_sync", "compile_sampler", "compile_backend", "compile_cache_dir", "job_seed"),
     "The native rollout's switches (built by :func:`rollout_settings` where a rollout starts: the replica's adapter "
     ":class:`verl_backend.rollout.adapter.NativeServerAdapter` and the server "
     ":class:`verl_backend.rollout.server.NativeRolloutServer`).",

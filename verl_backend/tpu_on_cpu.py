@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 NAME = "tpu-on-cpu"
@@ -194,25 +194,90 @@ class Lowering:
 
 @dataclass
 class GraphStats:
-    """What one graph cost and did in this process. Seconds are wall seconds."""
+    """What one graph did in this process: its name (``<region>.<part><n>``), region, part (``fwd`` and ``bwd``: a training
+    graph's forward and backward, ``inf``: a graph run without gradients), the region's own tensor inputs (``{name: shape}``, parameters left out:
+    :func:`region_inputs`), its cache key (graph code, input shapes and dtypes, constants), how it runs
+    (``xla-cpu`` or ``eager: <reason>``), whether its StableHLO came from the cache, and wall seconds: lowering,
+    XLA:CPU compile, execution (``run_s``, over ``runs`` calls) and the DLPack hand-overs (``copy_s``)."""
 
     name: str
     region: str
     part: str
-    inputs: list
-    lowered: str = "xla-cpu"  # or "eager: <reason>"
+    inputs: dict
+    key: str = ""
+    lowered: str = "xla-cpu"
     cached: bool = False
     lower_s: float = 0.0
     compile_s: float = 0.0
     runs: int = 0
     run_s: float = 0.0
     copy_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 #: every graph compiled in this process, in order
 GRAPHS: list[GraphStats] = []
+#: XLA:CPU executables of this process by cache key
+_EXECUTABLES: dict[str, object] = {}
 _SAID: set[str] = set()
+
+
+def region_inputs(gm, example_inputs) -> dict:
+    """The shapes of a dynamo graph's own tensor inputs, ``{name: [dims]}``: its placeholders less the parameters
+    and buffers dynamo lifted (their names hold ``_parameters_`` / ``_buffers_``), e.g. ``{"L_ids_": [8, 1],
+    "L_mask_": [8, 80], ...}`` for a decode step or ``{"L_hidden_states_": [1, 128, 576], ...}`` for a block."""
+    import torch
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = {}
+    for name, value in zip(names, example_inputs):
+        if isinstance(value, torch.Tensor) and "_parameters_" not in name and "_buffers_" not in name:
+            out[name] = [int(d) for d in value.shape]
+    return out
+
+
+def _write_stats(cache_dir: Path) -> None:
+    """This process's :data:`GRAPHS` to ``<cache_dir>/stats/<host>-<pid>.json`` (atomically; what the TPU dry run's
+    driver reads at the end of the run)."""
+    import json
+    import socket
+    from dataclasses import asdict
+
+    folder = Path(cache_dir) / "stats"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{socket.gethostname()}-{os.getpid()}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps([asdict(g) for g in GRAPHS]))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the counts are a report; a full disk must not stop the job
+
+
+def _save_constants(constants: list, path: Path) -> None:
+    """A graph's constants as a pickle of ``(dtype name, shape, raw bytes)``: not ``torch.save``, whose
+    ``torch.load`` hands back meta tensors inside aot_autograd's compile (torch 2.13)."""
+    import torch
+
+    rows = [
+        (
+            str(c.dtype).removeprefix("torch."),
+            list(c.shape),
+            c.contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+        )
+        for c in constants
+    ]
+    path.write_bytes(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _load_constants(path: Path) -> list:
+    """The constants :func:`_save_constants` wrote, as CPU tensors."""
+    import torch
+
+    out = []
+    for dtype, shape, data in pickle.loads(path.read_bytes()):
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        out.append(raw.view(getattr(torch, dtype)).reshape(shape).clone())
+    return out
 
 
 def _specs(example_inputs) -> list:
@@ -246,6 +311,15 @@ def _output_slots(gm) -> list[bool]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     return [v is not None for v in values]
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line (file:line)`` of ``exc``, the innermost frame of its traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}{where}"
 
 
 class _XlaCpu:
@@ -295,11 +369,7 @@ class TpuOnCpu:
 
     _lowering: Lowering | None = None  # one server per process, shared by the regions
 
-    def __init__(self, region: str, python: str | None = None, cache_dir: Path | None = None, say=print):
-        from functorch.compile import min_cut_rematerialization_partition
-
-        from rl_tpu.patches.torch_internals import aot_autograd
-
+    def __init__(self, region: str, python: str | None = None, cache_dir: Path | None = None, say=None):
         self.region = region
         self.python = python or aot_python_path()
         if self.python is None:
@@ -307,27 +377,33 @@ class TpuOnCpu:
                 f"rl_tpu.compile_backend={NAME} needs torch-tpu 0.2.0 in {sys.prefix}-aot: make it with .ci/aot_venv"
             )
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-        self.say = say
+        self.say = say or (lambda line: print(line, flush=True))
         self.table: dict = {}  # TorchTPU's decompositions, filled from the server at the first graph
-        self.backend = aot_autograd(
-            fw_compiler=self._compiler("fwd"),
-            bw_compiler=self._compiler("bwd"),
-            inference_compiler=self._compiler("fwd"),
+
+    def __call__(self, gm, example_inputs):
+        """Compile one region dynamo captured (``gm``, its ``example_inputs``) through aot_autograd; each of its
+        graphs (forward, backward, inference) is lowered, compiled and run as the module docstring says."""
+        from functorch.compile import min_cut_rematerialization_partition
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from rl_tpu.patches.torch_internals import aot_autograd
+
+        if not self.table:
+            self.table.update(self._server().decompositions())
+        user_inputs = region_inputs(gm, example_inputs)
+        backend = aot_autograd(
+            fw_compiler=self._compiler("fwd", user_inputs),
+            bw_compiler=self._compiler("bwd", user_inputs),
+            inference_compiler=self._compiler("inf", user_inputs),
             decompositions=self.table,
             partition_fn=min_cut_rematerialization_partition,
         )
-
-    def __call__(self, gm, example_inputs):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         # SDPA as math (matmuls, a mask, a softmax; its backward derived from them), traced here: on a CPU tensor SDPA
         # would be the CPU flash kernel, which TorchTPU cannot lower. Math is the plain StableHLO TorchTPU's
         # OVERRIDEABLE SDPA backend lowers to; a chip's default is TorchTPU's Mosaic flash kernel instead (a
         # tpu_custom_call that XLA:CPU cannot run)
-        if not self.table:
-            self.table.update(self._server().decompositions())
         with sdpa_kernel([SDPBackend.MATH]):
-            return self.backend(gm, example_inputs)
+            return backend(gm, example_inputs)
 
     def _server(self) -> Lowering:
         if TpuOnCpu._lowering is None:
@@ -338,20 +414,20 @@ class TpuOnCpu:
         """``(StableHLO text, lifted constants, refusal line)`` of ``gm``, from the disk cache or the server."""
         import torch
 
-        key = _key(gm, specs)
+        key = stats.key
         text_path, const_path = self.cache_dir / f"{key}.mlir", self.cache_dir / f"{key}.pt"
         if text_path.exists() and const_path.exists():
             stats.cached = True
-            return text_path.read_text(), torch.load(const_path), None
+            return text_path.read_text(), _load_constants(const_path), None
         reply = self._server().lower(name, gm, specs)
         stats.lower_s = reply["seconds"]
         if reply["error"]:
             return None, [], reply["error"]
         # plain tensors: a constant lifted from dynamo's graph may carry python attributes that do not pickle
-        constants = [torch.empty(c.shape, dtype=c.dtype).copy_(c) for c in reply["constants"]]
+        constants = [torch.empty(c.shape, dtype=c.dtype, device="cpu").copy_(c) for c in reply["constants"]]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         for path, write in (
-            (const_path, lambda p: torch.save(constants, p)),
+            (const_path, lambda p: _save_constants(constants, p)),
             (text_path, lambda p: p.write_text(reply["mlir"])),
         ):
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -361,40 +437,50 @@ class TpuOnCpu:
 
     def _refuse(self, stats: GraphStats, line: str, gm):
         stats.lowered = f"eager: {line}"
+        _write_stats(self.cache_dir)
         if line not in _SAID:
             _SAID.add(line)
-            self.say(f"[rl-tpu] {NAME}: {line}; that graph runs as torch eager")
+            self.say(f"[rl-tpu] warning: {NAME}: {line}; that graph runs as torch eager")
         return gm
 
-    def _compiler(self, part: str):
+    def _compiler(self, part: str, user_inputs: dict):
         def compiler(gm, example_inputs):
             specs = _specs(example_inputs)
             name = f"{self.region}.{part}{sum(g.region == self.region and g.part == part for g in GRAPHS)}"
-            stats = GraphStats(name, self.region, part, [s[1] if s[0] == "tensor" else s[1] for s in specs])
+            stats = GraphStats(name, self.region, part, user_inputs, key=_key(gm, specs))
             GRAPHS.append(stats)
+            _write_stats(self.cache_dir)
             if any(s[0] == "value" and not isinstance(s[1], (int, float, bool)) for s in specs):
                 return self._refuse(stats, f"graph {name} takes a non-tensor input", gm)
             try:
                 text, constants, refusal = self._stablehlo(name, gm, specs, stats)
             except Exception as exc:  # the server died, the cache unreadable: this graph eager, the job goes on
-                refusal = f"graph {name} not lowered: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                refusal = f"graph {name} not lowered: {_one_line(exc)}"
             if refusal:
                 return self._refuse(stats, refusal, gm)
             xla = _XlaCpu.get()
             t0 = time.perf_counter()
+            new = stats.key not in _EXECUTABLES
             try:
-                exe = xla.compile(text)
+                exe = _EXECUTABLES.get(stats.key) or xla.compile(text)  # 30 blocks of one code: one executable
+                _EXECUTABLES[stats.key] = exe
             except Exception as exc:
-                line = (str(exc).strip().splitlines() or [""])[0][:200]
-                return self._refuse(stats, f"XLA:CPU cannot compile graph {name}: {line}", gm)
+                return self._refuse(stats, f"XLA:CPU cannot compile graph {name}: {_one_line(exc)}", gm)
             stats.compile_s = time.perf_counter() - t0
-            shapes = " ".join("x".join(map(str, s[1])) for s in specs[:2] if s[0] == "tensor")
-            self.say(
-                f"[rl-tpu] {NAME}: graph {name} ({len(specs)} inputs, first {shapes}) "
-                + ("from the StableHLO cache" if stats.cached else f"lowered by TorchTPU in {stats.lower_s:.1f} s")
-                + f", compiled by XLA:CPU in {stats.compile_s:.1f} s"
+            try:
+                run = self._runner(exe, xla, gm, constants, stats)
+            except Exception as exc:
+                return self._refuse(stats, f"graph {name} not set up on XLA:CPU: {_one_line(exc)}", gm)
+            shapes = ", ".join(
+                f"{k.removeprefix('L_').rstrip('_')} {'x'.join(map(str, v))}" for k, v in user_inputs.items()
             )
-            return self._runner(exe, xla, gm, constants, stats)
+            if new:  # train.log only (the console shows rl-tpu's warnings): one line per graph this process compiled
+                self.say(
+                    f"[rl-tpu] {NAME}: graph {name} ({shapes}; {len(specs)} inputs) "
+                    + ("from the StableHLO cache" if stats.cached else f"lowered by TorchTPU in {stats.lower_s:.1f} s")
+                    + f", compiled by XLA:CPU in {stats.compile_s:.1f} s"
+                )
+            return run
 
         def boxed(gm, example_inputs):  # aot_autograd calls compiled graphs with one list of arguments
             from functorch.compile import make_boxed_func
@@ -412,6 +498,7 @@ class TpuOnCpu:
         import torch
 
         jax = xla.jax
+        cache_dir = self.cache_dir
         slots = _output_slots(gm)
         const_args = [jax.device_put(jax.dlpack.from_dlpack(c.contiguous()), xla.device) for c in constants]
 
@@ -430,12 +517,13 @@ class TpuOnCpu:
             stats.runs += 1
             stats.run_s += t2 - t1
             stats.copy_s += (t1 - t0) + (t3 - t2)
+            _write_stats(cache_dir)
             return result
 
         return run
 
 
-def compile_backend(name: str, region: str):
+def compile_backend(name: str, region: str, cache_dir: str = ""):
     """The ``torch.compile`` backend for ``rl_tpu.compile_backend`` = ``name`` in ``region``: a :class:`TpuOnCpu`
     for ``tpu-on-cpu``, ``None`` for ``device`` (the caller's device backend).
 
@@ -446,22 +534,38 @@ def compile_backend(name: str, region: str):
     if name == "device":
         return None
     if name == NAME:
-        return TpuOnCpu(region)
+        return TpuOnCpu(region, cache_dir=Path(cache_dir) if cache_dir else None)
     raise ValueError(f"rl_tpu.compile_backend={name!r}: use device or {NAME}")
 
 
+def aggregate(rows: list[dict]) -> dict:
+    """Graph counts over ``rows`` (:class:`GraphStats` as dicts, from one process or all of a run's):
+    ``{"traced": graphs compiled, "distinct": distinct graphs (by cache key: the same code at the same shapes is
+    one graph, as the chip's compilation cache makes it), "executions", "eager": graphs that ran as torch eager,
+    "lower_s", "compile_s", "run_s", "copy_s" (seconds, summed), "by_kind": {"<region>.<part>": {"traced",
+    "distinct", "executions"}}}``."""
+    by_kind: dict[str, dict] = {}
+    for row in rows:
+        kind = by_kind.setdefault(f"{row['region']}.{row['part']}", {"traced": 0, "keys": set(), "executions": 0})
+        kind["traced"] += 1
+        kind["keys"].add(row["key"])
+        kind["executions"] += row["runs"]
+    return {
+        "traced": len(rows),
+        "distinct": len({row["key"] for row in rows}),
+        "executions": sum(row["runs"] for row in rows),
+        "eager": sum(row["lowered"] != "xla-cpu" for row in rows),
+        **{k: sum(row[k] for row in rows) for k in ("lower_s", "compile_s", "run_s", "copy_s")},
+        "by_kind": {
+            k: {"traced": v["traced"], "distinct": len(v["keys"]), "executions": v["executions"]}
+            for k, v in by_kind.items()
+        },
+    }
+
+
 def summary() -> dict:
-    """This process's graphs: ``{"graphs": [GraphStats as dicts], "distinct": n, "executions": n, "eager": n,
-    "lower_s", "compile_s", "run_s", "copy_s"}`` (seconds, summed)."""
+    """This process's graphs: :func:`aggregate` of :data:`GRAPHS`, with ``"graphs"``: each as a dict."""
     from dataclasses import asdict
 
     rows = [asdict(g) for g in GRAPHS]
-    for row in rows:
-        row["inputs"] = [list(i) if isinstance(i, tuple) else i for i in row["inputs"]]
-    return {
-        "graphs": rows,
-        "distinct": len(rows),
-        "executions": sum(g.runs for g in GRAPHS),
-        "eager": sum(g.lowered != "xla-cpu" for g in GRAPHS),
-        **{k: sum(getattr(g, k) for g in GRAPHS) for k in ("lower_s", "compile_s", "run_s", "copy_s")},
-    }
+    return {"graphs": rows, **aggregate(rows)}

@@ -254,7 +254,9 @@ def tpu_dry_run(base: BackendProfile) -> BackendProfile:
     no bypass, no Prefix Grouper) except the device keys (:data:`DRY_RUN_DEVICE_KEYS`): VeRL's ``cpu`` platform,
     gloo. As on TPU there is no host-memory machinery (no fork server, no ``rl_tpu.compact_malloc``) and the
     workers are placed one per chip of a slice, here a fake one (``--slice``, default :data:`DRY_RUN_SLICE`)
-    reserved on a Ray cluster (``rl-tpu cluster up --fake-slice``). What is not TPU: the device, the default job
+    reserved on a Ray cluster (``rl-tpu cluster up --fake-slice``). Where torch-tpu is installed (``.venv-aot``), the
+    TPU profile's compile flags are on with ``rl_tpu.compile_backend=tpu-on-cpu`` (:mod:`verl_backend.tpu_on_cpu`:
+    the compiled regions as TorchTPU lowers them, run by XLA:CPU); without it they stay off. What is not TPU: the device, the default job
     (``base``'s, which a TPU job lacks) and its thread count, and no chip to check.
 
     Raises:
@@ -265,11 +267,15 @@ def tpu_dry_run(base: BackendProfile) -> BackendProfile:
             f"rl_tpu.tpu_dry_run (--tpu-dry-run) runs the TPU profile on CPU devices: use it with "
             f"--backend cpu, not --backend {base.name}"
         )
+    from verl_backend.tpu_on_cpu import aot_python_path
+
     tpu = PROFILES["tpu"]
     return BackendProfile(
         base.name,
         platform=base.platform,
         overrides={**tpu.overrides, **DRY_RUN_DEVICE_KEYS},
+        # the TPU profile's compiled regions, as TorchTPU lowers them, run by XLA:CPU; without torch-tpu, eager
+        settings={**tpu.settings, "compile_backend": "tpu-on-cpu"} if aot_python_path() else {},
         default_config=base.default_config,
         default_threads=base.default_threads,
         slices="dry_run",

@@ -103,6 +103,8 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     _merge_overrides(args, job)
     job.settings = _apply_threads(job.backend, job.settings, job.keys)
     out = _run_folder(args, job.keys)
+    if job.settings.compile_backend == "tpu-on-cpu" and not job.settings.compile_cache_dir:
+        job.settings = replace(job.settings, compile_cache_dir=str(out / "tpu-on-cpu"))
     console = None
     if not args.print_config:
         if not getattr(args, "aot_only", False):  # --aot-only prints its own report, nothing else runs
@@ -344,6 +346,13 @@ def _run(args, config, job: _Job, out: Path, fork_server: dict, console) -> int:
     trim_host_heap()
     console.say(job_line(config, job.backend.name, settings.num_threads, out))
     tpu_compile = _start_dry_run_compile(config, settings, out, console)
+    if settings.tpu_dry_run and settings.compile_backend != "tpu-on-cpu":
+        how = "compiled by inductor" if settings.compile_trainer or settings.compile_sampler else "as torch eager"
+        console.say(
+            f"[rl-tpu] TPU dry run: the model runs {how} on CPU, not as TorchTPU's graphs ("
+            + ("rl_tpu.compile_backend=device" if aot_python_here() else "torch-tpu not installed: .ci/aot_venv")
+            + ")"
+        )
     if settings.num_threads:  # this process runs VeRL's TaskRunner (rl_tpu.task_runner=driver, the default)
         from rl_tpu.device import set_num_threads
 
@@ -370,9 +379,30 @@ def _run(args, config, job: _Job, out: Path, fork_server: dict, console) -> int:
         entry = tpu_compile.finish()
         record(out, entry)
         console.say(compile_line(entry))
+    if settings.compile_backend == "tpu-on-cpu":
+        _report_executed_graphs(config, settings, out, console)
     if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
         return _export(config, out, settings, console)
     return 0
+
+
+def aot_python_here() -> bool:
+    from verl_backend.tpu_on_cpu import aot_python_path
+
+    return aot_python_path() is not None
+
+
+def _report_executed_graphs(config, settings, out: Path, console) -> None:
+    """With ``rl_tpu.compile_backend=tpu-on-cpu``: the graphs the run's processes executed, counted and set against
+    the job's bucket plan (:func:`verl_backend.driver.aot.executed.executed_entry`), into ``summary.json`` as
+    ``tpu_on_cpu`` and one console line."""
+    from verl_backend.driver.aot.dry_run import record
+    from verl_backend.driver.aot.executed import executed_entry
+    from verl_backend.driver.job_shape import job_shape
+
+    entry = executed_entry(Path(settings.compile_cache_dir), job_shape(config, settings=settings))
+    record(out, entry, "tpu_on_cpu")
+    console.say(f"[rl-tpu] TPU graphs (tpu-on-cpu): {entry['line']}")
 
 
 def _start_dry_run_compile(config, settings, out: Path, console):

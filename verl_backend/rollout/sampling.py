@@ -58,7 +58,11 @@ def build_sampler(
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tok.eos_token_id} - {None})
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     fast_paths = sampler_fast_paths(rollout_config)
-    backend = compile_backend(settings.compile_backend, "sampler") if settings.compile_sampler else None
+    backend = (
+        compile_backend(settings.compile_backend, "sampler", settings.compile_cache_dir)
+        if settings.compile_sampler
+        else None
+    )
     if backend is not None:  # the chip's graphs: the model's own linear layers, not oneDNN's packed copies
         if fast_paths.get("packed_weights"):
             raise ValueError(

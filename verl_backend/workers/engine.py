@@ -129,7 +129,9 @@ class RlTpuFSDPEngineWithLMHead(
 
             # the backend of the worker's platform (its parameters may be offloaded to the host), or tpu-on-cpu
             region = "reference.block" if self.engine_config.forward_only else "actor.block"
-            backend = compile_backend(self.rl_tpu.compile_backend, region) or compile_backend_for(get_device_name())
+            backend = compile_backend(
+                self.rl_tpu.compile_backend, region, self.rl_tpu.compile_cache_dir
+            ) or compile_backend_for(get_device_name())
             self.compiled_blocks = CompiledBlocks(self.module, backend, say=lambda line: print(line, flush=True))
             print(
                 f"[rl-tpu] compiled trainer blocks: {self.compiled_blocks.blocks} blocks of the "

@@ -191,14 +191,14 @@ def compile_line(entry: dict) -> str:
     return f"[rl-tpu] TPU compile check: {entry['line']}"
 
 
-def record(out: Path, entry: dict) -> None:
-    """Put ``entry`` into ``out/summary.json`` as ``tpu_compile`` (the file
+def record(out: Path, entry: dict, key: str = "tpu_compile") -> None:
+    """Put ``entry`` into ``out/summary.json`` as ``key`` (the file
     :func:`verl_backend.driver.report.write_report` wrote), atomically."""
     import os
 
     path = Path(out) / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {}
-    summary["tpu_compile"] = entry
+    summary[key] = entry
     tmp = path.with_name(".summary.json.tmp")
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, path)

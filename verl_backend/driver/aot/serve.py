@@ -49,18 +49,24 @@ def lower_request(request: dict) -> dict:
     try:
         from torch.fx.graph_module import reduce_graph_module
 
+        from verl_backend.driver.aot.compile import compatible
+
         text, constants = lower(reduce_graph_module(*request["graph"]), _meta_inputs(request["inputs"]))
+        text = compatible(text)  # what jaxlib's parser reads (chlo.top_k's is_stable)
         if any(c.device.type == "meta" for c in constants):
             raise ValueError("a constant of the graph has no value (it was made on the meta device)")
         constants = [c.detach().clone() for c in constants]
     except LoweringError as exc:
         where = f" in {exc.module}" if exc.module else ""
+        why = str(exc)
+        if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
+            why = f"a random op needs the TPU generator, which needs a chip ({why})"
         return {
             "mlir": None,
             "constants": [],
             "seconds": time.perf_counter() - start,
             "op": exc.op,
-            "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {exc}",
+            "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
         }
     except Exception as exc:  # anything else TorchTPU's recorder raises: one line, not a dead worker
         line = (str(exc).strip().splitlines() or [""])[0][:200]

@@ -1,0 +1,120 @@
+"""The graphs a run executed on the ``tpu-on-cpu`` backend, counted and set against the job's bucket plan.
+
+Each process of a run with ``rl_tpu.compile_backend=tpu-on-cpu`` writes its graphs to ``<compile_cache_dir>/stats/``
+(:mod:`verl_backend.tpu_on_cpu`). At the end of the run the driver reads them (:func:`executed_entry`): how many
+graphs were traced and how many distinct (the same code at the same shapes is one graph, as the chip's compilation
+cache makes it), how many executions, per kind, and each graph's shapes set against the shapes the job's buckets
+allow (:func:`planned_shapes`). A graph outside them is named with its shapes: on a chip it would be a compile the
+plan did not foresee.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from verl_backend.driver.aot.graphs import GraphRequest
+from verl_backend.driver.job_shape import JobShape
+
+
+def read_stats(folder: Path) -> list[dict]:
+    """Every process's graph rows under ``folder/stats`` (:class:`verl_backend.tpu_on_cpu.GraphStats` as dicts),
+    each with ``"process"``: its file's name; a file that does not parse is skipped (a process killed mid-write
+    leaves only its temporary file, which is not read)."""
+    rows = []
+    for path in sorted((Path(folder) / "stats").glob("*.json")):
+        try:
+            rows += [{**row, "process": path.stem} for row in json.loads(path.read_text())]
+        except (OSError, ValueError):
+            continue
+    return rows
+
+
+def _powers_of_two(limit: int, smallest: int = 1) -> set[int]:
+    out, b = set(), smallest
+    while b <= limit:
+        out.add(b)
+        b *= 2
+    return out
+
+
+def planned_shapes(job: JobShape) -> dict[str, set[tuple]]:
+    """The shapes the job's buckets allow, per graph kind: ``{"prefill": {(batch, prompt, cache)}, "decode":
+    {(batch, 1, cache)}, "block": {(batch, seq, 0)}, "block_forward": {(batch, seq, 0)}}``.
+
+    Sampler (:mod:`rl_tpu.sampler.engine`): a batch bucket is a power of two up to the sampler's batch, or the batch
+    itself and its halvings (finished rows dropped); a prompt bucket one of the rollout's
+    (:func:`verl_backend.rollout.sampling._buckets`: powers of two from 16 up to ``prompt_length``, it last); the
+    cache a prompt bucket plus a generation bucket. Trainer (:mod:`rl_tpu.compiled_blocks`): the update's micro batch
+    for ``block``, the log-prob micro batches for ``block_forward``, each padded to a power of two from
+    ``MIN_BUCKET`` up to the bucket of the job's longest sequence."""
+    from rl_tpu.compiled_blocks import MIN_BUCKET, bucket_length
+    from verl_backend.rollout.sampling import _buckets
+
+    top = job.sampler_batch
+    batches = _powers_of_two(top) | {top >> i for i in range(top.bit_length()) if top >> i}
+    prompts = set(_buckets(job.rollout_prompt_length))
+    caches = {p + g for p in prompts for g in _buckets(job.rollout_response_length)}
+    seqs = _powers_of_two(bucket_length(job.padded_length), MIN_BUCKET)
+    forwards = {job.log_prob_micro_batch, job.ref_log_prob_micro_batch}
+    return {
+        "prefill": {(b, p, c) for b in batches for p in prompts for c in caches if c > p},
+        "decode": {(b, 1, c) for b in batches for c in caches},
+        "block": {(job.update_micro_batch, s, 0) for s in seqs},
+        "block_forward": {(b, s, 0) for b in forwards for s in seqs},
+    }
+
+
+def graph_request(row: dict) -> GraphRequest | None:
+    """The :class:`GraphRequest` a row's graph is (its kind and shapes from the region's own inputs), ``None`` for a
+    region this does not know. The sampler's step takes ``ids`` ``(batch, q)`` and ``mask`` ``(batch, cache)``
+    (a decode when ``q`` is 1); a block its hidden states ``(batch, seq, hidden)``; the actor's training graphs
+    (``fwd``, ``bwd``) are its update's ``block``, an inference graph (``inf``, no gradient) a ``block_forward``."""
+    inputs = row.get("inputs") or {}
+    if row["region"] == "sampler":
+        ids = next((v for k, v in inputs.items() if "ids" in k), None)
+        mask = next((v for k, v in inputs.items() if "mask" in k), None)
+        if not ids or not mask or len(ids) != 2:
+            return None
+        kind = "decode" if ids[1] == 1 else "prefill"
+        return GraphRequest(kind, ids[0], ids[1], mask[-1])
+    if row["region"].endswith(".block"):
+        hidden = next((v for k, v in inputs.items() if "hidden" in k), None) or next(iter(inputs.values()), None)
+        if not hidden or len(hidden) != 3:
+            return None
+        kind = "block_forward" if row["part"] == "inf" else "block"
+        return GraphRequest(kind, hidden[0], hidden[1])
+    return None
+
+
+def executed_entry(folder: Path, job: JobShape) -> dict:
+    """The run's executed graphs (:func:`read_stats`) counted (:func:`verl_backend.tpu_on_cpu.aggregate`) and set
+    against the plan (:func:`planned_shapes`): the aggregate plus ``"outside_plan"``: the names of the distinct
+    graphs whose shapes the plan does not allow (or whose shapes this cannot read), ``"eager_lines"``: the first
+    reason of each kind a graph ran as torch eager, and ``"line"``: one line for the console."""
+    from verl_backend.tpu_on_cpu import aggregate
+
+    rows = read_stats(folder)
+    entry = aggregate(rows)
+    plan = planned_shapes(job)
+    outside, seen = [], set()
+    for row in rows:
+        request = graph_request(row)
+        name = request.name if request else f"{row['region']}.{row['part']} {row.get('inputs')}"
+        if name in seen:
+            continue
+        seen.add(name)
+        if request is None or (request.batch, request.seq, request.cache) not in plan.get(request.kind, set()):
+            outside.append(name)
+    eager = list(dict.fromkeys(row["lowered"][len("eager: ") :] for row in rows if row["lowered"] != "xla-cpu"))
+    kinds = ", ".join(
+        f"{kind} {v['distinct']} ({v['executions']} runs)" for kind, v in sorted(entry["by_kind"].items())
+    )
+    line = (
+        f"{entry['distinct']} distinct graphs ({entry['traced']} traced in {len({r['process'] for r in rows})} "
+        f"processes) ran {entry['executions']} times as TorchTPU's StableHLO on XLA:CPU: {kinds or 'none'}; "
+        f"{len(outside)} outside the bucket plan{': ' + ', '.join(outside[:4]) if outside else ''}; "
+        f"{entry['eager']} ran as torch eager; lowering {entry['lower_s']:.0f} s, XLA:CPU compile "
+        f"{entry['compile_s']:.0f} s, execution {entry['run_s']:.0f} s, DLPack {entry['copy_s']:.1f} s"
+    )
+    return {**entry, "outside_plan": outside, "eager_lines": eager[:5], "line": line}
