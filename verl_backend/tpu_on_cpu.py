@@ -472,7 +472,8 @@ class TpuOnCpu:
             except Exception as exc:
                 return self._refuse(stats, f"graph {name} not set up on XLA:CPU: {_one_line(exc)}", gm)
             shapes = ", ".join(
-                f"{k.removeprefix('L_').rstrip('_')} {'x'.join(map(str, v))}" for k, v in user_inputs.items()
+                f"{k.lower().removeprefix('l_').rstrip('_')} {'x'.join(map(str, v))}"
+                for k, v in list(user_inputs.items())[:3]
             )
             if new:  # train.log only (the console shows rl-tpu's warnings): one line per graph this process compiled
                 self.say(

@@ -394,15 +394,46 @@ def aot_python_here() -> bool:
 
 def _report_executed_graphs(config, settings, out: Path, console) -> None:
     """With ``rl_tpu.compile_backend=tpu-on-cpu``: the graphs the run's processes executed, counted and set against
-    the job's bucket plan (:func:`verl_backend.driver.aot.executed.executed_entry`), into ``summary.json`` as
-    ``tpu_on_cpu`` and one console line."""
+    the job's bucket plan (:func:`verl_backend.driver.aot.executed.executed_entry`), and a step estimated on the
+    slice's chip from them (:func:`verl_backend.driver.aot.executed.step_estimate`) beside the CPU step measured
+    here, into ``summary.json`` as ``tpu_on_cpu`` and two console lines. Never a failure of the run."""
     from verl_backend.driver.aot.dry_run import record
-    from verl_backend.driver.aot.executed import executed_entry
+    from verl_backend.driver.aot.executed import executed_entry, read_stats, step_estimate
+    from verl_backend.driver.aot.run import AotError
     from verl_backend.driver.job_shape import job_shape
+    from verl_backend.driver.model_shape import shape_of_path
+    from verl_backend.driver.report import read_metrics
 
-    entry = executed_entry(Path(settings.compile_cache_dir), job_shape(config, settings=settings))
-    record(out, entry, "tpu_on_cpu")
+    folder = Path(settings.compile_cache_dir)
+    job = job_shape(config, settings=settings)
+    entry = executed_entry(folder, job)
     console.say(f"[rl-tpu] TPU graphs (tpu-on-cpu): {entry['line']}")
+    steps = [r["data"].get("timing_s/step") for r in read_metrics(out / "metrics.jsonl")]
+    steps = [float(t) for t in steps if isinstance(t, (int, float))]
+    cpu_s = sum(steps) / len(steps) if steps else None
+    try:
+        params = shape_of_path(job.model_path, job.trust_remote_code).params
+        estimate = step_estimate(folder, read_stats(folder), job, settings.slice, max(1, len(steps)), params)
+    except (AotError, OSError, ValueError, KeyError) as exc:
+        estimate = {"error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}
+    estimate["cpu_step_s"] = cpu_s
+    entry["step_estimate"] = estimate
+    if estimate.get("step_s") is not None:
+        coll = estimate["collectives_s"]
+        line = (
+            f"{settings.slice} ({estimate['generation']}): {1e3 * estimate['step_s']:.2f} ms a step = graphs "
+            f"{1e3 * estimate['graphs_s']:.2f} ms at their libtpu roofline bounds + FSDP2 collectives "
+            + (f"{1e3 * coll:.2f} ms over ICI" if coll is not None else "(no ICI figure for this chip)")
+            + "; eager ops between graphs not counted; measured here on CPU: "
+            + (f"{cpu_s:.1f} s a step" if cpu_s is not None else "n/a")
+        )
+        if estimate.get("error"):
+            line += f"; a graph libtpu could not compile: {estimate['error']}"
+    else:
+        line = f"not estimated: {estimate.get('error')}"
+    estimate["line"] = line
+    record(out, entry, "tpu_on_cpu")
+    console.say(f"[rl-tpu] TPU step estimate: {line}")
 
 
 def _start_dry_run_compile(config, settings, out: Path, console):

@@ -3,7 +3,11 @@
 The job runs with the tpu row of ``verl_backend/driver/profiles.py`` with only the device keys swapped: padded micro
 batches, a bf16 rollout, VeRL's default bf16 FSDP mixed precision, the bucketed sampler inside the trainer worker
 with the CPU fast paths off (from the job's config, not the device), the ``native`` checkpoint engine, in-worker
-weight sync, no bypass, no Prefix Grouper, no fork server; four gloo ranks on a fake v6e-4 slice.
+weight sync, no bypass, no Prefix Grouper, no fork server; four gloo ranks on a fake v6e-4 slice. Where torch-tpu is
+installed (``.venv-aot``, as in CI) the TPU profile's compile flags are on with ``rl_tpu.compile_backend=tpu-on-cpu``:
+the actor's and reference policy's blocks (forward, backward) and the sampler's prefill and decode run as TorchTPU's
+StableHLO on XLA:CPU (:mod:`verl_backend.tpu_on_cpu`), so the bound below holds for the chip's own programs; the run
+counts them against the bucket plan and estimates the step on the slice's chip.
 
 The bf16 rollout against the trainer's log-probs is held to mean |Δ| <= 0.05 and max <= 1.0 nats per token
 (:func:`within_bound`). VeRL's ``training/rollout_probs_diff_*`` are in probability space, and |Δp| <= |Δ log p|
@@ -297,9 +301,12 @@ def test_dry_run_used_the_tpu_choices(dry_run):
         log,
     ), log[-3000:]
     # four ranks, each with its own bf16 sampler, fast paths off, synced in process
+    from verl_backend.tpu_on_cpu import aot_python_path
+
+    compiled = "on" if aot_python_path() else "off"  # the sampler's steps as TorchTPU's graphs where it is installed
     samplers = re.findall(
         r"\[rl-tpu\] native sampler \(torch\.bfloat16, cpu\): packed prefill off, lean decode off, "
-        r"packed weights off, compiled off",
+        rf"packed weights off, compiled {compiled}",
         log,
     )
     assert len(samplers) == 4, samplers
@@ -320,6 +327,40 @@ def test_dry_run_used_the_tpu_choices(dry_run):
     assert "runs eagerly" not in log
     graphs = [int(n) for n in re.findall(r"compiled trainer blocks: graph (\d+) of at most 16", log)]
     assert graphs and max(graphs) <= 4, graphs  # per process: buckets x {update, no-grad forward}, over 2 steps
+
+
+@pytest.mark.slow
+def test_dry_run_ran_torch_tpu_graphs_on_xla_cpu_within_the_bucket_plan(dry_run):
+    """rl_tpu.compile_backend=tpu-on-cpu, the dry run's default where torch-tpu is installed: every compiled region
+    ran as TorchTPU's StableHLO on XLA:CPU (none as torch eager), each graph within the job's bucket plan, counted
+    per kind in the summary and its last lines, with a step estimated on the slice's chip; without torch-tpu, one
+    line says the model runs eager."""
+    from verl_backend.tpu_on_cpu import aot_python_path
+
+    out, proc, log = dry_run
+    assert proc.returncode == 0, log[-5000:]
+    if aot_python_path() is None:
+        assert "not as TorchTPU's graphs (torch-tpu not installed: .ci/aot_venv)" in log
+        return
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["rl_tpu"]["compile_backend"] == "tpu-on-cpu" and config["rl_tpu"]["compile_sampler"] is True
+    assert config["rl_tpu"]["compile_cache_dir"] == str(out / "tpu-on-cpu")
+    assert "runs as torch eager" not in log, [ln for ln in log.splitlines() if "torch eager" in ln][:3]
+    assert "compiled steps off" not in log
+    entry = json.loads((out / "summary.json").read_text())["tpu_on_cpu"]
+    assert entry["eager"] == 0 and entry["outside_plan"] == [], entry["line"]
+    kinds = entry["by_kind"]
+    assert {"sampler.inf", "actor.block.fwd", "actor.block.bwd", "reference.block.inf"} <= set(kinds), kinds
+    assert all(k["executions"] > 0 for k in kinds.values()), kinds
+    # 2 steps: each kind's distinct graphs are a handful of buckets, not one per step or per block
+    assert kinds["actor.block.bwd"]["distinct"] <= 2 and kinds["sampler.inf"]["distinct"] <= 8, kinds
+    assert f"[rl-tpu] TPU graphs (tpu-on-cpu): {entry['line']}" in log
+    estimate = entry["step_estimate"]
+    assert estimate.get("error") is None and estimate["generation"] == "v6e", estimate
+    assert 0 < estimate["graphs_s"] < estimate["step_s"] and estimate["collectives_s"] > 0
+    assert estimate["cpu_step_s"] > 1000 * estimate["step_s"]  # a 2-core host against a v6e chip
+    assert f"[rl-tpu] TPU step estimate: {estimate['line']}" in log
+    print(f"tpu-on-cpu: {entry['line']}\nestimate: {estimate['line']}")
 
 
 @pytest.mark.slow

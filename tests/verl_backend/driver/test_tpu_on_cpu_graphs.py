@@ -55,6 +55,7 @@ def test_the_plan_allows_the_buckets_the_sampler_and_the_trainer_pad_to(job):
     plan = planned_shapes(job)
     assert (1, 64, 80) in plan["prefill"] and (1, 16, 32) in plan["prefill"]  # prompt buckets 16, 32, 64
     assert (1, 1, 80) in plan["decode"] and (1, 1, 32) in plan["decode"]
+    assert (8, 1, 80) in plan["decode"] and (16, 1, 80) not in plan["decode"]  # up to max_num_seqs (validation's too)
     assert (1, 37, 53) not in plan["prefill"]  # an unpadded prompt is no bucket
     assert (1, 64, 0) in plan["block"] and (1, 128, 0) in plan["block"]  # 64 + 16 tokens pad to 128
     assert (1, 256, 0) not in plan["block"]

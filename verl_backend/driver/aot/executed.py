@@ -42,8 +42,9 @@ def planned_shapes(job: JobShape) -> dict[str, set[tuple]]:
     """The shapes the job's buckets allow, per graph kind: ``{"prefill": {(batch, prompt, cache)}, "decode":
     {(batch, 1, cache)}, "block": {(batch, seq, 0)}, "block_forward": {(batch, seq, 0)}}``.
 
-    Sampler (:mod:`rl_tpu.sampler.engine`): a batch bucket is a power of two up to the sampler's batch, or the batch
-    itself and its halvings (finished rows dropped); a prompt bucket one of the rollout's
+    Sampler (:mod:`rl_tpu.sampler.engine`): a batch bucket is a power of two up to the sampler's cap
+    (``rollout.max_num_seqs``, default 64: the requests that arrive together, a validation's included, are batched up
+    to it), or the cap itself and its halvings (finished rows dropped); a prompt bucket one of the rollout's
     (:func:`verl_backend.rollout.sampling._buckets`: powers of two from 16 up to ``prompt_length``, it last); the
     cache a prompt bucket plus a generation bucket. Trainer (:mod:`rl_tpu.compiled_blocks`): the update's micro batch
     for ``block``, the log-prob micro batches for ``block_forward``, each padded to a power of two from
@@ -51,7 +52,7 @@ def planned_shapes(job: JobShape) -> dict[str, set[tuple]]:
     from rl_tpu.compiled_blocks import MIN_BUCKET, bucket_length
     from verl_backend.rollout.sampling import _buckets
 
-    top = job.sampler_batch
+    top = job.max_num_seqs or 64  # the sampler's cap (verl_backend.rollout.sampling): validation batches up to it too
     batches = _powers_of_two(top) | {top >> i for i in range(top.bit_length()) if top >> i}
     prompts = set(_buckets(job.rollout_prompt_length))
     caches = {p + g for p in prompts for g in _buckets(job.rollout_response_length)}
@@ -118,3 +119,97 @@ def executed_entry(folder: Path, job: JobShape) -> dict:
         f"{entry['compile_s']:.0f} s, execution {entry['run_s']:.0f} s, DLPack {entry['copy_s']:.1f} s"
     )
     return {**entry, "outside_plan": outside, "eager_lines": eager[:5], "line": line}
+
+
+#: per chip generation: inter-chip interconnect bandwidth, bytes/s, from the Cloud TPU "TPU versions" pages
+#: (v4 2,400 Gbps, v5e 1,600 Gbps, v5p 4,800 Gbps, v6e 3,584 Gbps per chip); v7x's is not listed there: no estimate
+ICI_BYTES_PER_S = {"v4": 2400e9 / 8, "v5litepod": 1600e9 / 8, "v5p": 4800e9 / 8, "v6e": 3584e9 / 8}
+
+
+def collective_bytes(job: JobShape, params: int) -> dict[str, float]:
+    """FSDP2's all-gathers and reduce-scatters of one training step, bytes each chip sends (a ring moves
+    ``(n - 1) / n`` of the full tensor), which sit in no graph: per update micro batch two all-gathers of the bf16
+    parameters (forward, and again for the backward: FSDP2 reshards after the forward) and one reduce-scatter of
+    the fp32 gradients; per log-prob micro batch one all-gather (old policy; the reference policy's too); one
+    all-gather of the weights for the in-worker rollout's sync. ``params``: the model's parameter count."""
+    n = max(1, job.shards)
+    ring = (n - 1) / n
+    share = job.train_batch_size * job.rollout_n / max(1, job.data_parallel)  # sequences a chip trains per step
+    updates = share / max(1, job.update_micro_batch) * max(1, getattr(job, "ppo_epochs", 1) or 1)
+    forwards = (share / max(1, job.log_prob_micro_batch)) if job.old_log_probs else 0.0
+    if job.reference:
+        forwards += share / max(1, job.ref_log_prob_micro_batch)
+    bf16, fp32 = 2 * params, 4 * params
+    return {
+        "update_all_gather": ring * updates * 2 * bf16,
+        "update_reduce_scatter": ring * updates * fp32,
+        "log_prob_all_gather": ring * forwards * bf16,
+        "weight_sync_all_gather": ring * bf16,
+    }
+
+
+def step_estimate(folder: Path, rows: list[dict], job: JobShape, slice_name: str, steps: int, params: int) -> dict:
+    """An estimated training step on the slice's chip: each distinct graph the run executed compiled by libtpu for
+    the slice's topology (deviceless, :mod:`verl_backend.driver.aot.compile`) and counted at its roofline bound,
+    ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)`` (:data:`verl_backend.driver.aot.run.CHIP_PEAKS`), as many
+    times as it ran per step on one chip (its executions over the processes and the ``steps``, validation's
+    included); plus FSDP2's collectives at their bytes over the chip's ICI bandwidth (:func:`collective_bytes`,
+    :data:`ICI_BYTES_PER_S`). Not counted: the eager ops between the graphs (on a chip each is a launch of its own).
+    Attention is the graphs' math SDPA (on a chip TorchTPU's Mosaic flash kernel, which XLA's cost analysis cannot
+    see). Returns ``{"generation", "topology", "graphs_s", "collectives_s", "step_s", "graphs": [{"graph", "bound_s",
+    "runs_per_step"}], "error"}`` (seconds); ``error`` one line where libtpu could not compile a graph.
+
+    Raises:
+        verl_backend.driver.aot.run.AotError: no torch-tpu, or the compile subprocess failed (one line).
+    """
+    from verl_backend.driver.aot.run import CHIP_PEAKS, _env, _run, aot_python, jax_topology
+
+    topology, generation, _ = jax_topology(slice_name)
+    peak_flops, bandwidth = CHIP_PEAKS[generation]
+    processes = max(1, len({r["process"] for r in rows}))
+    runs: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for row in rows:
+        if row["lowered"] != "xla-cpu":
+            continue
+        runs[row["key"]] = runs.get(row["key"], 0) + row["runs"]
+        request = graph_request(row)
+        names.setdefault(row["key"], f"{request.name if request else row['region']}.{row['part']}")
+    keys = [k for k in runs if (Path(folder) / f"{k}.mlir").is_file()]
+    lowered = [
+        {"graph": names[k], "file": str(Path(folder) / f"{k}.mlir"), "label": "executed", "kind": "executed"}
+        for k in keys
+    ]
+    work = Path(folder) / "estimate"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "lowered.json").write_text(json.dumps(lowered))
+    out = work / f"compiled-{topology.replace(':', '_')}.json"
+    _run(
+        [aot_python(), "-m", "verl_backend.driver.aot.compile", str(work / "lowered.json"), topology, str(out)],
+        f"libtpu's compile for {topology} (subprocess)",
+        1800,
+        work / "compile.log",
+        _env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}),
+    )
+    compiled = json.loads(out.read_text())
+    per_graph, errors = [], []
+    by_name = {rec["graph"]: key for key, rec in zip(keys, lowered)}
+    for g in compiled.get("graphs", []):
+        if g.get("error"):
+            errors.append(g["error"])
+            continue
+        bound = max(g["flops"] / peak_flops, g["bytes_accessed"] / bandwidth)
+        per_step = runs[by_name[g["graph"]]] / processes / max(1, steps)
+        per_graph.append({"graph": g["graph"], "bound_s": bound, "runs_per_step": per_step})
+    graphs_s = sum(g["bound_s"] * g["runs_per_step"] for g in per_graph)
+    ici = ICI_BYTES_PER_S.get(generation)
+    collectives_s = sum(collective_bytes(job, params).values()) / ici if ici else None
+    return {
+        "generation": generation,
+        "topology": topology,
+        "graphs_s": graphs_s,
+        "collectives_s": collectives_s,
+        "step_s": graphs_s + (collectives_s or 0.0),
+        "graphs": sorted(per_graph, key=lambda g: -g["bound_s"] * g["runs_per_step"]),
+        "error": compiled.get("error") or (errors[0] if errors else None),
+    }
