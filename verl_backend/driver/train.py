@@ -380,7 +380,7 @@ def _run(args, config, job: _Job, out: Path, fork_server: dict, console) -> int:
         record(out, entry)
         console.say(compile_line(entry))
     if settings.compile_backend == "tpu-on-cpu":
-        _report_executed_graphs(config, settings, out, console)
+        _report_executed_graphs(config, settings, out, console, since=start)
     if settings.export:  # train, then ship: the final checkpoint through litert export (driver/export_step.py)
         return _export(config, out, settings, console)
     return 0
@@ -392,30 +392,32 @@ def aot_python_here() -> bool:
     return aot_python_path() is not None
 
 
-def _report_executed_graphs(config, settings, out: Path, console) -> None:
+def _report_executed_graphs(config, settings, out: Path, console, since: float = 0.0) -> None:
     """With ``rl_tpu.compile_backend=tpu-on-cpu``: the graphs the run's processes executed, counted and set against
     the job's bucket plan (:func:`verl_backend.driver.aot.executed.executed_entry`), and a step estimated on the
     slice's chip from them (:func:`verl_backend.driver.aot.executed.step_estimate`) beside the CPU step measured
-    here, into ``summary.json`` as ``tpu_on_cpu`` and two console lines. Never a failure of the run."""
+    here, into ``summary.json`` as ``tpu_on_cpu`` and two console lines; ``since``: the run's start (seconds since the
+    epoch), the stats of processes that wrote before it left out. Never a failure of the run."""
     from verl_backend.driver.aot.dry_run import record
     from verl_backend.driver.aot.executed import executed_entry, read_stats, step_estimate
-    from verl_backend.driver.aot.run import AotError
     from verl_backend.driver.job_shape import job_shape
     from verl_backend.driver.model_shape import shape_of_path
     from verl_backend.driver.report import read_metrics
 
     folder = Path(settings.compile_cache_dir)
     job = job_shape(config, settings=settings)
-    entry = executed_entry(folder, job)
+    entry = executed_entry(folder, job, since)
     console.say(f"[rl-tpu] TPU graphs (tpu-on-cpu): {entry['line']}")
     steps = [r["data"].get("timing_s/step") for r in read_metrics(out / "metrics.jsonl")]
     steps = [float(t) for t in steps if isinstance(t, (int, float))]
     cpu_s = sum(steps) / len(steps) if steps else None
     try:
+        if not settings.slice:
+            raise ValueError("no slice to estimate for (rl_tpu.slice; the TPU dry run's default is v6e-4)")
         params = shape_of_path(job.model_path, job.trust_remote_code).params
-        estimate = step_estimate(folder, read_stats(folder), job, settings.slice, max(1, len(steps)), params)
-    except (AotError, OSError, ValueError, KeyError) as exc:
-        estimate = {"error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}
+        estimate = step_estimate(folder, read_stats(folder, since), job, settings.slice, max(1, len(steps)), params)
+    except Exception as exc:  # a report, never a failure of the run that trained
+        estimate = {"error": (str(exc).splitlines() or [type(exc).__name__])[0][:300]}
     estimate["cpu_step_s"] = cpu_s
     entry["step_estimate"] = estimate
     if estimate.get("step_s") is not None:

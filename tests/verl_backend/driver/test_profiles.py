@@ -52,13 +52,19 @@ def test_the_cpu_thread_default_gives_each_trainer_worker_its_cores():
     assert default_threads(PROFILES["tpu"].default_threads, workers=1, cores=8) == 0
 
 
-def test_the_tpu_row_compiles_and_its_dry_run_does_not():
+def test_the_tpu_row_compiles_and_its_dry_run_compiles_as_torch_tpu_does(monkeypatch):
     """``--backend tpu`` turns both compile flags on (every eager op is a launch on a chip: docs/tpu.md); the TPU
-    dry run is the tpu row's VeRL keys on CPU devices, without those settings (inductor on CPU is not the TPU's
-    compiler), and the cpu row sets none."""
+    dry run is the tpu row's VeRL keys on CPU devices, with those flags on the ``tpu-on-cpu`` backend (TorchTPU's
+    graphs on XLA:CPU) where torch-tpu is installed, and without them where it is not (inductor on CPU is not the
+    TPU's compiler); the cpu row sets none."""
+    from verl_backend import tpu_on_cpu
     from verl_backend.driver.profiles import TPU_MICRO_KEYS, tpu_dry_run
 
     assert dict(PROFILES["tpu"].settings) == {"compile_trainer": True, "compile_sampler": True}
+    monkeypatch.setattr(tpu_on_cpu, "aot_python_path", lambda: "/venv-aot/bin/python")
+    dry = tpu_dry_run(PROFILES["cpu"])
+    assert dict(dry.settings) == {"compile_trainer": True, "compile_sampler": True, "compile_backend": "tpu-on-cpu"}
+    monkeypatch.setattr(tpu_on_cpu, "aot_python_path", lambda: None)  # no torch-tpu: eager, as before
     dry = tpu_dry_run(PROFILES["cpu"])
     assert not dry.settings and not PROFILES["cpu"].settings
     assert all(dry.overrides[k] == "8" for k in TPU_MICRO_KEYS)  # the tpu row's VeRL keys, kept

@@ -6,6 +6,7 @@ No torch-tpu needed: the rows are what :class:`verl_backend.tpu_on_cpu.GraphStat
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -71,8 +72,10 @@ def test_a_run_s_graphs_counted_and_set_against_the_plan(tmp_path, job):
     write(tmp_path, "host-1", [prefill, decode, fwd, fwd, bwd, ref])
     write(tmp_path, "host-2", [prefill, decode, fwd, bwd, ref])
     (tmp_path / "stats" / ".host-3.json.tmp").write_text("[{")  # a process killed mid-write: not read
-    assert len(read_stats(tmp_path)) == 11
-    entry = executed_entry(tmp_path, job)
+    write(tmp_path, "host-0", [prefill, decode])  # an earlier run's process, in a folder runs share
+    os.utime(tmp_path / "stats" / "host-0.json", (1e9, 1e9))
+    assert len(read_stats(tmp_path)) == 13 and len(read_stats(tmp_path, since=1.5e9)) == 11
+    entry = executed_entry(tmp_path, job, since=1.5e9)
     assert entry["traced"] == 11 and entry["distinct"] == 5
     assert entry["executions"] == 2 * (2 + 30 + 4 + 4 + 4) + 4
     assert entry["by_kind"]["sampler.inf"] == {"traced": 4, "distinct": 2, "executions": 64}

@@ -17,13 +17,16 @@ from verl_backend.driver.aot.graphs import GraphRequest
 from verl_backend.driver.job_shape import JobShape
 
 
-def read_stats(folder: Path) -> list[dict]:
+def read_stats(folder: Path, since: float = 0.0) -> list[dict]:
     """Every process's graph rows under ``folder/stats`` (:class:`verl_backend.tpu_on_cpu.GraphStats` as dicts),
-    each with ``"process"``: its file's name; a file that does not parse is skipped (a process killed mid-write
-    leaves only its temporary file, which is not read)."""
+    each with ``"process"``: its file's name; only files written at or after ``since`` (seconds since the epoch: the
+    run's start, when the folder is shared by runs); a file that does not parse is skipped (a process killed
+    mid-write leaves only its temporary file, which is not read)."""
     rows = []
     for path in sorted((Path(folder) / "stats").glob("*.json")):
         try:
+            if path.stat().st_mtime < since:
+                continue
             rows += [{**row, "process": path.stem} for row in json.loads(path.read_text())]
         except (OSError, ValueError):
             continue
@@ -88,14 +91,14 @@ def graph_request(row: dict) -> GraphRequest | None:
     return None
 
 
-def executed_entry(folder: Path, job: JobShape) -> dict:
+def executed_entry(folder: Path, job: JobShape, since: float = 0.0) -> dict:
     """The run's executed graphs (:func:`read_stats`) counted (:func:`verl_backend.tpu_on_cpu.aggregate`) and set
-    against the plan (:func:`planned_shapes`): the aggregate plus ``"outside_plan"``: the names of the distinct
+    against the plan (:func:`planned_shapes`), from the stats written at or after ``since``: the aggregate plus ``"outside_plan"``: the names of the distinct
     graphs whose shapes the plan does not allow (or whose shapes this cannot read), ``"eager_lines"``: the first
     reason of each kind a graph ran as torch eager, and ``"line"``: one line for the console."""
     from verl_backend.tpu_on_cpu import aggregate
 
-    rows = read_stats(folder)
+    rows = read_stats(folder, since)
     entry = aggregate(rows)
     plan = planned_shapes(job)
     outside, seen = [], set()
