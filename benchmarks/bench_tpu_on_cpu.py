@@ -83,17 +83,22 @@ def value(row: dict, key: str | None):
     return row.get(key)
 
 
-def greedy_agreement(a: Path, b: Path) -> tuple[int, int]:
-    """Items of the first validation dump (step 0, greedy) whose response is the same text in both runs."""
+def greedy_agreement(a: Path, b: Path) -> tuple[int, int, list[tuple[str, str]]]:
+    """Items of the first validation dump (step 0, greedy) whose response is the same text in both runs, matched by
+    their prompt (the dumps' order is the agent loop's, not the dataset's): ``(same, items, [(one, other)] of the
+    first differing responses)``."""
 
-    def first(folder: Path) -> list[str]:
+    def first(folder: Path) -> dict[str, str]:
         files = sorted(folder.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
         if not files:
-            return []
-        return [json.loads(line).get("output", "") for line in files[0].read_text().splitlines() if line.strip()]
+            return {}
+        rows = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+        return {row.get("input", ""): row.get("output", "") for row in rows}
 
     x, y = first(a / "validation"), first(b / "validation")
-    return sum(p == q for p, q in zip(x, y)), min(len(x), len(y))
+    common = [k for k in x if k in y]
+    differ = [(x[k], y[k]) for k in common if x[k] != y[k]]
+    return len(common) - len(differ), len(common), differ
 
 
 def main() -> None:
@@ -130,8 +135,11 @@ def main() -> None:
             print(f"| step {step + 1} {label} | {' | '.join(cells)} |")
     for k in ("val_accuracy_before", "val_accuracy_after"):
         print(f"| {k} | {' | '.join(str(summaries[m].get(k)) for m in MODES)} |")
-    same, items = greedy_agreement(args.out / "tpu-on-cpu", args.out / "eager")
+    same, items, differ = greedy_agreement(args.out / "tpu-on-cpu", args.out / "eager")
     print(f"\nstep 0 greedy validation responses identical: {same} of {items}")
+    for one, other in differ[:5]:
+        at = next((i for i, (p, q) in enumerate(zip(one, other)) if p != q), min(len(one), len(other)))
+        print(f"  first difference at character {at}: {one[at : at + 30]!r} | {other[at : at + 30]!r}")
     entry = summaries["tpu-on-cpu"].get("tpu_on_cpu", {})
     print(f"tpu-on-cpu graphs: {entry.get('line')}")
     print(f"step estimate: {entry.get('step_estimate', {}).get('line')}")
