@@ -43,6 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NAME = "tpu-on-cpu"
+#: the environment of a process that loads libtpu without a chip: no cloud metadata server wait, quieter libtpu, and no
+#: libtpu lockfile (/tmp/libtpu_lockfile), which would refuse any other such process on the machine (the lowering
+#: servers of a host's ranks, the dry run's compile check, --aot-only)
+LIBTPU_QUIET_ENV = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "PYTHONWARNINGS": "ignore",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "TPU_STDERR_LOG_LEVEL": "3",
+    "TPU_MIN_LOG_LEVEL": "3",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 SERVER_MODULE = "verl_backend.driver.aot.serve"  # run in the torch-tpu interpreter, never imported here
 
 
@@ -123,7 +134,11 @@ class Lowering:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         err = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [self.python, "-m", SERVER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
+            [self.python, "-m", SERVER_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **LIBTPU_QUIET_ENV},
         )
         err.close()
         ready = self._read()

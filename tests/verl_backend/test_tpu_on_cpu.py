@@ -24,6 +24,16 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return float((got - ref).abs().max()) <= RTOL * float(ref.abs().max())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def lowering_server_closed():
+    """The module's lowering server ends with it (a live one holds libtpu; it must not take libtpu's lockfile
+    meanwhile: the compile subprocesses of later tests run beside it)."""
+    yield
+    if TpuOnCpu._lowering is not None:
+        TpuOnCpu._lowering.close()
+        TpuOnCpu._lowering = None
+
+
 @pytest.fixture
 def said(monkeypatch):
     lines: list[str] = []

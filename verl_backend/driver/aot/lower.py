@@ -465,13 +465,19 @@ def _tracing_failure_record(base: dict, request: dict, exc: BaseException) -> di
     }
 
 
-def _lowering_failure_record(base: dict, name: str, exc) -> dict:
-    """The lowered.json record of graph ``name`` that TorchTPU could not lower (``exc``: its ``LoweringError``): no
-    file, its ``op`` and a one-line ``error``; a random op's says that it needs the TPU generator, hence a chip."""
+def lowering_failure_line(name: str, exc) -> str:
+    """One line for graph ``name`` that TorchTPU could not lower (``exc``: its ``LoweringError``), naming the op and
+    the module; a random op's says that it needs the TPU generator, hence a chip."""
     where = f" in {exc.module}" if exc.module else ""
     why = str(exc)
     if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
         why = f"a random op needs the TPU generator, which needs a chip ({why})"
+    return f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}"
+
+
+def _lowering_failure_record(base: dict, name: str, exc) -> dict:
+    """The lowered.json record of graph ``name`` that TorchTPU could not lower (``exc``: its ``LoweringError``): no
+    file, its ``op`` and a one-line ``error`` (:func:`lowering_failure_line`)."""
     return {
         **base,
         "graph": name,
@@ -479,7 +485,7 @@ def _lowering_failure_record(base: dict, name: str, exc) -> dict:
         "seconds": None,
         "mosaic": None,
         "op": exc.op,
-        "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
+        "error": lowering_failure_line(name, exc),
     }
 
 

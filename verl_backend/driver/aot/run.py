@@ -20,6 +20,7 @@ from pathlib import Path
 
 from verl_backend.driver.aot.graphs import SAMPLER_KINDS
 from verl_backend.errors import BadInputError
+from verl_backend.tpu_on_cpu import LIBTPU_QUIET_ENV
 
 #: per chip generation: (peak bf16 dense FLOP/s, HBM bytes/s), from the Cloud TPU "TPU versions" pages
 CHIP_PEAKS = {
@@ -34,15 +35,9 @@ JAX_GENERATION = {"v5litepod": "v5e"}
 LOWER_TIMEOUT_S = 1800
 COMPILE_TIMEOUT_S = 1800
 # no cloud metadata server wait; quieter libtpu; no libtpu lockfile (/tmp/libtpu_lockfile), which would refuse a
-# second process on the machine (two --aot-only runs, a test beside a run) although none of them opens a chip
-_QUIET = {
-    "TPU_SKIP_MDS_QUERY": "1",
-    "PYTHONWARNINGS": "ignore",
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-    "TPU_STDERR_LOG_LEVEL": "3",
-    "TPU_MIN_LOG_LEVEL": "3",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
+# second process on the machine (two --aot-only runs, a test beside a run, a tpu-on-cpu lowering server) although none
+# of them opens a chip
+_QUIET = LIBTPU_QUIET_ENV
 
 
 class AotError(BadInputError):

@@ -41,7 +41,7 @@ def decomposition_names() -> list[tuple[str, str, str]]:
 def lower_request(request: dict) -> dict:
     """The reply to one request (see the module docstring); a graph TorchTPU cannot lower is a reply with its op and
     one-line error, never an exception."""
-    from verl_backend.driver.aot.lower import lower
+    from verl_backend.driver.aot.lower import lower, lowering_failure_line
     from verl_backend.patches.torch_tpu_aot import LoweringError
 
     name = request["name"]
@@ -57,16 +57,12 @@ def lower_request(request: dict) -> dict:
             raise ValueError("a constant of the graph has no value (it was made on the meta device)")
         constants = [c.detach().clone() for c in constants]
     except LoweringError as exc:
-        where = f" in {exc.module}" if exc.module else ""
-        why = str(exc)
-        if exc.op and any(w in exc.op for w in ("dropout", "rand", "bernoulli", "normal", "uniform")):
-            why = f"a random op needs the TPU generator, which needs a chip ({why})"
         return {
             "mlir": None,
             "constants": [],
             "seconds": time.perf_counter() - start,
             "op": exc.op,
-            "error": f"TorchTPU cannot lower {exc.op or 'an op'}{where} of graph {name}: {why}",
+            "error": lowering_failure_line(name, exc),
         }
     except Exception as exc:  # anything else TorchTPU's recorder raises: one line, not a dead worker
         line = (str(exc).strip().splitlines() or [""])[0][:200]
