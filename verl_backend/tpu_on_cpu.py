@@ -11,7 +11,7 @@ graphs, min-cut partitioning, as TorchTPU's own backend does); each graph is the
    ``--aot-only`` uses, so code past dynamo sees what the chip's compile sees;
 2. compiled by XLA:CPU (jaxlib's cpu client, ``jax_enable_x64`` on so int64 stays int64);
 3. executed with torch tensors in and out through DLPack (numpy has no bf16; no copy either way, measured in
-   :func:`summary`'s ``copy_s``).
+   each graph's ``copy_s`` (:class:`GraphStats`)).
 
 What differs from the chip: dynamo traces on CPU tensors, so model code that branches on the device type takes the
 CPU branch (the TPU profile's choices that matter, such as ``batched_mm`` experts, come from the config, not the
@@ -577,11 +577,3 @@ def aggregate(rows: list[dict]) -> dict:
             for k, v in by_kind.items()
         },
     }
-
-
-def summary() -> dict:
-    """This process's graphs: :func:`aggregate` of :data:`GRAPHS`, with ``"graphs"``: each as a dict."""
-    from dataclasses import asdict
-
-    rows = [asdict(g) for g in GRAPHS]
-    return {"graphs": rows, **aggregate(rows)}

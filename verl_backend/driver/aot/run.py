@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from importlib.util import find_spec
 from pathlib import Path
 
 from verl_backend.driver.aot.graphs import SAMPLER_KINDS
 from verl_backend.errors import BadInputError
-from verl_backend.tpu_on_cpu import LIBTPU_QUIET_ENV
+from verl_backend.tpu_on_cpu import LIBTPU_QUIET_ENV, aot_python_path
 
 #: per chip generation: (peak bf16 dense FLOP/s, HBM bytes/s), from the Cloud TPU "TPU versions" pages
 CHIP_PEAKS = {
@@ -51,11 +50,9 @@ def aot_python() -> str:
     Raises:
         AotError: none has torch-tpu.
     """
-    beside = Path(sys.prefix + "-aot") / "bin" / "python"
-    if beside.exists():
-        return str(beside)
-    if find_spec("torch_tpu") is not None:
-        return sys.executable
+    python = aot_python_path()
+    if python is not None:
+        return python
     raise AotError(
         f"--aot-only needs torch-tpu 0.2.0 and libtpu 0.0.52, in {sys.prefix}-aot (make it with "
         "`.ci/aot_venv`, the `aot` extra) or this environment (`pip install -e '.[aot]'`)"
