@@ -83,22 +83,69 @@ def value(row: dict, key: str | None):
     return row.get(key)
 
 
-def greedy_agreement(a: Path, b: Path) -> tuple[int, int, list[tuple[str, str]]]:
-    """Items of the first validation dump (step 0, greedy) whose response is the same text in both runs, matched by
-    their prompt (the dumps' order is the agent loop's, not the dataset's): ``(same, items, [(one, other)] of the
-    first differing responses)``."""
+def first_dump(folder: Path) -> dict[str, str]:
+    """The first validation dump (step 0, greedy) of a run's ``validation/`` folder: ``{prompt text: response text}``,
+    keyed by prompt (the dumps' order is the agent loop's, not the dataset's)."""
+    files = sorted(folder.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
+    if not files:
+        return {}
+    rows = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+    return {row.get("input", ""): row.get("output", "") for row in rows}
 
-    def first(folder: Path) -> dict[str, str]:
-        files = sorted(folder.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
-        if not files:
-            return {}
-        rows = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
-        return {row.get("input", ""): row.get("output", "") for row in rows}
 
-    x, y = first(a / "validation"), first(b / "validation")
+def greedy_agreement(a: Path, b: Path) -> tuple[int, int, list[tuple[str, str, str]]]:
+    """Items of the first validation dump (step 0, greedy) whose response is the same text in both runs:
+    ``(same, items, [(prompt, one, other)] of the differing items)``."""
+    x, y = first_dump(a / "validation"), first_dump(b / "validation")
     common = [k for k in x if k in y]
-    differ = [(x[k], y[k]) for k in common if x[k] != y[k]]
+    differ = [(k, x[k], y[k]) for k in common if x[k] != y[k]]
     return len(common) - len(differ), len(common), differ
+
+
+def divergence_gaps(model: str, data_dir: Path, differ: list[tuple[str, str, str]]) -> list[dict]:
+    """For each differing greedy response, the first token where the two runs part and the base model's logit gap
+    there: ``logit(one's token) - logit(other's token)`` and the top-1 margin, from the plain Hugging Face forward in
+    fp32 on the prompt (the validation parquet's chat, rendered by the tokenizer's template) plus the common tokens.
+
+    Step 0's validation runs the base model, so this is the forward both runs approximate in bf16. A gap within bf16's
+    rounding of the logits (about 2**-8 of their magnitude: ~0.06-0.125 nats at logits of 16-32) is a near-tie, where
+    either run may pick either token. The responses are re-tokenized from the dump's text (special tokens skipped), so
+    a response whose text re-tokenizes differently can place the divergence a token late.
+    """
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    prompts = {}
+    for parquet in sorted(data_dir.glob("*_val.parquet")):
+        for chat in pd.read_parquet(parquet)["prompt"]:
+            ids = tokenizer.apply_chat_template(
+                [dict(m) for m in chat], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            prompts[tokenizer.decode(ids, skip_special_tokens=True)] = list(ids)
+    rows = []
+    for prompt, one, other in differ:
+        if prompt not in prompts:
+            rows.append({"prompt": prompt, "error": "prompt not found in the validation parquet"})
+            continue
+        a = tokenizer(one, add_special_tokens=False)["input_ids"]
+        b = tokenizer(other, add_special_tokens=False)["input_ids"]
+        at = next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+        if at >= min(len(a), len(b)):  # one response is a prefix of the other: it stopped (eos) where the other went on
+            rows.append({"prompt": prompt, "token": at, "one": one[-20:], "other": other[-20:], "gap": None})
+            continue
+        with torch.no_grad():
+            logits = lm(torch.tensor([prompts[prompt] + a[:at]])).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        rows.append({
+            "prompt": prompt, "token": at,
+            "one": tokenizer.decode(a[at]), "other": tokenizer.decode(b[at]),
+            "gap": float(logits[a[at]] - logits[b[at]]), "margin": float(top[0] - top[1]),
+            "scale": float(logits.abs().max()),
+        })  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -108,22 +155,31 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_tpu_on_cpu"))
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--diagnostics", action="store_true", help="VeRL's rollout-correction log-ratio metrics")
+    parser.add_argument(
+        "--report-only", action="store_true", help="print the table from the runs already in --out (no new runs)"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from ray_cluster import fake_slice
+    if not args.report_only:
+        from ray_cluster import fake_slice
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    state = args.out / "cluster.json"
-    cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
-    walls = {}
-    try:
-        for mode in MODES:
-            walls[mode] = run(mode, args.out / mode, args, cluster.address)
-    finally:
-        fake_slice.stop(state_file=state)
+        args.out.mkdir(parents=True, exist_ok=True)
+        state = args.out / "cluster.json"
+        cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
+        walls = {}
+        try:
+            for mode in MODES:
+                walls[mode] = run(mode, args.out / mode, args, cluster.address)
+        finally:
+            fake_slice.stop(state_file=state)
+        (args.out / "walls.json").write_text(json.dumps(walls))
+    walls_file = args.out / "walls.json"
+    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
     rows = {mode: step_rows(args.out / mode) for mode in MODES}
     summaries = {mode: json.loads((args.out / mode / "summary.json").read_text()) for mode in MODES}
+    for mode in MODES:  # the driver's own wall time where the bench's is not on record (a --report-only of older runs)
+        walls.setdefault(mode, summaries[mode]["wall_s"])
     print(f"| figure | {' | '.join(MODES)} |\n|---|{'---|' * len(MODES)}")
     print(f"| wall s | {' | '.join(f'{walls[m]:.0f}' for m in MODES)} |")
     for step in range(args.steps):
@@ -137,9 +193,22 @@ def main() -> None:
         print(f"| {k} | {' | '.join(str(summaries[m].get(k)) for m in MODES)} |")
     same, items, differ = greedy_agreement(args.out / "tpu-on-cpu", args.out / "eager")
     print(f"\nstep 0 greedy validation responses identical: {same} of {items}")
-    for one, other in differ[:5]:
-        at = next((i for i, (p, q) in enumerate(zip(one, other)) if p != q), min(len(one), len(other)))
-        print(f"  first difference at character {at}: {one[at : at + 30]!r} | {other[at : at + 30]!r}")
+    if differ:
+        print(
+            "| item | first differing token | tpu-on-cpu | eager | fp32 logit gap | fp32 top-1 margin | max abs logit |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for row in divergence_gaps(args.model, args.out / "tpu-on-cpu" / "data", differ):
+            item = row["prompt"].split("Calculate ")[-1].split(".")[0] if "Calculate " in row["prompt"] else "?"
+            if "error" in row:
+                print(f"| {item} | {row['error']} | | | | | |")
+            elif row["gap"] is None:
+                print(f"| {item} | {row['token']} (one stopped) | {row['one']!r} | {row['other']!r} | | | |")
+            else:
+                print(
+                    f"| {item} | {row['token']} | {row['one']!r} | {row['other']!r} | {row['gap']:+.3f} "
+                    f"| {row['margin']:.3f} | {row['scale']:.1f} |"
+                )
     entry = summaries["tpu-on-cpu"].get("tpu_on_cpu", {})
     print(f"tpu-on-cpu graphs: {entry.get('line')}")
     print(f"step estimate: {entry.get('step_estimate', {}).get('line')}")

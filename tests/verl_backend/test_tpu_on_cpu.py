@@ -180,3 +180,34 @@ def test_the_backend_is_refused_off_the_cpu_backend():
     _check_tpu_on_cpu("cpu", settings)
     with pytest.raises(BadInputError, match="use it with --backend cpu"):
         _check_tpu_on_cpu("tpu", settings)
+
+
+def test_a_kv_cache_slot_shifted_by_one_fails_the_comparison(said, tmp_path):
+    """The sampler's negative control: the KV cache's write (``index_copy`` at the cache positions, the static cache's
+    update) decomposed to write each token one slot later in the worker's table. The graphs still lower and run on
+    XLA:CPU; the decode then attends to a shifted cache, and the greedy tokens of the check above no longer match."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl_tpu"))
+    from test_sampler_compiled import PAD, random_prompts, tiny_llama
+
+    from rl_tpu.sampler import Sampler, SamplingParams
+
+    def shifted(x, dim, index, source):
+        at = (index + 1).clamp(max=x.shape[dim] - 1)
+        return torch.ops.aten.index_put.default(x, [None] * dim + [at], source)
+
+    model = tiny_llama(head_dim=64)
+    greedy = SamplingParams(n=2, temperature=0, max_new_tokens=16, logprobs=True)
+    prompts = random_prompts([5, 19, 40, 11], seed=11)
+    ref = Sampler(model, pad_token_id=PAD, eos_token_ids=[]).generate(prompts, greedy)
+    backend = TpuOnCpu("sampler", cache_dir=tmp_path, say=said.append)
+    backend.table.update(backend._server().decompositions())
+    backend.table[torch.ops.aten.index_copy.default] = shifted
+    sampler = Sampler(
+        model, pad_token_id=PAD, eos_token_ids=[], compile=True, compile_backend=backend, packed_weights=False
+    )
+    out = sampler.generate(prompts, greedy)
+    assert [g.lowered for g in tpu_on_cpu.GRAPHS] == ["xla-cpu", "xla-cpu"], said
+    assert [o.token_ids for o in out] != [r.token_ids for r in ref]

@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         "--slice's chip, on this machine without a chip, print a table per graph (compile s, HBM, FLOPs, "
         "roofline bound) and exit; needs torch-tpu (the aot extra, .ci/aot_venv)",
     )
+    option(
+        "--aot-all-buckets",
+        action="store_true",
+        help="with --aot-only: every graph the job's bucket plan allows (each trainer micro batch padded to each "
+        "power of two up to the longest sequence; each sampler batch, prompt and KV-cache bucket), listed and "
+        "compiled, not only the largest of each kind",
+    )
     option("overrides", nargs="*", help="VeRL Hydra overrides key=value, before or after the options")
     p.train_options = sorted(options)
     return p
@@ -149,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from verl_backend.driver.train import run_train
 
+            if getattr(args, "aot_all_buckets", False) and not getattr(args, "aot_only", False):
+                raise BadInputError("--aot-all-buckets chooses the graphs --aot-only compiles: give --aot-only too")
             if getattr(args, "aot_only", False):  # composes the job as --print-config does: nothing starts
                 if args.backend != "tpu":
                     raise BadInputError(

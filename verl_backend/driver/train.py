@@ -121,7 +121,12 @@ def _run_train(args, fork_server: dict, console_capture) -> int:
     if getattr(args, "aot_only", False):  # the job's graphs lowered and compiled for the slice's chip, no chip here
         from verl_backend.driver.aot.job import run_aot_only
 
-        return run_aot_only(config, settings.slice, model_path=getattr(args, "aot_model_path", None))
+        return run_aot_only(
+            config,
+            settings.slice,
+            model_path=getattr(args, "aot_model_path", None),
+            all_buckets=getattr(args, "aot_all_buckets", False),
+        )
     if args.print_config:
         return _print_config(config, job)
     _check_before_run(config, job)

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from verl_backend.driver.aot.executed import executed_entry, graph_request, planned_shapes, read_stats
+from verl_backend.driver.aot.executed import executed_entry, graph_request, read_stats
+from verl_backend.driver.aot.graphs import GraphRequest, job_graphs, planned_graphs, planned_shapes
 from verl_backend.driver.job_shape import job_shape
 
 CONFIG = {
@@ -58,8 +59,30 @@ def test_the_plan_allows_the_buckets_the_sampler_and_the_trainer_pad_to(job):
     assert (1, 1, 80) in plan["decode"] and (1, 1, 32) in plan["decode"]
     assert (8, 1, 80) in plan["decode"] and (16, 1, 80) not in plan["decode"]  # up to max_num_seqs (validation's too)
     assert (1, 37, 53) not in plan["prefill"]  # an unpadded prompt is no bucket
+    assert (1, 16, 80) not in plan["prefill"]  # the cache is the prompt's own bucket plus a generation bucket
     assert (1, 64, 0) in plan["block"] and (1, 128, 0) in plan["block"]  # 64 + 16 tokens pad to 128
     assert (1, 256, 0) not in plan["block"]
+
+
+def test_aot_all_buckets_lists_every_graph_the_plan_allows(job):
+    """``--aot-only --aot-all-buckets`` compiles :func:`planned_graphs`: every planned shape once, each trainer block
+    shape with its head, and the largest graphs ``--aot-only`` compiles by default among them."""
+    graphs = planned_graphs(job)
+    assert len(graphs) == len(set(graphs))
+    plan = planned_shapes(job)
+    for kind in ("prefill", "decode", "block", "block_forward"):
+        assert {(g.batch, g.seq, g.cache) for g in graphs if g.kind == kind} == plan[kind], kind
+    blocks = {(g.batch, g.seq) for g in graphs if g.kind == "block"}
+    assert blocks == {(g.batch, g.seq) for g in graphs if g.kind == "lm_head"}
+    assert set(job_graphs(job)) <= set(graphs)
+    assert GraphRequest("decode", 8, 1, 80) in graphs and GraphRequest("decode", 16, 1, 80) not in graphs
+
+
+def test_aot_all_buckets_needs_aot_only(capsys):
+    from verl_backend.driver.cli import main
+
+    assert main(["train", "--backend", "tpu", "--aot-all-buckets"]) == 2
+    assert "--aot-all-buckets chooses the graphs --aot-only compiles: give --aot-only too" in capsys.readouterr().err
 
 
 def test_a_run_s_graphs_counted_and_set_against_the_plan(tmp_path, job):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verl_backend.driver.aot.graphs import GraphRequest
+from verl_backend.driver.aot.graphs import GraphRequest, planned_shapes
 from verl_backend.driver.job_shape import JobShape
 
 
@@ -31,42 +31,6 @@ def read_stats(folder: Path, since: float = 0.0) -> list[dict]:
         except (OSError, ValueError):
             continue
     return rows
-
-
-def _powers_of_two(limit: int, smallest: int = 1) -> set[int]:
-    out, b = set(), smallest
-    while b <= limit:
-        out.add(b)
-        b *= 2
-    return out
-
-
-def planned_shapes(job: JobShape) -> dict[str, set[tuple]]:
-    """The shapes the job's buckets allow, per graph kind: ``{"prefill": {(batch, prompt, cache)}, "decode":
-    {(batch, 1, cache)}, "block": {(batch, seq, 0)}, "block_forward": {(batch, seq, 0)}}``.
-
-    Sampler (:mod:`rl_tpu.sampler.engine`): a batch bucket is a power of two up to the sampler's cap
-    (``rollout.max_num_seqs``, default 64: the requests that arrive together, a validation's included, are batched up
-    to it), or the cap itself and its halvings (finished rows dropped); a prompt bucket one of the rollout's
-    (:func:`verl_backend.rollout.sampling._buckets`: powers of two from 16 up to ``prompt_length``, it last); the
-    cache a prompt bucket plus a generation bucket. Trainer (:mod:`rl_tpu.compiled_blocks`): the update's micro batch
-    for ``block``, the log-prob micro batches for ``block_forward``, each padded to a power of two from
-    ``MIN_BUCKET`` up to the bucket of the job's longest sequence."""
-    from rl_tpu.compiled_blocks import MIN_BUCKET, bucket_length
-    from verl_backend.rollout.sampling import _buckets
-
-    top = job.max_num_seqs or 64  # the sampler's cap (verl_backend.rollout.sampling): validation batches up to it too
-    batches = _powers_of_two(top) | {top >> i for i in range(top.bit_length()) if top >> i}
-    prompts = set(_buckets(job.rollout_prompt_length))
-    caches = {p + g for p in prompts for g in _buckets(job.rollout_response_length)}
-    seqs = _powers_of_two(bucket_length(job.padded_length), MIN_BUCKET)
-    forwards = {job.log_prob_micro_batch, job.ref_log_prob_micro_batch}
-    return {
-        "prefill": {(b, p, c) for b in batches for p in prompts for c in caches if c > p},
-        "decode": {(b, 1, c) for b in batches for c in caches},
-        "block": {(job.update_micro_batch, s, 0) for s in seqs},
-        "block_forward": {(b, s, 0) for b in forwards for s in seqs},
-    }
 
 
 def graph_request(row: dict) -> GraphRequest | None:

@@ -100,6 +100,67 @@ def job_graphs(job, workers: int | None = None) -> list[GraphRequest]:
     return list(dict.fromkeys(out))  # each shape once, in the order first listed
 
 
+def _powers_of_two(limit: int, smallest: int = 1) -> set[int]:
+    out, b = set(), smallest
+    while b <= limit:
+        out.add(b)
+        b *= 2
+    return out
+
+
+def planned_shapes(job: JobShape) -> dict[str, set[tuple]]:
+    """The shapes the job's buckets allow, per graph kind: ``{"prefill": {(batch, prompt, cache)}, "decode":
+    {(batch, 1, cache)}, "block": {(batch, seq, 0)}, "block_forward": {(batch, seq, 0)}}``.
+
+    Sampler (:mod:`rl_tpu.sampler.engine`): a batch bucket is a power of two up to the sampler's cap
+    (``rollout.max_num_seqs``, default 64: the requests that arrive together, a validation's included, are batched up
+    to it), or the cap itself and its halvings (finished rows dropped); a prompt bucket one of the rollout's
+    (:func:`verl_backend.rollout.sampling._buckets`: powers of two from 16 up to ``prompt_length``, it last); the
+    cache the prompt's bucket plus a generation bucket (``rl_tpu.sampler.engine``: the batch's prompt bucket plus the
+    bucket of its ``max_new_tokens``). Trainer (:mod:`rl_tpu.compiled_blocks`): the update's micro batch
+    (and the critic's, with GAE) for ``block``, the log-prob micro batches (and the critic's values forward) for
+    ``block_forward``, each padded to a power of two from
+    ``MIN_BUCKET`` up to the bucket of the job's longest sequence."""
+    from rl_tpu.compiled_blocks import MIN_BUCKET, bucket_length
+    from verl_backend.rollout.sampling import _buckets
+
+    top = job.max_num_seqs or 64  # the sampler's cap (verl_backend.rollout.sampling): validation batches up to it too
+    batches = _powers_of_two(top) | {top >> i for i in range(top.bit_length()) if top >> i}
+    prompts = set(_buckets(job.rollout_prompt_length))
+    gens = set(_buckets(job.rollout_response_length))
+    caches = {p + g for p in prompts for g in gens}
+    seqs = _powers_of_two(bucket_length(job.padded_length), MIN_BUCKET)
+    updates, forwards = {job.update_micro_batch}, {job.log_prob_micro_batch, job.ref_log_prob_micro_batch}
+    if job.critic:
+        updates.add(job.critic_micro_batch)
+        forwards.add(job.critic_forward_micro_batch)
+    return {
+        "prefill": {(b, p, p + g) for b in batches for p in prompts for g in gens},
+        "decode": {(b, 1, c) for b in batches for c in caches},
+        "block": {(b, s, 0) for b in updates for s in seqs},
+        "block_forward": {(b, s, 0) for b in forwards for s in seqs},
+    }
+
+
+def planned_graphs(job: JobShape) -> list[GraphRequest]:
+    """Every graph the job's bucket plan allows (:func:`planned_shapes`), what ``--aot-only --aot-all-buckets``
+    lowers and compiles: each trainer ``block`` / ``block_forward`` shape with its ``lm_head`` / ``lm_head_forward``
+    (with a critic, its ``value_head`` / ``value_head_forward`` too: a micro batch either model may run), then the
+    sampler's prefills and decodes, smallest first. On a chip each is a compile; a whole run compiles those of its
+    shapes that occur (the TPU dry run counts them: :mod:`verl_backend.driver.aot.executed`)."""
+    plan = planned_shapes(job)
+    heads = {"block": ["lm_head"], "block_forward": ["lm_head_forward"]}
+    if job.critic:
+        heads = {"block": ["lm_head", "value_head"], "block_forward": ["lm_head_forward", "value_head_forward"]}
+    out = []
+    for kind in ("block", "block_forward"):
+        for batch, seq, _ in sorted(plan[kind]):
+            out += [GraphRequest(kind, batch, seq)] + [GraphRequest(h, batch, seq) for h in heads[kind]]
+    for kind in SAMPLER_KINDS:
+        out += [GraphRequest(kind, batch, seq, cache) for batch, seq, cache in sorted(plan[kind])]
+    return list(dict.fromkeys(out))
+
+
 def graph_list(job) -> list[dict]:
     """The (graph, input shapes) list of ``job`` (a :class:`~verl_backend.driver.job_shape.JobShape` or a composed
     config) as ``--aot-only`` lowers it (:func:`job_graphs`), as JSON records:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from verl_backend.driver.aot.graphs import SAMPLER_KINDS, job_graphs
+from verl_backend.driver.aot.graphs import SAMPLER_KINDS, GraphRequest, job_graphs, planned_graphs
 from verl_backend.driver.job_shape import JobShape, job_shape
 from verl_backend.driver.aot.run import (
     AotError,
@@ -44,17 +44,23 @@ def model_config(path: str) -> dict:
     return json.loads(file.read_text())
 
 
-def aot_jobs(job: JobShape, attention: str = "sdpa", model_path: str | None = None) -> list[dict]:
+def aot_jobs(
+    job: JobShape,
+    attention: str = "sdpa",
+    model_path: str | None = None,
+    requests: list[GraphRequest] | None = None,
+) -> list[dict]:
     """The lowering subprocess's ``jobs`` for a job's :class:`~verl_backend.driver.job_shape.JobShape`: the trainer's
     graphs in its FSDP ``param_dtype`` (VeRL's default bf16) and the sampler's in the rollout's dtype; the model is
-    ``model_path``'s config.json when given, else the job's."""
+    ``model_path``'s config.json when given, else the job's; the graphs are ``requests`` when given, else the job's
+    largest of each kind (:func:`~verl_backend.driver.aot.graphs.job_graphs`)."""
     cfg = model_config(str(model_path or job.model_path))
     model_type = cfg.get("model_type")
     if not model_type:
         raise AotError("the model's config.json has no model_type")
     train_dtype = _DTYPES.get(job.param_dtype, "bfloat16")
     sample_dtype = _DTYPES.get(job.rollout_dtype, "bfloat16")
-    graphs = [dataclasses.asdict(g) for g in job_graphs(job)]
+    graphs = [dataclasses.asdict(g) for g in (job_graphs(job) if requests is None else requests)]
     trainer = [g for g in graphs if g["kind"] not in SAMPLER_KINDS]  # the actor's, the reference's, the critic's
     sampler = [g for g in graphs if g["kind"] in SAMPLER_KINDS]
     base = {"config": cfg, "model_type": model_type, "attention": attention}
@@ -64,10 +70,17 @@ def aot_jobs(job: JobShape, attention: str = "sdpa", model_path: str | None = No
     ]
 
 
-def run_aot_only(config, slice_name: str | None, folder: Path | None = None, model_path: str | None = None) -> int:
+def run_aot_only(
+    config,
+    slice_name: str | None,
+    folder: Path | None = None,
+    model_path: str | None = None,
+    all_buckets: bool = False,
+) -> int:
     """Lower and compile the job's graphs for ``slice_name`` (e.g. ``v6e-8``) and print the tables; ``model_path``:
     a folder whose config.json replaces the job's model (``actor_rollout_ref.model.path=`` given to ``--aot-only``,
-    which needs no weights).
+    which needs no weights); ``all_buckets`` (``--aot-all-buckets``): every graph the job's bucket plan allows
+    (:func:`~verl_backend.driver.aot.graphs.planned_graphs`), not only the largest of each kind.
 
     Returns:
         0 when every graph lowered and compiled, 1 when some did not (each said in one line).
@@ -78,9 +91,10 @@ def run_aot_only(config, slice_name: str | None, folder: Path | None = None, mod
         raise AotError("--aot-only compiles for a slice's chip: give --slice, e.g. --slice v6e-8")
     topo, generation, hbm_gib = jax_topology(slice_name)
     job = job_shape(config)
-    jobs = aot_jobs(job, model_path=model_path)
+    jobs = aot_jobs(job, model_path=model_path, requests=planned_graphs(job) if all_buckets else None)
+    which = "every bucket the plan allows: " if all_buckets else ""
     print(
-        f"[rl-tpu] --aot-only: lowering {sum(len(j['graphs']) for j in jobs)} graph shapes of "
+        f"[rl-tpu] --aot-only: lowering {which}{sum(len(j['graphs']) for j in jobs)} graph shapes of "
         f"{jobs[0]['model_type']} with TorchTPU, compiling for {slice_name} ({topo}) with libtpu, no chip",
         flush=True,
     )
