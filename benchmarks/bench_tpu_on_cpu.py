@@ -148,6 +148,24 @@ def divergence_gaps(model: str, data_dir: Path, differ: list[tuple[str, str, str
     return rows
 
 
+def graph_costs(cache_dir: Path) -> list[dict]:
+    """Per distinct graph of a tpu-on-cpu run (its stats files, :mod:`verl_backend.driver.aot.executed`): its name
+    and shapes, the processes that traced it, and summed over them the lowering, XLA:CPU compile, execution and DLPack
+    seconds and the executions; largest compile first."""
+    from verl_backend.driver.aot.executed import graph_request, read_stats
+
+    out: dict[str, dict] = {}
+    for row in read_stats(cache_dir):
+        request = graph_request(row)
+        name = f"{row['region']}.{row['part']} " + (request.name if request else str(row.get("inputs")))
+        entry = out.setdefault(row["key"], {"graph": name, "traced": 0, "runs": 0, "lower_s": 0.0, "compile_s": 0.0,
+                                            "run_s": 0.0, "copy_s": 0.0})  # fmt: skip
+        entry["traced"] += 1
+        for k in ("runs", "lower_s", "compile_s", "run_s", "copy_s"):
+            entry[k] += row[k]
+    return sorted(out.values(), key=lambda e: -e["compile_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -209,6 +227,13 @@ def main() -> None:
                     f"| {item} | {row['token']} | {row['one']!r} | {row['other']!r} | {row['gap']:+.3f} "
                     f"| {row['margin']:.3f} | {row['scale']:.1f} |"
                 )
+    print("\n| graph | traced (processes) | lowering s | XLA:CPU compile s | executions | execution s | DLPack s |")
+    print("|---|---|---|---|---|---|---|")
+    for g in graph_costs(args.out / "tpu-on-cpu" / "tpu-on-cpu"):
+        print(
+            f"| {g['graph']} | {g['traced']} | {g['lower_s']:.1f} | {g['compile_s']:.1f} | {g['runs']} "
+            f"| {g['run_s']:.1f} | {g['copy_s']:.1f} |"
+        )
     entry = summaries["tpu-on-cpu"].get("tpu_on_cpu", {})
     print(f"tpu-on-cpu graphs: {entry.get('line')}")
     print(f"step estimate: {entry.get('step_estimate', {}).get('line')}")
