@@ -78,6 +78,18 @@ def test_aot_all_buckets_lists_every_graph_the_plan_allows(job):
     assert GraphRequest("decode", 8, 1, 80) in graphs and GraphRequest("decode", 16, 1, 80) not in graphs
 
 
+def test_aot_all_buckets_reaches_the_lowering_subprocess(tmp_path, job):
+    """What ``run_aot_only(all_buckets=True)`` hands the lowering subprocess: the plan's graphs, split into the
+    trainer's (its FSDP dtype) and the sampler's (the rollout's dtype); by default only the largest."""
+    from verl_backend.driver.aot.job import aot_jobs
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    every = aot_jobs(job, model_path=str(tmp_path), requests=planned_graphs(job))
+    largest = aot_jobs(job, model_path=str(tmp_path))
+    assert sum(len(j["graphs"]) for j in every) == len(planned_graphs(job)) > sum(len(j["graphs"]) for j in largest)
+    assert {g["kind"] for g in every[1]["graphs"]} == {"prefill", "decode"}
+
+
 def test_aot_all_buckets_needs_aot_only(capsys):
     from verl_backend.driver.cli import main
 
