@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--diagnostics", action="store_true", help="VeRL's rollout-correction log-ratio metrics")
     parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the runs to make (the report reads both)"
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="print the table from the runs already in --out (no new runs)"
     )
     parser.add_argument("overrides", nargs="*")
@@ -185,13 +188,14 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         state = args.out / "cluster.json"
         cluster = fake_slice.start(["v6e-4"], head_cpus=4, object_store_mb=256, state_file=state, timeout_s=240)
-        walls = {}
+        walls_file = args.out / "walls.json"
+        walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
         try:
-            for mode in MODES:
+            for mode in args.modes:
                 walls[mode] = run(mode, args.out / mode, args, cluster.address)
+                walls_file.write_text(json.dumps(walls))
         finally:
             fake_slice.stop(state_file=state)
-        (args.out / "walls.json").write_text(json.dumps(walls))
     walls_file = args.out / "walls.json"
     walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
     rows = {mode: step_rows(args.out / mode) for mode in MODES}
