@@ -384,7 +384,9 @@ def _aot_config(monkeypatch, tmp_path, argv):
     monkeypatch.setattr(
         job,
         "run_aot_only",
-        lambda config, slice_name, model_path=None: caught.update(config=config, model_path=model_path) or 0,
+        lambda config, slice_name, model_path=None, all_buckets=False: (
+            caught.update(config=config, model_path=model_path) or 0
+        ),
     )
     assert (
         main(["train", "--backend", "tpu", "--aot-only", "--slice", "v6e-8", "--output-dir", str(tmp_path), *argv]) == 0

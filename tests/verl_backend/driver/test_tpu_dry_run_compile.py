@@ -34,8 +34,8 @@ def _composed(monkeypatch, tmp_path: Path, argv: list[str], where: str):
     if where == "aot":
         import verl_backend.driver.aot.job as job
 
-        def fake(config, slice_name, model_path=None):
-            caught.update(config=config, slice=slice_name, model_path=model_path)
+        def fake(config, slice_name, model_path=None, all_buckets=False):
+            caught.update(config=config, slice=slice_name, model_path=model_path, all_buckets=all_buckets)
             return 0
 
         monkeypatch.setattr(job, "run_aot_only", fake)

@@ -90,6 +90,25 @@ def test_aot_all_buckets_reaches_the_lowering_subprocess(tmp_path, job):
     assert {g["kind"] for g in every[1]["graphs"]} == {"prefill", "decode"}
 
 
+def test_aot_all_buckets_reaches_run_aot_only(monkeypatch, tmp_path):
+    """``verl train --backend tpu --aot-only --aot-all-buckets`` hands ``all_buckets=True`` to ``run_aot_only``
+    (nothing compiles here: the call is caught); without the flag, ``False``."""
+    import verl_backend.driver.aot.job as aot_job
+    from verl_backend.driver.cli import main
+
+    caught = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(
+        aot_job,
+        "run_aot_only",
+        lambda config, slice_name, model_path=None, all_buckets=False: caught.append(all_buckets) or 0,
+    )
+    for extra in (["--aot-all-buckets"], []):
+        argv = ["train", "--backend", "tpu", "--aot-only", "--slice", "v6e-8", *extra]
+        assert main([*argv, "--output-dir", str(tmp_path / str(len(extra)))]) == 0
+    assert caught == [True, False]
+
+
 def test_aot_all_buckets_needs_aot_only(capsys):
     from verl_backend.driver.cli import main
 
