@@ -111,6 +111,15 @@ SETTINGS: tuple[Setting, ...] = (
         env="RL_TPU_RESPONSE_ONLY_LOGITS",
     ),
     Setting(
+        "logits_chunk_mib",
+        int,
+        128,
+        "the trainer's LM head, log-softmax and entropy run over a micro batch's response tokens in chunks whose fp32 "
+        "logits take at most this many MiB (the logits recomputed in the backward) when all of them would take more; "
+        "on one CPU rank, where the model's logits are its head's plain linear map. 0: all at once",
+        minimum=0,
+    ),
+    Setting(
         "trim_backward",
         bool,
         False,
@@ -652,6 +661,7 @@ EngineSettings = _section(
         "compile_cache_dir",
         "trim_backward",
         "response_only_logits",
+        "logits_chunk_mib",
         "shared_prefix",
         "plain_module",
         "num_threads",

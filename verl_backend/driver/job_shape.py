@@ -56,7 +56,8 @@ class JobShape:
             the reference policy's and the critic's forward-only passes.
         sampler_placement: the native rollout's ``sampler_placement`` (``worker``: inside the trainer worker).
         packed_weights: the native rollout's ``packed_weights`` (``None``: not given, on).
-        compile_trainer, plain_module, response_only_logits: the ``rl_tpu.*`` settings of the same name.
+        compile_trainer, plain_module, response_only_logits, logits_chunk_mib: the ``rl_tpu.*`` settings of the
+            same name (``logits_chunk_mib`` 0 where a caller gives none: no chunking).
     """
 
     model_path: str
@@ -102,6 +103,26 @@ class JobShape:
     compile_trainer: bool
     plain_module: bool
     response_only_logits: bool
+    logits_chunk_mib: int = 0
+
+    def logit_chunk_tokens(self, vocab: int, tokens: int) -> int:
+        """Tokens the trainer's LM head takes at once for ``tokens`` response tokens of a ``vocab``-wide head:
+        ``tokens``, or a chunk of them where the engine chunks the head (``rl_tpu.logits_chunk_mib``: packed
+        response-only micro batches on one plain CPU rank, eager, whose fp32 logits would pass the budget;
+        :meth:`verl_backend.workers.engine.RlTpuFSDPEngineWithLMHead._use_chunked_head`)."""
+        from verl_backend.workers.response_logits import logits_chunk_tokens
+
+        applies = (
+            self.device == "cpu"
+            and self.shards == 1
+            and self.plain_module
+            and not self.compile_trainer
+            and self.packed
+            and self.response_only_logits
+            and tokens * vocab * 4 > self.logits_chunk_mib << 20
+        )
+        chunk = logits_chunk_tokens(vocab, self.logits_chunk_mib) if applies else 0
+        return min(tokens, chunk) if chunk else tokens
 
     @property
     def data_parallel(self) -> int:
@@ -251,4 +272,5 @@ def job_shape(config, workers: int | None = None, settings=None) -> JobShape:
         compile_trainer=bool(settings.compile_trainer),
         plain_module=bool(settings.plain_module),
         response_only_logits=bool(settings.response_only_logits),
+        logits_chunk_mib=int(settings.logits_chunk_mib),
     )

@@ -293,7 +293,7 @@ def plan_memory(
         workers: with a config, the trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node ×
             trainer.nnodes``.
         settings: with a config, the job's :class:`verl_backend.settings.RlTpuSettings` (``plain_module``,
-            ``compile_trainer``, ``response_only_logits`` are read); ``None``: the config's ``rl_tpu`` section.
+            ``compile_trainer``, ``response_only_logits``, ``logits_chunk_mib`` are read); ``None``: the config's ``rl_tpu`` section.
 
     Returns:
         The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).
@@ -528,15 +528,22 @@ def _eager_update_terms(job: JobShape, shape: ModelShape, sizes: _Itemsizes, fus
         elems, how = shape.layers * shape.hidden + block, "checkpointed: L x h + 1 block"
     else:
         elems, how = shape.layers * block, f"L x {block} elements/token"
-    return [
-        Term("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}"),
-        Term(
+    chunk = job.logit_chunk_tokens(shape.vocab, logit_tokens)
+    if chunk < logit_tokens:  # the chunked head's backward: one chunk's logits and ~4 fp32 softmax working copies
+        head = Term(
+            "LM head logits (chunked)",
+            chunk * shape.vocab * (b_param + 16),
+            "update",
+            f"{chunk} of {logit_tokens} tokens a chunk (rl_tpu.logits_chunk_mib) x {shape.vocab} x ({b_param}+16) B",
+        )
+    else:
+        head = Term(
             "LM head logits",
             logit_tokens * shape.vocab * (b_param + 8),
             "update",
             f"{logit_tokens} tokens x {shape.vocab} x ({b_param}+4+4) B",
-        ),
-    ]
+        )
+    return [Term("activations", tokens * (elems + 2 * shape.hidden) * b_param, "update", f"{micro_how}; {how}"), head]
 
 
 def _log_prob_term(job: JobShape, shape: ModelShape, sizes: _Itemsizes, fused: bool) -> Term:
@@ -545,8 +552,13 @@ def _log_prob_term(job: JobShape, shape: ModelShape, sizes: _Itemsizes, fused: b
     seq, b_param = _update_length(job), sizes.param
     lp = max(job.log_prob_micro_batch, job.ref_log_prob_micro_batch)
     lp_tokens = lp * (job.response_length if job.packed and job.response_only_logits else seq)
-    lp_bytes = lp_tokens * shape.vocab * (b_param + 4) + lp * seq * shape.block_elements(seq, fused) * b_param
-    return Term("log-prob forward", lp_bytes, "log-prob", f"{lp} seqs: logits x ({b_param}+4) B + 1 block")
+    chunk = job.logit_chunk_tokens(shape.vocab, lp_tokens)
+    if chunk < lp_tokens:  # one chunk's logits, its fp32 log-softmax and the entropy's product
+        logit_bytes, how = chunk * shape.vocab * (b_param + 8), f"a {chunk}-token chunk of logits x ({b_param}+8) B"
+    else:
+        logit_bytes, how = lp_tokens * shape.vocab * (b_param + 4), f"logits x ({b_param}+4) B"
+    lp_bytes = logit_bytes + lp * seq * shape.block_elements(seq, fused) * b_param
+    return Term("log-prob forward", lp_bytes, "log-prob", f"{lp} seqs: {how} + 1 block")
 
 
 def _critic_terms(

@@ -29,7 +29,10 @@ from verl_backend.patches.verl_internals import engine_state
 from verl_backend.settings import EngineSettings, current, engine_settings
 from verl_backend.workers.lora_checkpoint import HFConfigDtypeOnSave
 from verl_backend.workers.response_logits import (
+    HeadPassThrough,
+    chunked_response_log_probs,
     first_response_logit_position,
+    logits_chunk_tokens,
     packed_response_log_probs,
     response_log_probs,
     response_logit_indices,
@@ -39,6 +42,7 @@ from verl_backend.workers.shared_prefix import attention_kinds, shared_prefix_in
 DEVICES = ["cpu", "tpu"]
 _FROM_KEY = "rl_tpu_logits_from"
 _KEEP_KEY = "rl_tpu_logits_keep"
+_CHUNK_KEY = "rl_tpu_logits_chunk"
 
 
 class _JobSettingsHere:
@@ -239,10 +243,52 @@ class RlTpuFSDPEngineWithLMHead(
             self._prefix_kinds = kinds
         return self._prefix_kinds
 
+    def _chunked_head(self) -> HeadPassThrough | None:
+        """The LM head to pass through for the chunked log-probs (``rl_tpu.logits_chunk_mib``), or ``None`` (one
+        line says why, once): only on one unwrapped CPU rank, eager, where :meth:`HeadPassThrough.exact_for` shows
+        the model's logits are its head's plain linear map."""
+        if not hasattr(self, "_head_passthrough"):
+            self._head_passthrough, reason = None, None
+            inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+            head = inner.get_output_embeddings() if callable(getattr(inner, "get_output_embeddings", None)) else None
+            if head is None:
+                reason = "the model has no output embeddings"
+            elif torch.distributed.get_world_size() != 1 or unwrap_fsdp(self.module) is not self.module:
+                reason = "FSDP2 shards the head's weight over ranks"
+            elif getattr(self, "compiled_blocks", None) is not None:
+                reason = "compiled trainer blocks (rl_tpu.compile_trainer)"
+            elif head.weight.device.type != "cpu":
+                reason = f"the head is on {head.weight.device.type}"
+            else:
+                candidate = HeadPassThrough(head)
+                reason = candidate.exact_for(self.module, inner.config.vocab_size)
+                if reason is None:
+                    self._head_passthrough = candidate
+            if reason is not None:
+                print(
+                    f"[rl-tpu] chunked LM head off ({reason}): the response logits are computed all at once",
+                    flush=True,
+                )
+        return self._head_passthrough
+
+    def _use_chunked_head(self, tokens: int, temperature: torch.Tensor) -> HeadPassThrough | None:
+        """The head to pass through when ``tokens`` response logits would take more than ``rl_tpu.logits_chunk_mib``
+        MiB in fp32 and every kept position has one temperature; else ``None``."""
+        chunk_mib = self.rl_tpu.logits_chunk_mib
+        if chunk_mib <= 0 or temperature.numel() == 0 or not bool((temperature == temperature[0]).all()):
+            return None
+        inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+        vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
+        if not vocab or tokens * vocab * 4 <= chunk_mib << 20:
+            return None
+        return self._chunked_head()
+
     def _mask_dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
+        if getattr(self, "_head_passthrough", None) is not None:
+            self._head_passthrough.clear()  # one a failed forward may have left armed
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         if getattr(self, "compiled_blocks", None) is not None and not tu.get_non_tensor_data(
             data=micro_batch, key="use_remove_padding", default=True
@@ -281,6 +327,20 @@ class RlTpuFSDPEngineWithLMHead(
                 else:
                     model_inputs["logits_to_keep"] = keep.to(device)
                 output_args[_KEEP_KEY] = keep.to(device)  # the same positions in VeRL's packed layout
+                temperature = output_args["temperature_rmpad"][keep]
+                passthrough = self._use_chunked_head(int(keep.numel()), temperature)
+                if passthrough is not None:  # the model returns the head's inputs; the head runs in chunks
+                    passthrough.arm()
+                    output_args[_CHUNK_KEY] = float(temperature[0])
+                    if not getattr(self, "_reported_chunked_head", False):
+                        self._reported_chunked_head = True
+                        vocab = passthrough.head.weight.shape[0]
+                        print(
+                            f"[rl-tpu] chunked LM head: {keep.numel()} response tokens x {vocab} vocab in chunks of "
+                            f"{logits_chunk_tokens(vocab, self.rl_tpu.logits_chunk_mib)} tokens "
+                            f"(rl_tpu.logits_chunk_mib={self.rl_tpu.logits_chunk_mib})",
+                            flush=True,
+                        )
         else:
             first = first_response_logit_position(micro_batch)
             if first is not None:
@@ -295,6 +355,18 @@ class RlTpuFSDPEngineWithLMHead(
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         entropy = "checkpointed" if entropy and self.engine_config.entropy_checkpointing else bool(entropy)
+        if keep is not None and _CHUNK_KEY in output_args:
+            head = self._head_passthrough.head
+            return chunked_response_log_probs(
+                output.logits,
+                head.weight,
+                output_args["input_ids_rmpad_rolled"],
+                output_args[_CHUNK_KEY],
+                keep,
+                micro_batch["input_ids"].offsets(),
+                logits_chunk_tokens(head.weight.shape[0], self.rl_tpu.logits_chunk_mib),
+                entropy=bool(entropy),
+            )
         if keep is not None:
             return packed_response_log_probs(
                 output.logits,

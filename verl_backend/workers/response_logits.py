@@ -143,3 +143,178 @@ def response_log_probs(
     elif entropy:
         out["entropy"] = pack(entropy_from_logits(logits))
     return out
+
+
+def logits_chunk_tokens(vocab: int, chunk_mib: int) -> int:
+    """Tokens per chunk of the chunked LM head: the most whose fp32 logits, ``(tokens, vocab)``, fit in
+    ``chunk_mib`` MiB (at least 1). ``chunk_mib`` is ``rl_tpu.logits_chunk_mib``; 0 means no chunking (returns 0)."""
+    if chunk_mib <= 0:
+        return 0
+    return max(1, (chunk_mib << 20) // (4 * vocab))
+
+
+class ChunkedHeadLogProbs(torch.autograd.Function):
+    """Log-probs (and entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``, ``chunk`` tokens
+    at a time, the logits never held for more than one chunk: the backward recomputes each chunk's logits.
+
+    The math is VeRL 0.9.1's ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (torch backend): per
+    chunk the logits upcast to fp32, the label's log-softmax, the entropy ``-sum(p * log p)``, and in the backward
+    ``dlogits = g_lp * (onehot - p) - g_H * p * (log p + H)``. Two things differ, both for memory: VeRL's backward
+    allocates a whole ``(vocab, hidden)`` weight gradient per chunk and adds it to another (measured: about three
+    copies of Gemma 3's 671 MB embedding at once, ``benchmarks/bench_lm_head_chunks.py``); this one accumulates
+    into one buffer in place (``addmm_``, fp32 for a bf16 weight). And the entropy is computed only when asked.
+
+    Inputs: ``hidden`` ``(K, hidden)`` float, ``weight`` ``(vocab, hidden)`` of the same dtype, ``labels`` ``(K,)``
+    int64, ``temperature`` > 0, ``chunk`` tokens, ``want_entropy``. Returns ``(log_probs (K,) fp32,
+    entropy (K,) fp32 or (0,))``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int, want_entropy: bool):
+        k, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        log_probs = torch.empty(k, dtype=acc, device=hidden.device)
+        entropy = torch.empty(k if want_entropy else 0, dtype=acc, device=hidden.device)
+        for lo in range(0, k, chunk):
+            hi = min(lo + chunk, k)
+            lsm = ((hidden[lo:hi] @ weight.t()) / temperature).to(acc).log_softmax(-1)
+            log_probs[lo:hi] = lsm.gather(-1, labels[lo:hi].unsqueeze(-1)).squeeze(-1)
+            if want_entropy:
+                entropy[lo:hi] = -(lsm.exp() * lsm).sum(-1)
+            del lsm
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(*(() if want_entropy else (entropy,)))
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, g_log_probs, g_entropy):
+        hidden, weight, labels = ctx.saved_tensors
+        temperature, chunk, k = ctx.temperature, ctx.chunk, hidden.shape[0]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        d_hidden = torch.empty_like(hidden) if want_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        if g_entropy is not None and g_entropy.numel() == 0:
+            g_entropy = None
+        for lo in range(0, k, chunk):
+            hi = min(lo + chunk, k)
+            h = hidden[lo:hi]
+            lsm = ((h @ weight.t()) / temperature).to(acc).log_softmax(-1)
+            p = lsm.exp()
+            d_logits = torch.zeros_like(p)
+            if g_log_probs is not None:
+                g = g_log_probs[lo:hi].to(acc).unsqueeze(-1)
+                d_logits.sub_(p * g).scatter_add_(-1, labels[lo:hi].unsqueeze(-1), g)
+            if g_entropy is not None:
+                ent = -(p * lsm).sum(-1, keepdim=True)
+                d_logits.sub_(p * (lsm + ent) * g_entropy[lo:hi].to(acc).unsqueeze(-1))
+            del lsm, p
+            d_logits.div_(temperature)
+            if want_h:
+                d_hidden[lo:hi] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                d_weight.addmm_(d_logits.t(), h.to(acc))
+            del d_logits
+        if want_w:
+            d_weight = d_weight.to(weight.dtype)
+        return d_hidden, d_weight, None, None, None, None
+
+
+def chunked_response_log_probs(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels_rolled: torch.Tensor,
+    temperature: float,
+    keep: torch.Tensor,
+    offsets: torch.Tensor,
+    chunk_tokens: int,
+    entropy: bool = False,
+) -> dict[str, torch.Tensor]:
+    """:func:`packed_response_log_probs` without the ``(K, vocab)`` logits: the LM head, the log-softmax and the
+    entropy run ``chunk_tokens`` tokens at a time (:class:`ChunkedHeadLogProbs`). The peak is one chunk's fp32
+    logits (``chunk_tokens x vocab x 4`` bytes) times the few working copies of a softmax, plus the head's weight
+    gradient, not the whole micro batch's logits.
+
+    Args:
+        hidden: ``(1, K, hidden)`` float, what the model's LM head received at the ``K`` kept positions (the model
+            ran with its head passed through: :class:`HeadPassThrough`).
+        head_weight: ``(vocab, hidden)`` float, the LM head's weight (the embedding's when tied).
+        labels_rolled, keep, offsets: as :func:`packed_response_log_probs`.
+        temperature: the one sampling temperature of every kept position (> 0).
+        chunk_tokens: tokens a chunk (:func:`logits_chunk_tokens`, >= 1).
+        entropy: also return the entropy (fp32).
+
+    Returns:
+        ``{"log_probs": ..., "entropy": ...}``, ``(batch, j1)`` jagged nested fp32, as
+        :func:`packed_response_log_probs`.
+    """
+    log_probs, ent = ChunkedHeadLogProbs.apply(
+        hidden.squeeze(0), head_weight, labels_rolled[keep], float(temperature), int(chunk_tokens), bool(entropy)
+    )
+    total = labels_rolled.shape[0]
+
+    def pack(per_kept: torch.Tensor) -> torch.Tensor:  # (K,) -> (batch, j1) nested, zeros off the kept positions
+        full = per_kept.new_zeros(total).scatter(0, keep, per_kept)
+        return torch.nested.nested_tensor_from_jagged(full, offsets)
+
+    out = {"log_probs": pack(log_probs)}
+    if entropy:
+        out["entropy"] = pack(ent)
+    return out
+
+
+class HeadPassThrough:
+    """The LM head's ``forward`` replaced, for the model's next call only, by the identity: the model's output
+    ``logits`` are then the ``(1, K, hidden)`` states its head would have received, which
+    :func:`chunked_response_log_probs` turns into log-probs chunk by chunk.
+
+    The replacement is an instance attribute (the module, its parameters and its state dict are untouched) that
+    removes itself when called; :meth:`clear` removes one a failed forward left behind. Use only where
+    :meth:`exact_for` has shown the model's logits are ``hidden @ head.weight.T`` of what the head receives.
+    """
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+
+    def arm(self) -> None:
+        head = self.head
+
+        def passthrough(h: torch.Tensor) -> torch.Tensor:
+            head.__dict__.pop("forward", None)
+            return h
+
+        head.forward = passthrough
+
+    def clear(self) -> None:
+        self.head.__dict__.pop("forward", None)
+
+    def exact_for(self, model: torch.nn.Module, vocab: int, atol: float = 1e-4) -> str | None:
+        """Why the model's logits are not its head's plain linear map of what the head receives, or ``None``.
+
+        Runs the model twice on 4 tokens (no grad, the same RNG seed for both so dropout agrees): once as it is,
+        once with the head passed through, then compares the first run's logits with ``hidden @ weight.T``. A
+        final-logit soft-cap (Gemma 2), a logit scale (Cohere, Granite), a head bias or an adapter on the head
+        shows here, whatever the family.
+        """
+        weight = getattr(self.head, "weight", None)
+        if not isinstance(self.head, torch.nn.Linear) or weight is None:
+            return f"the LM head is a {type(self.head).__name__}, not a plain Linear"
+        if self.head.bias is not None:
+            return "the LM head has a bias"
+        ids = torch.arange(4, device=weight.device).unsqueeze(0) % vocab
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            full = model(input_ids=ids, use_cache=False).logits.float()
+            torch.manual_seed(0)
+            self.arm()
+            try:
+                hidden = model(input_ids=ids, use_cache=False).logits
+            finally:
+                self.clear()
+            mapped = (hidden @ weight.t()).float()
+        if mapped.shape != full.shape:
+            return f"the model's logits {tuple(full.shape)} are not its head's output {tuple(mapped.shape)}"
+        gap = (mapped - full).abs().max().item()
+        if not gap <= atol * max(1.0, full.abs().max().item()):
+            return f"the model's logits differ from its head's output by {gap:.3g} (a soft-cap or logit scale)"
+        return None

@@ -617,3 +617,43 @@ def test_the_tpu_profiles_micro_batches_yield_to_the_users_and_fit_the_ranks(
     # VeRL reads no micro batch under dynamic batch sizes (its log-prob ones follow the actor's): all left at 8,
     # though 8 does not divide the 6 sequences a worker scores
     assert [OmegaConf.select(config, k) for k in TPU_MICRO_KEYS[:3]] == [8, 8, 8]
+
+
+# Gemma 3 270M (the converted checkpoint's config.json): 262,144 tokens of vocabulary, tied
+GEMMA3_270M = {
+    "vocab_size": 262_144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("chunk_mib", [128, 32, 0])
+def test_the_plan_counts_one_chunk_of_the_lm_head_where_the_engine_chunks_it(tmp_path, chunk_mib):
+    """Gemma 3's default-job micro batches (4 sequences a update, 8 a log-prob pass, 64 response tokens): 256 and 512
+    response tokens of 262,144-wide fp32 logits, 256 and 512 MiB, past a 128 MiB budget; the plan counts one chunk
+    (128 or 32 tokens), and with ``rl_tpu.logits_chunk_mib=0`` the whole logits, as before."""
+    from transformers import Gemma3TextConfig
+
+    from verl_backend.settings import resolve
+
+    Gemma3TextConfig(**GEMMA3_270M).save_pretrained(tmp_path)
+    config = _cpu_job(tmp_path, **{"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8})
+    settings = resolve(cli={"logits_chunk_mib": str(chunk_mib)}, file={}, environ={})
+    plan = plan_memory(config, None, PROFILES["cpu"], settings=settings)
+    vocab = GEMMA3_270M["vocab_size"]
+    head = next(t for t in plan.terms if t.name.startswith("LM head logits"))
+    log_prob = next(t for t in plan.terms if t.name.startswith("log-prob forward"))
+    if chunk_mib:
+        chunk = (chunk_mib << 20) // (4 * vocab)
+        assert head.name == "LM head logits (chunked)" and head.bytes == chunk * vocab * (4 + 16), head
+        assert f"a {chunk}-token chunk" in log_prob.how
+    else:
+        assert head.name == "LM head logits" and head.bytes == 256 * vocab * (4 + 8), head
+        assert log_prob.bytes >= 512 * vocab * (4 + 4)

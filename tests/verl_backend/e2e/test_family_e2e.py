@@ -2,7 +2,7 @@
 Gemma3 (sliding-window and global layers, embedding scale, tied embeddings) and windowed Qwen2 (a full-attention
 layer, then a sliding one), each window 5 tokens, shorter than every prompt: the rollout's log-probs are the
 trainer's at the first step and after the sync, and the checkpoint loads in transformers and samples greedily what
-the native sampler samples on it."""
+the native sampler samples on it. Gemma 3's run takes the chunked LM head (``rl_tpu.logits_chunk_mib``)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,14 @@ def test_family_trains_with_the_rollout_on_the_trainers_numbers(family, tmp_path
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "algorithm.rollout_correction.bypass_mode=false",
         *write_reward(tmp_path),
+        # Gemma 3's 262k vocabulary is what the chunked LM head is for: 1 MiB chunks (5 tokens of this tokenizer's
+        # 49,152) make every micro batch of this run take several
+        *(["rl_tpu.logits_chunk_mib=1"] if family == "gemma3" else []),
     )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    chunked = "[rl-tpu] chunked LM head: " in proc.stdout + proc.stderr
+    assert chunked == (family == "gemma3"), proc.stdout[-3000:]
+    assert "chunked LM head off" not in proc.stdout + proc.stderr
     # the log-probs below came through the shared-prefix row (windowed masks where the model has windows), not a
     # fallback to a copy of the prompt per sequence
     assert "[rl-tpu] shared-prefix forward: a micro batch of" in proc.stdout + proc.stderr
