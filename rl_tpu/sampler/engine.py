@@ -170,6 +170,7 @@ class Sampler:
             lean_decode = self.device.type == "cpu"
         self.lean_decode = bool(lean_decode)
         self.lean: LeanDecoder | None = None  # built per generate: the model may be cast or resized in between
+        self.lean_steps = 0  # decode steps run through the lean decoder (a batch whose cache passes a window: none)
         self.fast_paths = FastPaths(model)  # whether packed prefill and lean decode compute the model's numbers
         if packed_prefill_tokens < 1:
             raise SamplerError(f"packed_prefill_tokens={packed_prefill_tokens!r}: give a positive token count")
@@ -418,7 +419,8 @@ class Sampler:
         row_ids = torch.arange(batch, device=dev)  # current batch row -> output row
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
         done[n_real:] = True  # filler rows never write
-        lean_mask = mask.bool()[:, None, None, :] if self.lean is not None else None  # (batch, 1, 1, cache)
+        lean = self.fast_paths.lean_for(self.lean, mask.shape[1])  # None past a sliding window (said once)
+        lean_mask = mask.bool()[:, None, None, :] if lean is not None else None  # (batch, 1, 1, cache)
         sample = self._choice_settings(params, procs)
         for t in range(max_new):
             if uniforms is not None:
@@ -449,9 +451,10 @@ class Sampler:
                 if procs is not None:
                     procs.keep(keep)
             # the token chosen at step t sits at position real_len + t of its row and at cache slot prompt_len + t
-            if self.lean is not None:
+            if lean is not None:
                 self.shapes_seen.add((tok.shape[0], 1, mask.shape[1]))
-                logits = self.lean.step(tok, real_len + t, cache, prompt_len + t, lean_mask)  # (batch, vocab)
+                logits = lean.step(tok, real_len + t, cache, prompt_len + t, lean_mask)  # (batch, vocab)
+                self.lean_steps += 1
             else:
                 logits = self._forward(tok[:, None], mask, (real_len + t)[:, None], cache, kv_len=prompt_len + t + 1)
         return out_tokens, out_logp, out_len, stopped
@@ -467,7 +470,7 @@ class Sampler:
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]  # row -> first row with its prompt
         uniq = sorted(set(src))
-        if self.packed_prefill and self.fast_paths.packed_prefill(cache):  # else said once, and padded
+        if self.packed_prefill and self.fast_paths.packed_prefill(cache, mask.shape[1]):  # else said once, padded
             if not self.share_prefix:
                 src, uniq = list(range(len(rows))), list(range(len(rows)))
             return packed_prefill(

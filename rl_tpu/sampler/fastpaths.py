@@ -6,12 +6,14 @@ The sampler has two paths that replace part of the model's own forward on CPU:
   unpadded sequence with a block-diagonal causal mask. Exact when every layer's attention is plain causal attention
   that reads that mask (:func:`rl_tpu.sampler.attention.sdpa_gqa_attention`), and every other part of a layer acts
   on each token alone (norms, MLPs, and the expert routing of transformers' mixtures of experts, which picks experts
-  per token with no capacity limit shared across tokens). Not for sliding-window or chunked layers (their mask and
-  their rolling static cache are not the packed sequence's), bidirectional attention, or another attention function.
+  per token with no capacity limit shared across tokens). Sliding-window layers only while the batch's KV cache fits
+  the window (past it their mask and rolling static cache are not the packed sequence's); not chunked layers,
+  bidirectional attention, or another attention function.
 * **lean decode** (:class:`rl_tpu.sampler.lean.LeanDecoder`): the decode step without transformers' module stack.
   Exact when :func:`rl_tpu.sampler.lean.lean_blocker` finds the model's structure is the one it computes (pre-norm
-  RoPE attention with optional query/key norms, any per-token MLP or expert block, no sliding window, no
-  soft-capping) and one probe step matches the model's own forward (:func:`rl_tpu.sampler.lean.probe_error`).
+  RoPE attention with optional query/key norms, Gemma's norms around attention and MLP, any per-token MLP or expert
+  block, no soft-capping), one probe step matches the model's own forward (:func:`rl_tpu.sampler.lean.probe_error`),
+  and, for sliding-window layers, the batch's KV cache fits the window (:meth:`FastPaths.lean_for`).
 
 When a path cannot compute the same numbers the sampler takes the model's own forward instead, and says so once per
 process and reason, in one line (``[rl-tpu] sampler: <path> off for <model> (<reason>): ...``).
@@ -43,10 +45,14 @@ def say_once(message: str) -> None:
         print(f"[rl-tpu] sampler: {message}", file=sys.stderr, flush=True)
 
 
-def packed_prefill_blocker(config, cache) -> str | None:
+def packed_prefill_blocker(config, cache, cache_len: int) -> str | None:
     """Why a packed prefill would compute other numbers than the model's forward for ``config``'s model and the
-    batch's static ``cache``, in one line, or ``None``. Call while the sampler's attention is in place (the
-    implementation must be :data:`~rl_tpu.sampler.attention.ATTN_NAME`, whose function reads the mask)."""
+    batch's static ``cache`` of ``cache_len`` slots, in one line, or ``None``. Call while the sampler's attention is
+    in place (the implementation must be :data:`~rl_tpu.sampler.attention.ATTN_NAME`, whose function reads the mask).
+
+    Sliding-window layers pass while the cache fits their window: every prompt token then sees its whole prompt in
+    the model's forward too, and their static cache layers hold all ``cache_len`` slots (transformers' sliding layer
+    keeps ``min(window, cache_len)``), so the prompt's keys go where the full layers' go."""
     impl = attn_implementation(config)
     if impl != ATTN_NAME:
         return f"attention implementation {impl!r} (only the sampler's sdpa attention reads the packed mask)"
@@ -54,11 +60,12 @@ def packed_prefill_blocker(config, cache) -> str | None:
         return "bidirectional attention"
     if getattr(config, "attention_chunk_size", None):
         return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
-    types = set(getattr(config, "layer_types", None) or ())
-    if types - {"full_attention"}:
-        return f"layer types {', '.join(sorted(types - {'full_attention'}))} (the packed mask is one causal mask)"
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        return "sliding-window layers (the packed mask is one causal mask)"
+    other = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other:
+        return f"layer types {', '.join(sorted(other))} (the packed mask is one causal mask)"
+    short = [layer.max_cache_len for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    if short and min(short) < cache_len:  # the layer's static cache holds the window only, and rolls
+        return f"a KV cache of {cache_len} slots past the sliding window of {min(short)}"
     return None
 
 
@@ -95,9 +102,19 @@ class FastPaths:
             return None
         return LeanDecoder(self.model)
 
-    def packed_prefill(self, cache) -> bool:
-        """Whether the packed prefill computes the model's numbers for this batch's ``cache`` (said once if not)."""
-        reason = packed_prefill_blocker(self.model.config, cache)
+    def packed_prefill(self, cache, cache_len: int) -> bool:
+        """Whether the packed prefill computes the model's numbers for this batch's ``cache`` of ``cache_len`` slots
+        (said once if not)."""
+        reason = packed_prefill_blocker(self.model.config, cache, cache_len)
         if reason is not None:
             say_once(f"packed prefill off for {self._name()} ({reason}): prompts are prefilled padded")
         return reason is None
+
+    def lean_for(self, decoder: LeanDecoder | None, cache_len: int) -> LeanDecoder | None:
+        """``decoder`` where it computes the model's step over a KV cache of ``cache_len`` slots (sliding windows:
+        :meth:`~rl_tpu.sampler.lean.LeanDecoder.window_blocker`), else ``None``, said once."""
+        reason = decoder.window_blocker(cache_len) if decoder is not None else None
+        if reason is not None:
+            say_once(f"lean decode off for {self._name()} ({reason}): decode steps run through the model's forward")
+            return None
+        return decoder

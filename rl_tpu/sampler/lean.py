@@ -1,5 +1,5 @@
-"""A decode step for pre-norm RoPE decoder models (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, ...) without the
-Hugging Face module stack.
+"""A decode step for pre-norm RoPE decoder models (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Gemma 3, ...) without
+the Hugging Face module stack.
 
 The sampler's decode step is one new token per row. For SmolLM2-135M at batch 16 on one CPU core the linear
 layers take ~70% of a step through ``transformers``' forward and the rest is attention plus per-call overhead:
@@ -16,15 +16,22 @@ applies) with:
   is the model's;
 * a SiLU-gated MLP written out, any other MLP (a mixture-of-experts block: routing and experts) run as its module;
 * keys and values written straight into the static cache's tensors, and single-token attention from
-  :func:`rl_tpu.sampler.attention.decode_attention`.
+  :func:`rl_tpu.sampler.attention.decode_attention`;
+* Gemma's block where the layer has it: norms after the attention and around the MLP (``h + norm(attn(norm(h)))``,
+  ``h + norm(mlp(norm(h)))``), and RoPE per layer type (Gemma 3's local and global bases);
+* sliding-window layers while the batch's KV cache holds no more slots than the window: every slot is then inside
+  it, so the window's attention is the full one (:meth:`LeanDecoder.window_blocker`; a longer cache keeps the
+  model's forward).
 
 Whether a model's decode step is this computation is decided from the model, not its class name:
-:func:`lean_blocker` reads its structure (a one-line reason when it is not: a sliding window, soft-capping, norms
-around the MLP as in Gemma, a dtype other than float32, ...), and :func:`probe_error` runs one step against the
+:func:`lean_blocker` reads its structure (a one-line reason when it is not: chunked attention, soft-capping, a
+residual layout of its own, a dtype other than float32, ...), and :func:`probe_error` runs one step against the
 model's own forward on a probe input (:mod:`rl_tpu.sampler.fastpaths` refuses the step past ``1e-5`` in log-prob).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +71,19 @@ def _norm_fn(norm: torch.nn.Module):
     return norm
 
 
+def cache_windows(config) -> list[int | None]:
+    """Per layer, the sliding window (tokens) of the static KV cache transformers builds for ``config``, or ``None``
+    for a full layer: read from such a cache (its layers allocate nothing until written), so it agrees with the
+    sampler's caches whatever the family calls its window (``layer_types``, a model-wide ``sliding_window``)."""
+    probe = StaticCache(config=config, max_cache_len=1 << 30)
+    return [layer.max_cache_len if getattr(layer, "is_sliding", False) else None for layer in probe.layers]
+
+
+#: the two norms Gemma 2/3 add around the MLP; with them ``post_attention_layernorm`` normalises the attention's
+#: output before the residual add (Gemma's "sandwich" block), not the MLP's input
+SANDWICH_NORMS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+
+
 def lean_blocker(model: torch.nn.Module) -> str | None:
     """Why :class:`LeanDecoder` would not compute ``model``'s decode step, in one line, or ``None`` when it would
     (up to :func:`probe_error`). Read from the model's modules and config, not its class name."""
@@ -83,10 +103,9 @@ def lean_blocker(model: torch.nn.Module) -> str | None:
             return f"soft-capping ({key}={getattr(cfg, key)})"
     if getattr(cfg, "attention_chunk_size", None):
         return "chunked attention"
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
-        return f"layer types {', '.join(sorted(set(cfg.layer_types) - {'full_attention'}))}"
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-        return f"sliding-window attention (window {cfg.sliding_window})"
+    other = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other:  # sliding layers are full ones while the cache fits the window (LeanDecoder.window_blocker)
+        return f"layer types {', '.join(sorted(other))}"
     try:
         rotary = rotary_function(inner.layers[0].self_attn) if len(inner.layers) else None
     except UnsupportedVersionError as exc:  # the lean step reads a transformers name checked with some versions only
@@ -98,11 +117,9 @@ def lean_blocker(model: torch.nn.Module) -> str | None:
         children = {n for n, _ in layer.named_children()}
         if not layer_parts <= children:
             return f"a decoder layer without {', '.join(sorted(layer_parts - children))}"
-        if children - layer_parts:  # Gemma's norms around the MLP, cross-attention, ... : another residual layout
+        if children - layer_parts not in (set(), SANDWICH_NORMS):  # cross-attention, ...: another residual layout
             return f"decoder layers with {', '.join(sorted(children - layer_parts))}"
         attn = layer.self_attn
-        if getattr(attn, "sliding_window", None) is not None:
-            return "sliding-window attention"
         if not all(
             isinstance(getattr(attn, p, None), torch.nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
         ):
@@ -131,6 +148,20 @@ class LeanDecoder:
         self.head_dim = int(first.head_dim)
         self.qkv: list = [None] * len(self.layers)  # per layer: fused q/k/v function, or None
         self.norms = [(_norm_fn(l.input_layernorm), _norm_fn(l.post_attention_layernorm)) for l in self.layers]
+        # Gemma's sandwich: (post-attention norm, pre-MLP norm, post-MLP norm) per layer, else None
+        self.sandwich = [
+            (self.norms[i][1], _norm_fn(l.pre_feedforward_layernorm), _norm_fn(l.post_feedforward_layernorm))
+            if SANDWICH_NORMS <= {n for n, _ in l.named_children()}
+            else None
+            for i, l in enumerate(self.layers)
+        ]
+        #: per layer its sliding window (tokens), or None: the step attends to every written slot, which is the
+        #: window's computation only while the cache holds no more slots than the window (:meth:`window_blocker`)
+        self.windows = cache_windows(model.config)
+        # RoPE per layer type where the rotary module computes one per type (Gemma 3: local 10k, global 1M bases)
+        types = getattr(model.config, "layer_types", None)
+        typed = "layer_type" in inspect.signature(self.rotary.forward).parameters and types is not None
+        self.rope_types = list(types) if typed else [None] * len(self.layers)
         self.qk_norms = [
             tuple(_norm_fn(getattr(l.self_attn, n)) if hasattr(l.self_attn, n) else None for n in ("q_norm", "k_norm"))
             for l in self.layers
@@ -159,6 +190,16 @@ class LeanDecoder:
             for l in self.layers
         ]
 
+    def window_blocker(self, cache_len: int) -> str | None:
+        """Why the step would not compute a sliding layer's attention over a KV cache of ``cache_len`` slots, or
+        ``None``. A sliding layer attends to the last ``window`` positions; while the cache holds at most ``window``
+        slots that is every written slot, the full attention the step computes (and the static cache does not
+        roll). Past that the model's own forward runs the window."""
+        windows = [w for w in self.windows if w is not None]
+        if windows and cache_len > min(windows):
+            return f"a KV cache of {cache_len} slots past the sliding window of {min(windows)}"
+        return None
+
     @classmethod
     def build(cls, model: torch.nn.Module) -> LeanDecoder | None:
         """A decoder for ``model``, or ``None`` when :func:`lean_blocker` names a reason it would differ."""
@@ -184,11 +225,15 @@ class LeanDecoder:
         mask = mask[..., :kv_len]
         where = torch.tensor([slot], device=tokens.device)
         h = self.embed(tokens[:, None])  # (batch, 1, hidden)
-        cos, sin = self.rotary(h, position_ids=positions[:, None])  # (batch, 1, head_dim) each
+        rope = {  # layer type -> (cos, sin), each (batch, 1, head_dim)
+            t: self.rotary(h, position_ids=positions[:, None], **({"layer_type": t} if t is not None else {}))
+            for t in dict.fromkeys(self.rope_types)
+        }
         hd = self.head_dim
-        for layer, cached, qkv, (norm1, norm2), (q_norm, k_norm), mlp in zip(
-            self.layers, cache.layers, self.qkv, self.norms, self.qk_norms, self.mlps
+        for layer, cached, qkv, (norm1, norm2), (q_norm, k_norm), mlp, sandwich, rope_type in zip(
+            self.layers, cache.layers, self.qkv, self.norms, self.qk_norms, self.mlps, self.sandwich, self.rope_types
         ):
+            cos, sin = rope[rope_type]
             attn = layer.self_attn
             x = norm1(h)
             q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
@@ -203,6 +248,8 @@ class LeanDecoder:
             cached.keys.index_copy_(2, where, k)
             cached.values.index_copy_(2, where, v)
             cached.cumulative_length.fill_(kv_len)
+            if hasattr(cached, "cumulative_length_int"):  # a sliding layer's own count (transformers' static cache)
+                cached.cumulative_length_int = kv_len
             out = decode_attention(
                 q,
                 cached.keys[:, :, :kv_len],
@@ -211,8 +258,13 @@ class LeanDecoder:
                 attn.scaling,
                 kernel=self.attention_kernel,
             )
-            h = h + attn.o_proj(out.reshape(batch, 1, -1))
-            h = h + mlp(norm2(h))
+            if sandwich is None:
+                h = h + attn.o_proj(out.reshape(batch, 1, -1))
+                h = h + mlp(norm2(h))
+            else:  # Gemma: h + norm(attn(norm(h))), then h + norm(mlp(norm(h)))
+                post_attn, pre_mlp, post_mlp = sandwich
+                h = h + post_attn(attn.o_proj(out.reshape(batch, 1, -1)))
+                h = h + post_mlp(mlp(pre_mlp(h)))
         return self.head(self.norm(h)[:, 0])  # (batch, vocab)
 
 
@@ -220,6 +272,8 @@ class LeanDecoder:
 def probe_error(model: torch.nn.Module, decoder: LeanDecoder, prompt_len: int = 9) -> float:
     """Max abs difference in log-probabilities between ``decoder.step`` and the model's own forward for one token
     after a ``prompt_len``-token prompt (fixed random token ids): the check that the lean step is the model's."""
+    windows = [w for w in decoder.windows if w is not None]
+    prompt_len = max(1, min([prompt_len, *(w - 1 for w in windows)]))  # within every window: the lean step's case
     vocab = int(model.get_input_embeddings().weight.shape[0])
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (1, prompt_len + 1), generator=torch.Generator().manual_seed(0)).to(device)

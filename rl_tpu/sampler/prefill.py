@@ -74,7 +74,7 @@ def _prefill_group(
     causal = torch.ones((n, n), dtype=torch.bool, device=dev).tril()
     allowed = causal & ((seg_t[None, :] == -1) | (seg_t[None, :] == seg_t[:, None]))  # (query, key)
     shapes_seen.add((1, n, n))
-    kv = DynamicCache(config=model.config)
+    kv = DynamicCache()  # full layers: a sliding one keeps only its window of the packed sequence's keys
     out = model(
         input_ids=torch.tensor([tokens], device=dev),
         attention_mask=allowed[None, None],
@@ -120,6 +120,8 @@ def _scatter_prompt_kv(
         layer.keys[:, :, :prompt_len] = keys[:, index].transpose(0, 1)  # (batch, kv_heads, prompt_len, dim)
         layer.values[:, :, :prompt_len] = values[:, index].transpose(0, 1)
         layer.cumulative_length.fill_(prompt_len)
+        if hasattr(layer, "cumulative_length_int"):  # a sliding layer's own count (transformers' static cache)
+            layer.cumulative_length_int = prompt_len
 
 
 def packed_prefill(
@@ -149,7 +151,8 @@ def packed_prefill(
         rows: the batch's prompts (left-padded to ``prompt_len`` in the cache).
         src: ``src[i]`` is the first row with row ``i``'s prompt; ``uniq`` the distinct ``src`` values.
         prompt_len: the batch's prompt bucket (cache slots the prompts fill).
-        cache: the batch's static cache (full-attention layers), written in place.
+        cache: the batch's static cache (full-attention layers, or sliding ones holding all its slots), written in
+            place.
         max_tokens: most tokens in one packed sequence.
         shapes_seen: a set that receives each packed forward's ``(1, tokens, tokens)``.
         device: where the inputs go (``None``: the model's).

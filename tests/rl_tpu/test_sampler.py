@@ -222,8 +222,19 @@ def _tiny(kind: str, **extra) -> torch.nn.Module:
         ("mistral", {"sliding_window": None}),
         ("qwen3", {}),
         ("llama", {"hidden_act": "gelu"}),
+        ("gemma3_text", {"sliding_window": 128, "head_dim": 16, "query_pre_attn_scalar": 32}),
+        ("mistral", {"sliding_window": 128}),
     ],
-    ids=["llama", "llama-bias-rope-scaling", "qwen2-bias", "mistral", "qwen3-qk-norm", "llama-gelu-mlp-as-module"],
+    ids=[
+        "llama",
+        "llama-bias-rope-scaling",
+        "qwen2-bias",
+        "mistral",
+        "qwen3-qk-norm",
+        "llama-gelu-mlp-as-module",
+        "gemma3-within-window",
+        "mistral-within-window",
+    ],
 )
 def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
     """The lean decode step against the model's own forward: same tokens, same log-probs (which the log-prob
@@ -239,7 +250,7 @@ def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
     ):
         lean = make(model)
         a = lean.generate(prompts, params)
-        assert lean.lean is not None
+        assert lean.lean is not None and lean.lean_steps > 0
         b = make(model, lean_decode=False).generate(prompts, params)
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         for x, y in zip(a, b):
@@ -250,14 +261,16 @@ def test_lean_decode_equals_the_models_forward(kind: str, extra: dict) -> None:
 
 
 def test_lean_decode_refuses_other_structures() -> None:
-    """Models whose layers differ from Llama's keep their own forward (the sampler still works)."""
+    """Models the lean step does not compute keep their own forward (the sampler still works)."""
     from rl_tpu.sampler.lean import LeanDecoder
 
-    others = [_tiny("gemma3_text"), _tiny("mistral", sliding_window=8), _tiny("llama").to(torch.bfloat16)]
-    for model in others:
-        assert LeanDecoder.build(model) is None, type(model).__name__
-    out = make(others[0]).generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=4))
-    assert len(out[0].token_ids) >= 1
+    assert LeanDecoder.build(_tiny("llama").to(torch.bfloat16)) is None
+    # sliding windows: the structure is the lean step's, a cache longer than the window is not (per batch)
+    for model in (_tiny("gemma3_text", sliding_window=8), _tiny("mistral", sliding_window=8)):
+        assert LeanDecoder.build(model) is not None, type(model).__name__
+        sampler = make(model)
+        out = sampler.generate(random_prompts([6]), SamplingParams(temperature=0, max_new_tokens=4))
+        assert len(out[0].token_ids) >= 1 and sampler.lean_steps == 0, type(model).__name__
     # decided per generate: a sampler whose model is cast to bfloat16 afterwards stops using it
     model = _tiny("llama")
     sampler = make(model)

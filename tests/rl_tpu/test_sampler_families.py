@@ -100,7 +100,7 @@ def test_sampler_logprobs_equal_a_plain_forward(family, tokenizer_dir, tmp_path_
                 sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=packed, lean_decode=lean)
                 err = max_logprob_error(model, sampler, params)
                 assert err <= 1e-4, (family, packed, lean, name, err)
-                assert (sampler.lean is not None) == (lean and lean_taken), (family, packed, lean)
+                assert (sampler.lean_steps > 0) == (lean and lean_taken), (family, packed, lean)
                 prefill = {(b, q) for b, q, _ in sampler.shapes_seen if q > 1}
                 packed_used = all(b == 1 for b, _ in prefill)  # one unpadded sequence, not a padded batch
                 assert packed_used == (packed and packed_taken), (family, packed, lean, prefill)
@@ -146,16 +146,10 @@ def test_lean_blocker_names_what_it_cannot_compute(tokenizer_dir, tmp_path_facto
 
     assert "float32" in lean_blocker(tiny("llama", tokenizer_dir, tmp_path_factory).to(torch.bfloat16))
     _MODELS.pop("llama")  # cast in place: rebuilt for any later test
-    assert lean_blocker(tiny("gemma3", tokenizer_dir, tmp_path_factory)) == "layer types sliding_attention"
-    path = build_tiny_model(
-        "gemma3",
-        tokenizer_dir,
-        tmp_path_factory.mktemp("g_full"),
-        layer_types=["full_attention"] * 3,
-        sliding_window=None,
-    )
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert "post_feedforward_layernorm" in lean_blocker(full)  # Gemma's norms around the MLP
+    gemma = tiny("gemma3", tokenizer_dir, tmp_path_factory)
+    assert lean_blocker(gemma) is None  # its structure is the lean step's; its 5-token window is a per-batch matter
+    assert LeanDecoder(gemma).window_blocker(5) is None
+    assert LeanDecoder(gemma).window_blocker(6) == "a KV cache of 6 slots past the sliding window of 5"
     path = build_tiny_model(
         "gemma3",
         tokenizer_dir,
@@ -206,4 +200,72 @@ def test_the_decode_attention_kernel_keeps_each_familys_numbers(family, tokenize
     calls = sum(e.count for e in prof.key_averages() if e.key == "rl_tpu_kernels::decode_attention")
     assert calls >= model.config.num_hidden_layers * (PARAMS["greedy"].max_new_tokens - 1), (family, calls)
     assert err <= 1e-4, (family, err)
-    assert (sampler.lean is not None) == FAST_PATHS[family][0]
+    assert (sampler.lean_steps > 0) == FAST_PATHS[family][0]
+
+
+WINDOWED = ["gemma3", "mistral", "qwen2_sliding"]
+
+
+def _wide(family: str, tokenizer_dir: Path, tmp_path_factory, window: int = 64) -> torch.nn.Module:
+    key = f"{family}_w{window}"
+    if key not in _MODELS:
+        path = build_tiny_model(family, tokenizer_dir, tmp_path_factory.mktemp(key), sliding_window=window)
+        _MODELS[key] = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+    return _MODELS[key]
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_layers_within_the_window_take_both_fast_paths(family, tokenizer_dir, tmp_path_factory, capfd):
+    """Window 64, prompts of 10-31 tokens (bucket 32) and 12 new tokens (bucket 16): a 48-slot cache inside the
+    window, where a sliding layer attends as a full one. Packed prefill and lean decode (Gemma 3's four norms and
+    two RoPE bases included) are taken and give the plain forward's log-probs, and every path the same greedy
+    tokens."""
+    model = _wide(family, tokenizer_dir, tmp_path_factory)
+    greedy = {}
+    for packed in (True, False):
+        for lean in (True, False):
+            for name, params in PARAMS.items():
+                sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=packed, lean_decode=lean)
+                err = max_logprob_error(model, sampler, params)
+                assert err <= 1e-4, (family, packed, lean, name, err)
+                assert {c for _, q, c in sampler.shapes_seen if q == 1} == {48}  # decode steps' KV cache slots
+                assert (sampler.lean_steps > 0) == lean, (family, packed, lean)
+                prefill = {(b, q) for b, q, _ in sampler.shapes_seen if q > 1}
+                assert all(b == 1 for b, _ in prefill) == packed, (family, packed, lean, prefill)
+                if name == "greedy":
+                    greedy[packed, lean] = [o.token_ids for o in sampler.generate(prompts(), params)]
+    assert len({str(v) for v in greedy.values()}) == 1
+    said = capfd.readouterr().err
+    assert "lean decode off" not in said and "packed prefill off" not in said
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_a_cache_past_the_window_keeps_the_models_forward_and_says_why(family, tokenizer_dir, tmp_path_factory, capfd):
+    """Window 40 against a 48-slot cache: both fast paths step aside for the batch, in one line each naming the
+    window, and the log-probs stay the plain forward's."""
+    model = _wide(family, tokenizer_dir, tmp_path_factory, window=40)
+    sampler = Sampler(model, pad_token_id=0, eos_token_ids=[])
+    assert max_logprob_error(model, sampler, PARAMS["sampled"]) <= 1e-4
+    assert sampler.lean is not None and sampler.lean_steps == 0
+    assert all(b > 1 for b, q, _ in sampler.shapes_seen if q > 1)  # padded prefill
+    said = capfd.readouterr().err
+    name = type(model).__name__
+    assert f"lean decode off for {name} (a KV cache of 48 slots past the sliding window of 40)" in said
+    assert f"packed prefill off for {name} (a KV cache of 48 slots past the sliding window of 40)" in said
+
+
+def test_a_lean_step_without_gemmas_sandwich_norms_computes_other_numbers(tokenizer_dir, tmp_path_factory) -> None:
+    """Negative control: the test above would catch a lean step that read Gemma's block as Llama's (no norm after
+    the attention or the MLP), or that used one RoPE base for both layer types."""
+    model = _wide("gemma3", tokenizer_dir, tmp_path_factory)
+    for spoil in ("sandwich", "rope"):
+        decoder = LeanDecoder(model)
+        if spoil == "sandwich":
+            decoder.sandwich = [None] * len(decoder.layers)
+        else:
+            decoder.rope_types = ["sliding_attention"] * len(decoder.layers)
+        sampler = Sampler(model, pad_token_id=0, eos_token_ids=[], packed_prefill=False)
+        sampler.fast_paths.lean = lambda d=decoder: d  # skip the decision
+        assert max_logprob_error(model, sampler, PARAMS["greedy"]) > 1e-2, spoil

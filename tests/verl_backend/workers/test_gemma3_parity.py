@@ -157,13 +157,17 @@ def test_each_gemma3_part_is_computed_as_the_plain_forward_does(tiny_gemma3, par
             assert (ent - ent_want).abs().max() <= 1e-4, (attn, part, path)
 
 
-def test_the_samplers_fast_paths_refuse_gemma3_with_a_reason(tiny_gemma3):
-    """The sampler's lean decode does not compute Gemma 3's block (four norms, sliding layers): it is refused with a
-    reason, and the rollout runs the model's own forward (exact by construction)."""
-    from rl_tpu.sampler.lean import lean_blocker
+def test_the_samplers_lean_step_takes_gemma3_within_its_window_only(tiny_gemma3):
+    """The sampler's lean decode computes Gemma 3's block (four norms, two RoPE bases): its structure passes, and
+    the 5-token window decides per batch: a cache of 5 slots takes the step, 6 slots the model's own forward (the
+    sampler-level parity tests: ``tests/rl_tpu/test_sampler_families.py``)."""
+    from rl_tpu.sampler.lean import LeanDecoder, lean_blocker, probe_error
 
-    reason = lean_blocker(tiny_gemma3["sdpa"])
-    assert reason is not None and ("sliding" in reason or "feedforward_layernorm" in reason), reason
+    model = tiny_gemma3["sdpa"]
+    assert lean_blocker(model) is None
+    decoder = LeanDecoder(model)
+    assert probe_error(model, decoder) <= 1e-4  # the probe stays inside the window
+    assert decoder.window_blocker(5) is None and "sliding window of 5" in decoder.window_blocker(6)
 
 
 @pytest.mark.skipif(
