@@ -293,7 +293,8 @@ def plan_memory(
         workers: with a config, the trainer workers (chips) to plan for; ``None``: ``trainer.n_gpus_per_node ×
             trainer.nnodes``.
         settings: with a config, the job's :class:`verl_backend.settings.RlTpuSettings` (``plain_module``,
-            ``compile_trainer``, ``response_only_logits``, ``logits_chunk_mib`` are read); ``None``: the config's ``rl_tpu`` section.
+            ``compile_trainer``, ``response_only_logits``, ``logits_chunk_mib`` are read); ``None``: the config's
+            ``rl_tpu`` section.
 
     Returns:
         The :class:`MemoryPlan` (bytes per chip; formulas in this module's docstring).

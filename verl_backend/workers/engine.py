@@ -218,7 +218,7 @@ class RlTpuFSDPEngineWithLMHead(
                 return False
         if not hasattr(self, "_accepts_logits_to_keep"):
             # a peft model's forward takes **kwargs and hands them to the model it wraps (LoRA): ask that model
-            inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+            inner = self._base_model()
             forward = getattr(inner, "forward", None)
             try:
                 self._accepts_logits_to_keep = (
@@ -243,13 +243,17 @@ class RlTpuFSDPEngineWithLMHead(
             self._prefix_kinds = kinds
         return self._prefix_kinds
 
+    def _base_model(self) -> torch.nn.Module:
+        """The model the engine trains: a peft model's base model (LoRA), else the module itself."""
+        return self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+
     def _chunked_head(self) -> HeadPassThrough | None:
         """The LM head to pass through for the chunked log-probs (``rl_tpu.logits_chunk_mib``), or ``None`` (one
         line says why, once): only on one unwrapped CPU rank, eager, where :meth:`HeadPassThrough.exact_for` shows
         the model's logits are its head's plain linear map."""
         if not hasattr(self, "_head_passthrough"):
             self._head_passthrough, reason = None, None
-            inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+            inner = self._base_model()
             head = inner.get_output_embeddings() if callable(getattr(inner, "get_output_embeddings", None)) else None
             if head is None:
                 reason = "the model has no output embeddings"
@@ -277,7 +281,7 @@ class RlTpuFSDPEngineWithLMHead(
         chunk_mib = self.rl_tpu.logits_chunk_mib
         if chunk_mib <= 0 or temperature.numel() == 0 or not bool((temperature == temperature[0]).all()):
             return None
-        inner = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+        inner = self._base_model()
         vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
         if not vocab or tokens * vocab * 4 <= chunk_mib << 20:
             return None
