@@ -68,9 +68,13 @@ def _cpu_at_steps(memory: dict) -> dict[int, float]:
     return {i + 1: float(c) for i, c in enumerate(memory.get("step_cpu_marks") or [])}
 
 
-def run_ours(seed: int, timeout_s: float) -> tuple[dict, dict[int, Path]]:
-    """The default job at ``data.seed=seed`` under the sampler. Returns (its measures, step -> HF checkpoint)."""
-    out = OUT / f"ours-s{seed}"
+def run_ours(
+    seed: int, timeout_s: float, variant: str = "", overrides: list[str] = ()
+) -> tuple[dict, dict[int, Path]]:
+    """The default job at ``data.seed=seed`` under the sampler, with a variant's ``overrides`` (VeRL / ``rl_tpu.``
+    keys) last. Returns (its measures, step -> HF checkpoint)."""
+    name = f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}"
+    out = OUT / name
     shutil.rmtree(out, ignore_errors=True)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -90,6 +94,7 @@ def run_ours(seed: int, timeout_s: float) -> tuple[dict, dict[int, Path]]:
         "trainer.test_freq=-1",
         f"trainer.save_freq={SAVE_EVERY}",
         f"trainer.total_training_steps={STEPS}",
+        *overrides,
     ]
     OUT.mkdir(parents=True, exist_ok=True)
     try:
@@ -97,7 +102,7 @@ def run_ours(seed: int, timeout_s: float) -> tuple[dict, dict[int, Path]]:
             "ours (verl train --backend cpu)",
             cmd,
             env,
-            OUT / f"ours-s{seed}.log",
+            OUT / f"{name}.log",
             timeout_s,
             step_log=out / "metrics.jsonl",
         )
@@ -243,14 +248,20 @@ def trl_worker(args) -> None:
     (Path(args.work) / "result.json").write_text(json.dumps({"rewards": rewards}))
 
 
-def judge_checkpoints(framework: str, seed: int, measures: dict, ckpts: dict[int, Path], options: dict) -> None:
-    """Judge every checkpoint on the report set and record it with the CPU-seconds spent up to its step."""
+def judge_checkpoints(
+    framework: str, seed: int, measures: dict, ckpts: dict[int, Path], options: dict, variant: str = ""
+) -> None:
+    """Judge every checkpoint on the report set, under the prompt the run trained with (its ``rl_tpu.few_shot``),
+    and record it with the CPU-seconds spent up to its step."""
     cpu_at = _cpu_at_steps(measures["memory"])
+    few_shot = recipe.few_shot_of(options.get("overrides", []))
     for step in sorted(ckpts):
-        res = recipe.judge(str(ckpts[step]), "report")
+        res = recipe.judge(str(ckpts[step]), "report", few_shot=few_shot)
         _record(
             {
                 "framework": framework,
+                "variant": variant,
+                "few_shot": few_shot,
                 "seed": seed,
                 "step": step,
                 "cpu_s": cpu_at.get(step),
@@ -265,12 +276,24 @@ def judge_checkpoints(framework: str, seed: int, measures: dict, ckpts: dict[int
         )
 
 
+def _base(rows: list[dict], few_shot: int) -> dict | None:
+    """The base model's row judged under ``few_shot`` worked examples (rows before the key existed had none)."""
+    return next((r for r in rows if r["framework"] == "base" and r.get("few_shot", 0) == few_shot), None)
+
+
 def cmd_run(args) -> None:
-    if not any(r["framework"] == "base" for r in _rows()):
-        res = recipe.judge(recipe.base_model_dir(), "report")
+    variant, overrides = "", []
+    if args.variant:
+        variant, _, rest = args.variant.partition("=")
+        overrides = [o for o in rest.split(",") if o]
+    for k in sorted({0, recipe.few_shot_of(overrides)}):
+        if _base(_rows(), k) is not None:
+            continue
+        res = recipe.judge(recipe.base_model_dir(), "report", few_shot=k)
         _record(
             {
                 "framework": "base",
+                "few_shot": k,
                 "seed": 0,
                 "step": 0,
                 "cpu_s": 0.0,
@@ -283,9 +306,10 @@ def cmd_run(args) -> None:
         for framework in args.frameworks:
             t0 = time.monotonic()
             if framework == "ours":
-                measures, ckpts = run_ours(seed, args.timeout)
-                options = {"threads": "verl train's default"}
-                train_file = train_file or str(next((OUT / f"ours-s{seed}" / "data").glob("*_train.parquet")))
+                measures, ckpts = run_ours(seed, args.timeout, variant, overrides)
+                options = {"threads": "verl train's default", "overrides": overrides}
+                run_dir = OUT / (f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}")
+                train_file = train_file or str(next((run_dir / "data").glob("*_train.parquet")))
             else:
                 if train_file is None:
                     train_file = step_bench._prepare_train_file(OUT / "data")
@@ -293,14 +317,14 @@ def cmd_run(args) -> None:
                     seed, train_file, args.trl_threads, args.trl_gradient_checkpointing == "on", args.timeout
                 )
                 options = {"threads": args.trl_threads, "gradient_checkpointing": args.trl_gradient_checkpointing}
-            judge_checkpoints(framework, seed, measures, ckpts, options)
+            judge_checkpoints(framework, seed, measures, ckpts, options, variant if framework == "ours" else "")
             print(f"{framework} seed {seed}: {time.monotonic() - t0:.0f} s with judging", flush=True)
             cmd_table(args)
 
 
 def cmd_table(_args) -> None:
     rows = _rows()
-    base = next((r for r in rows if r["framework"] == "base"), None)
+    base = _base(rows, 0)
     if base is None:
         print("no base row yet: `bench_learning.py run` judges the base model first")
         return
@@ -309,22 +333,37 @@ def cmd_table(_args) -> None:
         f"base model: report set lenient {100 * sum(base['lenient']) / n:.1f}%, strict "
         f"{100 * sum(base['strict']) / n:.1f}% ({n} items)"
     )
+    for b in rows:
+        if b["framework"] == "base" and b.get("few_shot", 0):
+            print(
+                f"base model, {b['few_shot']} worked example(s) in the prompt: lenient "
+                f"{100 * sum(b['lenient']) / n:.1f}%, strict {100 * sum(b['strict']) / n:.1f}%"
+            )
     print(
-        f"{'framework':<6} {'seed':>4} {'step':>4} {'Δ lenient [95% CI]':>24} {'Δ strict':>9} {'wall min':>8} "
-        f"{'CPU min':>8} {'peak PSS GiB':>12} {'points/CPU-min':>14}"
+        "Δ: against the base model under the run's own prompt; 'Δ strict, 0-shot base': against the base model under "
+        "the default prompt (no worked examples)"
+    )
+    print(
+        f"{'run':<14} {'seed':>4} {'step':>4} {'Δ lenient [95% CI]':>24} {'Δ strict [95% CI]':>24} "
+        f"{'Δ strict, 0-shot base':>21} {'wall min':>8} {'CPU min':>8} {'peak PSS GiB':>12} {'points/CPU-min':>14}"
     )
     for r in sorted(
-        (r for r in rows if r["framework"] != "base"), key=lambda r: (r["framework"], r["seed"], r["step"])
+        (r for r in rows if r["framework"] != "base"),
+        key=lambda r: (r["framework"], r.get("variant", ""), r["seed"], r["step"]),
     ):
-        dl, lo, hi = recipe.paired(r["lenient"], base["lenient"])
-        ds, _, _ = recipe.paired(r["strict"], base["strict"])
+        own = _base(rows, r.get("few_shot", 0)) or base
+        dl, lo, hi = recipe.paired(r["lenient"], own["lenient"])
+        ds, slo, shi = recipe.paired(r["strict"], own["strict"])
+        ds0, _, _ = recipe.paired(r["strict"], base["strict"])
         cpu_min = (r.get("cpu_s") or float("nan")) / 60
         rate = dl / cpu_min if cpu_min and math.isfinite(cpu_min) else float("nan")
+        label = f"{r['framework']} {r['variant']}" if r.get("variant") else r["framework"]
         print(
-            f"{r['framework']:<6} {r['seed']:>4} {r['step']:>4} {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] {ds:+8.1f} "
+            f"{label:<14} {r['seed']:>4} {r['step']:>4} {dl:+7.1f} [{lo:+6.1f}, {hi:+6.1f}] "
+            f"{ds:+7.1f} [{slo:+6.1f}, {shi:+6.1f}] {ds0:+21.1f} "
             f"{r['wall_s'] / 60:8.1f} {cpu_min:8.1f} {r['peak_pss_gib']:12.2f} {rate:14.3f}"
         )
-    plot(rows, base)
+    plot([r for r in rows if not r.get("variant")], base)
 
 
 def plot(rows: list[dict], base: dict) -> Path | None:
@@ -374,6 +413,12 @@ def main() -> None:
     run.add_argument("--trl-threads", type=int, default=2)
     run.add_argument("--trl-gradient-checkpointing", choices=["on", "off"], default="off")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
+    run.add_argument(
+        "--variant",
+        default="",
+        help="NAME=KEY=VALUE,KEY=VALUE: the project's job with these overrides, recorded as 'ours NAME' (e.g. "
+        "rs43=actor_rollout_ref.rollout.seed=43, a perturbed rerun; fs1=rl_tpu.few_shot=1)",
+    )
     sub.add_parser("table", help="the table and plot of everything judged so far")
     worker = sub.add_parser("trl-worker", help=argparse.SUPPRESS)
     worker.add_argument("--train-file", required=True)

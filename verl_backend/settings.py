@@ -367,6 +367,16 @@ SETTINGS: tuple[Setting, ...] = (
         reader="driver",
     ),
     Setting(
+        "few_shot",
+        int,
+        0,
+        "worked examples of the built-in reasoning-gym task put before every question (training and held-out) as "
+        "earlier chat turns, each reply working the task's expression and ending in <answer></answer> tags: drawn at "
+        "seed + 3000, none a training or held-out question; refused with rl_tpu.gsm8k_jsonl or data.train_files",
+        minimum=0,
+        reader="driver",
+    ),
+    Setting(
         "gsm8k_jsonl", str, "", "GSM8K jsonl (question, answer ending '#### N') to train on instead", reader="driver"
     ),
     Setting(

@@ -2,7 +2,9 @@
 
 from verl_backend.data.converters import (
     PROMPT_SUFFIX,
+    few_shot_examples,
     gsm8k_jsonl_to_parquet,
+    prompt_messages,
     reasoning_gym_to_parquet,
     validate_rl_parquet,
 )
@@ -12,7 +14,9 @@ __all__ = [
     "PROMPT_SUFFIX",
     "compute_score",
     "extract_final_answer",
+    "few_shot_examples",
     "gsm8k_jsonl_to_parquet",
+    "prompt_messages",
     "reasoning_gym_to_parquet",
     "validate_rl_parquet",
 ]

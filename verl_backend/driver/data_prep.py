@@ -14,6 +14,12 @@ def prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
     from verl_backend.data import gsm8k_jsonl_to_parquet, reasoning_gym_to_parquet
 
     extra: list[str] = []
+    if settings.few_shot and ("data.train_files" in keys or settings.gsm8k_jsonl):
+        given = "data.train_files" if "data.train_files" in keys else "rl_tpu.gsm8k_jsonl"
+        raise BadInputError(
+            f"rl_tpu.few_shot={settings.few_shot} applies to the built-in reasoning-gym data, and {given} is set: "
+            "put the worked examples in your rows' prompt messages instead, or set rl_tpu.few_shot=0"
+        )
     if "data.train_files" not in keys:
         data_dir = out / "data"
         if settings.gsm8k_jsonl:
@@ -37,6 +43,7 @@ def prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
             df.iloc[:-n_val].to_parquet(train, index=False)
         else:
             task, seed, task_config = settings.task, settings.seed, settings.task_config or {}
+            shots = builtin_shots(settings)
             train = reasoning_gym_to_parquet(
                 task,
                 data_dir / f"{task}_train.parquet",
@@ -44,6 +51,7 @@ def prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
                 seed=seed,
                 split="train",
                 task_config=task_config,
+                shots=shots,
             )
             val = reasoning_gym_to_parquet(
                 task,
@@ -52,9 +60,26 @@ def prepare_data(keys: dict[str, str], settings, out: Path) -> list[str]:
                 seed=seed + 1000,
                 split="test",
                 task_config=task_config,
+                shots=shots,
             )
         extra += [f"data.train_files={train}", f"data.val_files={val}"]
     return extra
+
+
+def builtin_shots(settings) -> list[tuple[str, str]]:
+    """The ``rl_tpu.few_shot`` worked examples of the built-in task: drawn at ``rl_tpu.seed + 3000``, none of them a
+    training (seed) or held-out (seed + 1000) question. Returns ``[(question, answer), ...]``."""
+    from verl_backend.data.converters import few_shot_examples, reasoning_gym_dataset
+
+    if not settings.few_shot:
+        return []
+    cfg = settings.task_config or {}
+    seen = {
+        e["question"]
+        for seed, size in ((settings.seed, settings.train_size), (settings.seed + 1000, settings.val_size))
+        for e in reasoning_gym_dataset(settings.task, size, seed, cfg)
+    }
+    return few_shot_examples(settings.task, settings.few_shot, seed=settings.seed + 3000, exclude=seen, task_config=cfg)
 
 
 def data_files(value: Any) -> list[str]:
