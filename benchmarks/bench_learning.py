@@ -25,7 +25,13 @@ CPU-minutes, both frameworks, seeds as thin lines.
 Usage::
 
     python benchmarks/bench_learning.py run --frameworks ours trl --seeds 1 2 3
+    python benchmarks/bench_learning.py run --frameworks ours --seeds 1 2 3 4 5 \
+        --variant rs43=actor_rollout_ref.rollout.seed=43      # the perturbed reruns (another sampling seed)
     python benchmarks/bench_learning.py table          # table and plot of everything judged so far
+
+A ``--variant NAME=KEY=VALUE,...`` run is the project's job with those overrides, recorded as ``ours NAME`` (folder
+``runs/learning/ours-NAME-s<seed>``); with ``rl_tpu.few_shot`` it is judged under its own prompt and its gains are
+against the base model under that prompt (and, for strict accuracy, also under the default prompt).
 
 Results accumulate in ``runs/learning/results.jsonl``; a run's folder is ``runs/learning/<framework>-s<seed>``.
 """

@@ -146,6 +146,13 @@ CANDIDATES: dict[str, list[str]] = {
         "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
         "reward.custom_reward_function.reward_kwargs.bare_answer_credit=1.0",
     ],
+    # the sixth screen (#45 item 2): one worked example before each question (its reply works the sum into the tags)
+    # and a bare right number at half credit
+    "addition_fs1": [
+        "rl_tpu.task_config=" + json.dumps(TASKS["addition"]),
+        "rl_tpu.few_shot=1",
+        "reward.custom_reward_function.reward_kwargs.bare_answer_credit=0.5",
+    ],
     "chain_sum": ["--config", "examples/chain_sum_cpu.yaml"],
     "addition": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"])],
     "addition_lr2e5": ["rl_tpu.task_config=" + json.dumps(TASKS["addition"]), "actor_rollout_ref.actor.optim.lr=2e-5"],
@@ -334,11 +341,12 @@ def cmd_base(args) -> None:
         converters.PROMPT_SUFFIX = args.prompt_suffix
     model = base_model_dir()
     for which in args.sets:
-        res = judge(model, which)
+        res = judge(model, which, few_shot=args.few_shot)
         _record({"candidate": "base", "seed": 0, "set": which, **res})
         print(
-            f"base {which}: strict {100 * sum(res['strict']) / len(res['strict']):.1f}% lenient "
-            f"{100 * sum(res['lenient']) / len(res['lenient']):.1f}% ends-42 {res['ends_42']}"
+            f"base {which} ({args.few_shot} worked example(s)): strict {100 * sum(res['strict']) / len(res['strict']):.1f}% "
+            f"lenient {100 * sum(res['lenient']) / len(res['lenient']):.1f}% tagged {res['tagged']} "
+            f"ends-42 {res['ends_42']}"
         )
 
 
@@ -396,7 +404,7 @@ def judge_run(name: str, seed: int, run: Path, sets, wall: float | None = None, 
             if "critic/score/mean" in data:
                 rewards.append(data["critic/score/mean"])
     for which in sets:
-        res = judge(str(ckpt), which)
+        res = judge(str(ckpt), which, few_shot=few_shot_of(CANDIDATES[name] + list(extra)))
         _record(
             {
                 "candidate": name,
@@ -415,11 +423,12 @@ def cmd_judge(args) -> None:
     cmd_table(args)
 
 
-def cmd_table(_args) -> None:
+def cmd_table(args) -> None:
     rows = _rows()
     from verl_backend.data.converters import PROMPT_SUFFIX
 
     rows = [r for r in rows if r.get("prompt_suffix") == PROMPT_SUFFIX]  # gains are under one prompt
+    rows = [r for r in rows if r.get("few_shot", 0) == args.few_shot]
     base = {r["set"]: r for r in rows if r["candidate"] == "base"}
     if not base:
         print("no base model rows: run `bench_recipe.py base` first")
@@ -563,6 +572,13 @@ def main() -> None:
         help="more commands timed in the same rounds, e.g. 1thread=rl_tpu.num_threads=1",
     )
     parser.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the task (and its config) studied")
+    parser.add_argument(
+        "--few-shot",
+        type=int,
+        default=0,
+        help="the prompt studied: worked examples before each question (rl_tpu.few_shot); base judges under it, "
+        "table shows the rows under it",
+    )
     args = parser.parse_args()
     TASK, TASK_CONFIG = args.task, TASKS[args.task]
     if TASK != "basic_arithmetic":
