@@ -74,9 +74,7 @@ def _cpu_at_steps(memory: dict) -> dict[int, float]:
     return {i + 1: float(c) for i, c in enumerate(memory.get("step_cpu_marks") or [])}
 
 
-def run_ours(
-    seed: int, timeout_s: float, variant: str = "", overrides: list[str] = ()
-) -> tuple[dict, dict[int, Path]]:
+def run_ours(seed: int, timeout_s: float, variant: str = "", overrides: list[str] = ()) -> tuple[dict, dict[int, Path]]:
     """The default job at ``data.seed=seed`` under the sampler, with a variant's ``overrides`` (VeRL / ``rl_tpu.``
     keys) last. Returns (its measures, step -> HF checkpoint)."""
     name = f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}"

@@ -50,7 +50,7 @@ def test_examples_skip_every_excluded_question_and_are_deterministic():
 
 
 def test_a_task_without_an_expression_gets_the_tagged_answer_alone():
-    (q, reply), = few_shot_examples("word_sorting", 1, seed=3)
+    ((q, reply),) = few_shot_examples("word_sorting", 1, seed=3)
     assert reply.startswith("<answer>") and reply.endswith("</answer>") and "=" not in reply
 
 
