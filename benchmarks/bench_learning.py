@@ -367,7 +367,40 @@ def cmd_table(_args) -> None:
             f"{ds:+7.1f} [{slo:+6.1f}, {shi:+6.1f}] {ds0:+21.1f} "
             f"{r['wall_s'] / 60:8.1f} {cpu_min:8.1f} {r['peak_pss_gib']:12.2f} {rate:14.3f}"
         )
+    print(
+        "\nthe signal a run trained on: the share of its groups (a prompt's 8 samples) whose rewards differ, the only "
+        "ones GRPO learns from, and the train reward's least-squares slope over its steps"
+    )
+    print(f"{'run':<14} {'seed':>4} {'Δ lenient, last':>15} {'groups with spread':>18} {'reward slope /step':>18}")
+    for r in sorted(
+        (r for r in rows if r["framework"] == "ours" and r["step"] == STEPS),
+        key=lambda r: (r.get("variant", ""), r["seed"]),
+    ):
+        own = _base(rows, r.get("few_shot", 0)) or base
+        dl, _, _ = recipe.paired(r["lenient"], own["lenient"])
+        variant = r.get("variant", "")
+        share = groups_with_spread(OUT / (f"ours-{variant}-s{r['seed']}" if variant else f"ours-s{r['seed']}"))
+        slope = recipe.reward_slope([r])[0]
+        label = f"ours {variant}" if variant else "ours"
+        print(f"{label:<14} {r['seed']:>4} {dl:+15.1f} {100 * share:17.1f}% {slope:+18.4f}")
     plot([r for r in rows if not r.get("variant")], base)
+
+
+def groups_with_spread(run: Path) -> float:
+    """The share of a run's groups (one prompt's samples, from its ``rollouts/<step>.jsonl`` dumps) whose rewards are
+    not all equal: under GRPO's group-normalised advantage the others add nothing to the gradient. NaN without
+    dumps."""
+    from collections import defaultdict
+
+    spread = total = 0
+    for dump in sorted(run.glob("rollouts/*.jsonl")):
+        groups: dict[str, list[float]] = defaultdict(list)
+        for line in dump.read_text().splitlines():
+            row = json.loads(line)
+            groups[row["input"]].append(float(row["score"]))
+        spread += sum(max(v) > min(v) for v in groups.values())
+        total += len(groups)
+    return spread / total if total else float("nan")
 
 
 def plot(rows: list[dict], base: dict) -> Path | None:
