@@ -65,14 +65,19 @@ def check_prompt_lengths(config) -> None:
             too_long = sum(n > limit for n in lengths)
             if not too_long:
                 continue
+            # worked examples (rl_tpu.few_shot) are earlier turns of every prompt: fewer of them is a fix too
+            shots = sum(m["role"] == "assistant" for m in df["prompt"].iloc[0])
+            fewer = f", or lower rl_tpu.few_shot (now {shots} worked example(s) a prompt)" if shots else ""
             if not config.data.filter_overlong_prompts:
                 raise BadInputError(
                     f"{f}: {too_long} of {len(df)} prompts are longer than data.max_prompt_length={limit} tokens "
-                    f"(longest {max(lengths)}); raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                    f"(longest {max(lengths)}); raise data.max_prompt_length{fewer}, or set "
+                    "data.filter_overlong_prompts=true"
                 )
             if too_long == len(df):
                 raise BadInputError(
-                    f"{f}: all {len(df)} prompts are longer than data.max_prompt_length={limit}; raise it"
+                    f"{f}: all {len(df)} prompts are longer than data.max_prompt_length={limit} tokens (shortest "
+                    f"{min(lengths)}); raise it{fewer}"
                 )
             print(
                 f"[rl-tpu] {f}: dropping {too_long} of {len(df)} prompts longer than {limit} tokens "

@@ -100,3 +100,32 @@ def test_examples_are_refused_where_they_cannot_take_effect(tmp_path, keys, kw, 
     with pytest.raises(BadInputError, match=rf"rl_tpu.few_shot=1 applies to the built-in .* {named} is set"):
         prepare_data(keys, _settings(few_shot=1, **kw), tmp_path)
     assert not (tmp_path / "data").exists()  # nothing written
+
+
+def test_prompts_the_examples_make_too_long_name_the_setting(tmp_path):
+    """Three worked examples pass the default job's 128-token prompt limit: preflight's one line says so and names
+    rl_tpu.few_shot (negative control: one example fits, and nothing is raised)."""
+    from omegaconf import OmegaConf
+
+    from verl_backend.driver.preflight import check_prompt_lengths
+    from verl_backend.models import ensure_default_model
+
+    model = str(ensure_default_model())
+    for k, fits in ((3, False), (1, True)):
+        files = dict(o.split("=", 1) for o in prepare_data({}, _settings(few_shot=k), tmp_path / str(k)))
+        config = OmegaConf.create(
+            {
+                "data": {
+                    "max_prompt_length": 128,
+                    "filter_overlong_prompts": True,
+                    "train_files": files["data.train_files"],
+                    "val_files": files["data.val_files"],
+                },
+                "actor_rollout_ref": {"model": {"path": model}},
+            }
+        )
+        if fits:
+            check_prompt_lengths(config)
+        else:
+            with pytest.raises(BadInputError, match=r"all 24 prompts .* lower rl_tpu.few_shot \(now 3 worked"):
+                check_prompt_lengths(config)
