@@ -287,6 +287,8 @@ def _base(rows: list[dict], few_shot: int) -> dict | None:
 
 def cmd_run(args) -> None:
     variant, overrides = "", []
+    if args.variant and "trl" in args.frameworks:
+        sys.exit("--variant changes the project's job only: run it with --frameworks ours")
     if args.variant:
         variant, _, rest = args.variant.partition("=")
         overrides = [o for o in rest.split(",") if o]
