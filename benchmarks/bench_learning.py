@@ -74,11 +74,15 @@ def _cpu_at_steps(memory: dict) -> dict[int, float]:
     return {i + 1: float(c) for i, c in enumerate(memory.get("step_cpu_marks") or [])}
 
 
+def run_dir(variant: str, seed: int) -> Path:
+    """The folder of the project's run at ``seed`` (``ours-s<seed>``, or ``ours-<variant>-s<seed>``)."""
+    return OUT / (f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}")
+
+
 def run_ours(seed: int, timeout_s: float, variant: str = "", overrides: list[str] = ()) -> tuple[dict, dict[int, Path]]:
     """The default job at ``data.seed=seed`` under the sampler, with a variant's ``overrides`` (VeRL / ``rl_tpu.``
     keys) last. Returns (its measures, step -> HF checkpoint)."""
-    name = f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}"
-    out = OUT / name
+    out = run_dir(variant, seed)
     shutil.rmtree(out, ignore_errors=True)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -106,7 +110,7 @@ def run_ours(seed: int, timeout_s: float, variant: str = "", overrides: list[str
             "ours (verl train --backend cpu)",
             cmd,
             env,
-            OUT / f"{name}.log",
+            OUT / f"{out.name}.log",
             timeout_s,
             step_log=out / "metrics.jsonl",
         )
@@ -314,8 +318,7 @@ def cmd_run(args) -> None:
             if framework == "ours":
                 measures, ckpts = run_ours(seed, args.timeout, variant, overrides)
                 options = {"threads": "verl train's default", "overrides": overrides}
-                run_dir = OUT / (f"ours-{variant}-s{seed}" if variant else f"ours-s{seed}")
-                train_file = train_file or str(next((run_dir / "data").glob("*_train.parquet")))
+                train_file = train_file or str(next((run_dir(variant, seed) / "data").glob("*_train.parquet")))
             else:
                 if train_file is None:
                     train_file = step_bench._prepare_train_file(OUT / "data")
@@ -381,7 +384,7 @@ def cmd_table(_args) -> None:
         own = _base(rows, r.get("few_shot", 0)) or base
         dl, _, _ = recipe.paired(r["lenient"], own["lenient"])
         variant = r.get("variant", "")
-        share = groups_with_spread(OUT / (f"ours-{variant}-s{r['seed']}" if variant else f"ours-s{r['seed']}"))
+        share = groups_with_spread(run_dir(variant, r["seed"]))
         slope = recipe.reward_slope([r])[0]
         label = f"ours {variant}" if variant else "ours"
         print(f"{label:<14} {r['seed']:>4} {dl:+15.1f} {100 * share:17.1f}% {slope:+18.4f}")

@@ -293,14 +293,21 @@ def judge(model_dir: str, which: str, max_new_tokens: int = 64, few_shot: int = 
         outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False))
     ds = _dataset(DATA_SEED, 1)
     strict, lenient, ends_42, tagged, texts = [], [], 0, 0, []
+
+    def score(e: dict, text: str) -> tuple[bool, int, int, float | None]:
+        """(tagged, strict, lenient, last number) of one answer."""
+        tag = extract_answer(text)
+        last = _last_number(text)
+        right_tag = int(tag is not None and float(ds.score_answer(tag, e)) == 1.0)
+        return tag is not None, right_tag, int(last is not None and math.isclose(last, float(e["answer"]))), last
+
     for e, out in zip(items, outs):
         text = tok.decode(out.token_ids, skip_special_tokens=True)
         texts.append(text)
-        tag = extract_answer(text)
-        tagged += tag is not None
-        strict.append(int(tag is not None and float(ds.score_answer(tag, e)) == 1.0))
-        last = _last_number(text)
-        lenient.append(int(last is not None and math.isclose(last, float(e["answer"]))))
+        is_tagged, right_tag, right, last = score(e, text)
+        tagged += is_tagged
+        strict.append(right_tag)
+        lenient.append(right)
         ends_42 += last == 42.0
     counts = {}
     if sampled:
@@ -311,13 +318,12 @@ def judge(model_dir: str, which: str, max_new_tokens: int = 64, few_shot: int = 
             )
         counts = {"n": len(drawn), "tagged": 0, "strict": 0, "lenient": 0}
         for i, out in enumerate(drawn):
-            e = items[i // sampled]
-            text = tok.decode(out.token_ids, skip_special_tokens=True)
-            tag = extract_answer(text)
-            counts["tagged"] += tag is not None
-            counts["strict"] += int(tag is not None and float(ds.score_answer(tag, e)) == 1.0)
-            last = _last_number(text)
-            counts["lenient"] += int(last is not None and math.isclose(last, float(e["answer"])))
+            is_tagged, right_tag, right, _ = score(
+                items[i // sampled], tok.decode(out.token_ids, skip_special_tokens=True)
+            )
+            counts["tagged"] += is_tagged
+            counts["strict"] += right_tag
+            counts["lenient"] += right
     return {
         "strict": strict,
         "lenient": lenient,
