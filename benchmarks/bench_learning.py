@@ -331,6 +331,35 @@ def cmd_run(args) -> None:
             cmd_table(args)
 
 
+def cmd_judge(args) -> None:
+    """Judge the checkpoints of a finished project run that have no row yet (a run whose judging was stopped), with
+    the run's measures from its recorded row. The CPU-seconds of a step so judged are the whole run's (the sampler's
+    per-step figures were not kept): an upper bound, exact for the last step."""
+    rows = [
+        r for r in _rows() if r["framework"] == "ours" and r.get("variant", "") == args.variant and r["seed"] == args.seed
+    ]
+    if not rows:
+        sys.exit(f"no recorded row of ours {args.variant or '(default)'} seed {args.seed}: use 'run' instead")
+    known = {r["step"] for r in rows}
+    out = run_dir(args.variant, args.seed)
+    ckpts = {
+        int(p.parts[-3].rsplit("_", 1)[1]): p
+        for p in out.glob("checkpoints/global_step_*/actor/huggingface")
+        if int(p.parts[-3].rsplit("_", 1)[1]) not in known
+    }
+    if not ckpts:
+        sys.exit(f"every checkpoint in {out}/checkpoints has a row already")
+    last = rows[-1]
+    cpu_s = last["cpu_s_run"]
+    measures = {
+        "wall_s": last["wall_s"],
+        "rewards": last["rewards"],
+        "memory": {"cpu_s": cpu_s, "peak_pss_total_gib": last["peak_pss_gib"], "step_cpu_marks": [cpu_s] * max(ckpts)},
+    }
+    judge_checkpoints("ours", args.seed, measures, ckpts, last["options"], args.variant)
+    cmd_table(args)
+
+
 def cmd_table(_args) -> None:
     rows = _rows()
     base = _base(rows, 0)
@@ -394,10 +423,20 @@ def cmd_table(_args) -> None:
 def groups_with_spread(run: Path) -> float:
     """The share of a run's groups (one prompt's samples, from its ``rollouts/<step>.jsonl`` dumps) whose rewards are
     not all equal: under GRPO's group-normalised advantage the others add nothing to the gradient. NaN without
-    dumps."""
+    dumps. With DAPO's dynamic sampling the dumps hold only the groups trained on; the groups VeRL replaced for having
+    no spread (``training/filter_groups/evicted_samples``) and the surplus it discarded after a step had enough
+    (``.../discarded_surplus_samples``, all with a spread) are read from ``metrics.jsonl`` and counted too, so the
+    share is of every group sampled."""
     from collections import defaultdict
 
     spread = total = 0
+    metrics = run / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        data = json.loads(line).get("data", {})
+        evicted = int(data.get("training/filter_groups/evicted_samples", 0))
+        surplus = int(data.get("training/filter_groups/discarded_surplus_samples", 0))
+        spread += surplus
+        total += evicted + surplus
     for dump in sorted(run.glob("rollouts/*.jsonl")):
         groups: dict[str, list[float]] = defaultdict(list)
         for line in dump.read_text().splitlines():
@@ -462,6 +501,9 @@ def main() -> None:
         "rs43=actor_rollout_ref.rollout.seed=43, a perturbed rerun; fs1=rl_tpu.few_shot=1)",
     )
     sub.add_parser("table", help="the table and plot of everything judged so far")
+    judge = sub.add_parser("judge", help="judge a finished run's checkpoints that have no row yet")
+    judge.add_argument("--seed", type=int, required=True)
+    judge.add_argument("--variant", default="", help="the run's variant NAME, as given to 'run'")
     worker = sub.add_parser("trl-worker", help=argparse.SUPPRESS)
     worker.add_argument("--train-file", required=True)
     worker.add_argument("--seed", type=int, required=True)
@@ -472,7 +514,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe.TASK, recipe.TASK_CONFIG = "addition", recipe.TASKS["addition"]  # the default job's task
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    {"run": cmd_run, "table": cmd_table, "trl-worker": trl_worker}[args.cmd](args)
+    {"run": cmd_run, "judge": cmd_judge, "table": cmd_table, "trl-worker": trl_worker}[args.cmd](args)
 
 
 if __name__ == "__main__":

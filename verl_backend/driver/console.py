@@ -298,8 +298,11 @@ def step_line(
 ) -> str | None:
     """``[rl-tpu] step 3/12 | reward 0.312 (4-step mean 0.405) | accuracy strict 12.5% lenient 40.6% | response 41
     tokens | 38.2 s/step`` for a training step's metrics: ``accuracy`` is ``(strict, lenient)`` shares of the step's
-    samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps. ``None``
-    for a row without training metrics (a validation-only row)."""
+    samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps. With
+    DAPO's dynamic sampling (``algorithm.filter_groups.enable=true``) the reward and accuracy are those of the groups
+    trained on, so the line also gives how many groups VeRL replaced for having no reward spread
+    (``training/filter_groups/evicted_samples``, a count of groups despite its name). ``None`` for a row without
+    training metrics (a validation-only row)."""
     if "critic/score/mean" not in data:
         return None
     reward = f"reward {float(data['critic/score/mean']):.3f}"
@@ -308,6 +311,8 @@ def step_line(
     parts = [f"step {step}/{total}" if total else f"step {step}", reward]
     if accuracy is not None:
         parts.append(f"accuracy strict {100 * accuracy[0]:.1f}% lenient {100 * accuracy[1]:.1f}%")
+    if isinstance(data.get("training/filter_groups/evicted_samples"), (int, float)):
+        parts.append(f"{int(data['training/filter_groups/evicted_samples'])} groups without a reward spread replaced")
     if isinstance(data.get("response_length/mean"), (int, float)):
         parts.append(f"response {float(data['response_length/mean']):.0f} tokens")
     if isinstance(data.get("timing_s/step"), (int, float)):

@@ -75,6 +75,11 @@ def test_step_line():
     assert step_line(2, data, 2, accuracy=(0.125, 0.25), reward_mean=0.375) == QUIET
     assert step_line(1, data, 2) == "[rl-tpu] step 1/2 | reward 0.250 | response 12 tokens | 3.1 s/step"
     assert step_line(0, {"val-core/x/acc/mean@1": 0.1}, 2) is None  # a validation-only row
+    # DAPO's dynamic sampling: the reward is the kept groups', so the line says how many groups were replaced
+    dapo = dict(data, **{"training/filter_groups/evicted_samples": 3.0})
+    assert step_line(1, dapo, 2) == (
+        "[rl-tpu] step 1/2 | reward 0.250 | 3 groups without a reward spread replaced | response 12 tokens | 3.1 s/step"
+    )
 
 
 def test_step_lines_read_strict_and_lenient_apart_from_the_reward_and_a_running_mean(tmp_path):
