@@ -63,7 +63,10 @@ def running_mean(values: list[float], window: int = RUNNING_MEAN_STEPS) -> list[
 def summarize(rows: list[dict]) -> dict:
     """Validation accuracy before (first validation) and after (last), lenient (VeRL's core ``acc``, else the reward's
     mean) and strict where the reward function reports ``acc_strict``; the reward curve with its running mean
-    (:data:`RUNNING_MEAN_STEPS` steps); the step count."""
+    (:data:`RUNNING_MEAN_STEPS` steps); the step count; and, under DAPO's dynamic sampling
+    (``algorithm.filter_groups.enable=true``), each step's count of groups VeRL replaced for having no reward spread
+    (``training/filter_groups/evicted_samples``): the curve is then the reward of the groups trained on, which a
+    rising share of all-right groups does not lift."""
     vals = [(r["step"], _val_accuracy(r["data"])) for r in rows if _val_accuracy(r["data"]) is not None]
     strict = [(r["step"], _val_strict(r["data"])) for r in rows if _val_strict(r["data"]) is not None]
     curve = [
@@ -72,6 +75,11 @@ def summarize(rows: list[dict]) -> dict:
         if isinstance(r["data"].get("critic/score/mean"), (int, float))
     ]
     smooth = running_mean([v for _, v in curve])
+    replaced = [
+        (r["step"], int(r["data"]["training/filter_groups/evicted_samples"]))
+        for r in rows
+        if isinstance(r["data"].get("training/filter_groups/evicted_samples"), (int, float))
+    ]
     return {
         "val_accuracy_before": vals[0][1] if vals else None,
         "val_accuracy_after": vals[-1][1] if len(vals) > 1 else None,
@@ -80,6 +88,7 @@ def summarize(rows: list[dict]) -> dict:
         "train_reward_curve": curve,
         "train_reward_running_mean": [(s, m) for (s, _), m in zip(curve, smooth)],
         "training_steps": max((s for s, _ in curve), default=0),
+        "groups_replaced_no_spread": replaced,
     }
 
 
@@ -95,10 +104,11 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     steps, rewards = zip(*summary["train_reward_curve"])
-    ax.plot(steps, rewards, marker="o", linestyle="none", alpha=0.4, label="train reward, each step")
+    trained_on = " of the groups trained on" if summary.get("groups_replaced_no_spread") else ""
+    ax.plot(steps, rewards, marker="o", linestyle="none", alpha=0.4, label=f"train reward{trained_on}, each step")
     if summary.get("train_reward_running_mean"):
         ms, mv = zip(*summary["train_reward_running_mean"])
-        ax.plot(ms, mv, linewidth=2, label=f"train reward, mean of {RUNNING_MEAN_STEPS} steps")
+        ax.plot(ms, mv, linewidth=2, label=f"train reward{trained_on}, mean of {RUNNING_MEAN_STEPS} steps")
     if summary["val_points"]:
         vs, va = zip(*summary["val_points"])
         ax.plot(vs, va, marker="s", linestyle="--", label="validation accuracy, lenient")
@@ -268,7 +278,12 @@ def write_report(out: Path, wall_s: float, validation_dir: Path | None = None) -
 
     lines = [
         f"[rl-tpu] run finished in {wall_s / 60:.1f} min: {summary['training_steps']} "
-        f"step{'' if summary['training_steps'] == 1 else 's'}",
+        f"step{'' if summary['training_steps'] == 1 else 's'}"
+        + (
+            f" ({replaced} groups without a reward spread replaced by DAPO's dynamic sampling)"
+            if (replaced := sum(n for _, n in summary["groups_replaced_no_spread"]))
+            else ""
+        ),
         *accuracy_lines(summary),
         f"[rl-tpu] output folder: {out}",
         f"[rl-tpu]   metrics:     {out / 'metrics.jsonl'}  (TensorBoard: {out / 'tensorboard'})",

@@ -216,6 +216,9 @@ def test_summary_keeps_strict_apart_and_smooths_the_reward_curve():
     assert summary["val_strict_points"] == [(0, 0.0), (5, 0.5)]
     assert [round(m, 3) for _, m in summary["train_reward_running_mean"]] == [0.2, 0.4, 0.333, 0.4, 0.6]
     assert running_mean([1.0, 0.0], window=1) == [1.0, 0.0]
+    assert summary["groups_replaced_no_spread"] == []
+    rows[2]["data"]["training/filter_groups/evicted_samples"] = 3.0  # DAPO's dynamic sampling replaced 3 groups
+    assert summarize(rows)["groups_replaced_no_spread"] == [(2, 3)]
 
 
 def test_paired_difference_matches_a_t_interval():
