@@ -336,7 +336,9 @@ def cmd_judge(args) -> None:
     the run's measures from its recorded row. The CPU-seconds of a step so judged are the whole run's (the sampler's
     per-step figures were not kept): an upper bound, exact for the last step."""
     rows = [
-        r for r in _rows() if r["framework"] == "ours" and r.get("variant", "") == args.variant and r["seed"] == args.seed
+        r
+        for r in _rows()
+        if r["framework"] == "ours" and r.get("variant", "") == args.variant and r["seed"] == args.seed
     ]
     if not rows:
         sys.exit(f"no recorded row of ours {args.variant or '(default)'} seed {args.seed}: use 'run' instead")

@@ -122,8 +122,50 @@ def _replay_buffer_init(original):
         """
         original(self, *args, **kwargs)
         self.poll_interval = min(float(self.poll_interval), REPLAY_POLL_S)
+        if self.filter_groups_metric is not None and self.refill_fn is not None:
+            self.refill_fn = bounded_refill(self.refill_fn)
 
     return __init__
+
+
+def bounded_refill(refill_fn: Callable[[int], int]) -> Callable[[int], int]:
+    """``refill_fn`` (VeRL 0.9.1's ``PPOTrainer._add_prompts_to_generate``, bound to the trainer) with DAPO's bound on
+    generation batches a step, ``algorithm.filter_groups.max_num_gen_batches``, taking effect.
+
+    With DAPO's dynamic sampling (``algorithm.filter_groups.enable=true``) VeRL's V1 replay buffer replaces every
+    group whose rewards are all equal with fresh prompts until ``data.train_batch_size`` groups have a spread, and it
+    ignores ``max_num_gen_batches`` (it logs so): a model that gets every prompt right, or none, makes the step
+    generate forever. Here the step's prompts (its first batch and every refill, counted per
+    ``trainer.global_steps``) may come to ``max_num_gen_batches * data.train_batch_size``; the refill past that raises,
+    as VeRL's DAPO recipe does. ``max_num_gen_batches <= 0``: no bound (VeRL's default), ``refill_fn`` unchanged.
+
+    Raises (from the returned function):
+        BadInputError: the step would pass the bound; the message names the key, the step and the fix.
+    """
+    trainer = getattr(refill_fn, "__self__", None)
+    if trainer is None:
+        return refill_fn
+    limit = int(trainer.config.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0)
+    batch = int(trainer.config.data.train_batch_size)
+    if limit <= 0:
+        return refill_fn
+    prompts: dict[int, int] = {}  # step -> prompts refilled in it
+
+    def refill(count: int) -> int:
+        from verl_backend.errors import BadInputError
+
+        step = int(trainer.global_steps)
+        prompts[step] = prompts.get(step, 0) + count
+        if batch + prompts[step] > limit * batch:
+            raise BadInputError(
+                f"algorithm.filter_groups.max_num_gen_batches={limit}: step {step} has generated {limit} batches "
+                f"of {batch} prompts and fewer than {batch} of their groups had a reward spread, the only groups "
+                "DAPO's dynamic sampling trains on: the task is too easy or too hard for the model now. Raise "
+                "algorithm.filter_groups.max_num_gen_batches (0: no bound), or set algorithm.filter_groups.enable=false"
+            )
+        return refill_fn(count)
+
+    return refill
 
 
 def _value_head_class_importable() -> bool:
@@ -486,8 +528,13 @@ PATCHES: tuple[Patch, ...] = (
         "verl.trainer.ppo.v1.replay_buffer",
         "ReplayBuffer.__init__",
         _replay_buffer_init,
-        "the replay buffer polls TransferQueue every 2 s, hard-coded",
-        searched("verl-project/verl", "verl replay buffer poll_interval 2 seconds hard-coded TransferQueue"),
+        "the replay buffer polls TransferQueue every 2 s, hard-coded; and with DAPO's dynamic sampling it ignores "
+        "algorithm.filter_groups.max_num_gen_batches, so a step refills forever where no group has a reward spread",
+        searched(
+            "verl-project/verl",
+            "verl replay buffer poll_interval 2 seconds hard-coded TransferQueue",
+            "V1's DAPO refill is https://github.com/verl-project/verl/pull/7082, which leaves max_num_gen_batches out",
+        ),
     ),
     _wrapping(
         "verl.models.transformers.monkey_patch",

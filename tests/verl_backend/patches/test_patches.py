@@ -649,3 +649,78 @@ def test_the_features_two_patches_run_come_from_the_plugin(monkeypatch):
     monkeypatch.setattr(verl_patches, "FEATURES", {})
     with pytest.raises(RuntimeError, match="feature 'step_begin', which the plugin did not hand over"):
         verl_patches._step_begin_hook(lambda trainer: None)(object())
+
+
+class _Trainer:
+    """The two things of VeRL's ``PPOTrainer`` the bounded refill reads: its config and its step."""
+
+    def __init__(self, max_num_gen_batches: int):
+        from omegaconf import OmegaConf
+
+        self.config = OmegaConf.create(
+            {
+                "algorithm": {"filter_groups": {"max_num_gen_batches": max_num_gen_batches}},
+                "data": {"train_batch_size": 4},
+            }
+        )
+        self.global_steps = 1
+        self.submitted: list[int] = []
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        self.submitted.append(num_prompts)
+        return num_prompts
+
+
+def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
+    import verl  # noqa: F401
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from verl_backend.errors import BadInputError
+
+    trainer = _Trainer(max_num_gen_batches=3)  # 3 batches of 4 prompts a step: the first and 8 refilled
+    buffer = ReplayBuffer(
+        "sync",
+        OmegaConf.create({}),
+        None,
+        "drop",
+        OmegaConf.create({}),
+        refill_fn=trainer._add_prompts_to_generate,
+        filter_groups_metric="reward",
+        train_batch_size=4,
+        gen_batch_size=1,
+    )
+    assert buffer.refill_fn(4) == 4 and buffer.refill_fn(4) == 4
+    with pytest.raises(BadInputError, match=r"max_num_gen_batches=3: step 1 .*algorithm.filter_groups.enable=false"):
+        buffer.refill_fn(1)
+    assert trainer.submitted == [4, 4]  # the refill past the bound is not dispatched
+    trainer.global_steps = 2  # the count is per step
+    assert buffer.refill_fn(8) == 8
+
+    unbounded = _Trainer(max_num_gen_batches=0)  # VeRL's default: no bound, VeRL's own function
+    buffer = ReplayBuffer(
+        "sync",
+        OmegaConf.create({}),
+        None,
+        "drop",
+        OmegaConf.create({}),
+        refill_fn=unbounded._add_prompts_to_generate,
+        filter_groups_metric="reward",
+        train_batch_size=4,
+        gen_batch_size=1,
+    )
+    assert buffer.refill_fn == unbounded._add_prompts_to_generate
+    plain = ReplayBuffer.__new__(ReplayBuffer)  # negative control: VeRL's own __init__ leaves the refill unbounded
+    ReplayBuffer.__init__.__wrapped__(
+        plain,
+        "sync",
+        OmegaConf.create({}),
+        None,
+        "drop",
+        OmegaConf.create({}),
+        refill_fn=_Trainer(3)._add_prompts_to_generate,
+        filter_groups_metric="reward",
+        train_batch_size=4,
+        gen_batch_size=1,
+    )
+    assert plain.refill_fn(100) == 100
