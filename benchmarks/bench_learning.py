@@ -327,6 +327,9 @@ def cmd_run(args) -> None:
                 )
                 options = {"threads": args.trl_threads, "gradient_checkpointing": args.trl_gradient_checkpointing}
             judge_checkpoints(framework, seed, measures, ckpts, options, variant if framework == "ours" else "")
+            if framework == "ours":  # judged: the trainer's resume state (1.6 GB a checkpoint) filled the disk
+                for state in run_dir(variant, seed).glob("checkpoints/global_step_*/actor/*.pt"):
+                    state.unlink()
             print(f"{framework} seed {seed}: {time.monotonic() - t0:.0f} s with judging", flush=True)
             cmd_table(args)
 
