@@ -272,3 +272,32 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "raising_reward.py:compute_score raised RuntimeError: boom in my reward" in lines[0], lines[0]
     assert "no materializable trajectories" not in proc.stderr.split("verl: error:")[-1]  # no driver traceback
+
+
+def test_dapo_step_past_max_num_gen_batches_is_one_line(tmp_path, tiny_model_dir):
+    """DAPO's dynamic sampling (``algorithm.filter_groups.enable=true``) on a random model: the default reward is 0
+    for every sample, so no group has a reward spread and VeRL 0.9.1's V1 replay buffer would refill the step
+    forever. VeRL's own ``max_num_gen_batches`` bounds it (:func:`verl_backend.patches.verl.bounded_refill`), and the
+    run ends on one line naming the key."""
+    proc = verl_train(
+        tmp_path / "o",
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=16",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=reward",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+        timeout=1200,
+        default_console=True,
+    )
+    assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-5000:])
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "algorithm.filter_groups.max_num_gen_batches=2: step 1 has generated 2 batches" in lines[0], lines[0]
