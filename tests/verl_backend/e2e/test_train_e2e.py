@@ -301,3 +301,45 @@ def test_dapo_step_past_max_num_gen_batches_is_one_line(tmp_path, tiny_model_dir
     lines = [l for l in proc.stderr.splitlines() if l.startswith("verl: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "algorithm.filter_groups.max_num_gen_batches=2: step 1 has generated 2 batches" in lines[0], lines[0]
+
+
+def test_dapo_dynamic_sampling_trains_only_on_groups_with_a_spread(tmp_path, tiny_model_dir):
+    """``algorithm.filter_groups.enable=true`` on the CPU backend: VeRL's V1 replay buffer replaces each group whose
+    samples' ``acc`` are all equal (2 samples of the length reward's ``acc``, an even length: half the groups tie), so
+    every group in a step's rollout dump has both values, the step line says how many groups were replaced, and
+    ``summary.json`` counts them as ``metrics.jsonl`` does."""
+    out = tmp_path / "o"
+    proc = verl_train(
+        out,
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.train_size=64",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.rollout.n=2",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=16",
+        *write_reward(tmp_path, accuracy=True),
+        default_console=True,
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    for step in (1, 2):
+        groups: dict[str, set] = {}
+        for line in (out / "rollouts" / f"{step}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            groups.setdefault(row["input"], set()).add(row["acc"])
+        assert groups and all(accs == {0.0, 1.0} for accs in groups.values()), (step, groups)
+    replaced = {
+        r["step"]: int(r["data"]["training/filter_groups/evicted_samples"])
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if "training/filter_groups/evicted_samples" in r["data"]
+    }
+    summary = json.loads((out / "summary.json").read_text())
+    assert dict(summary["groups_replaced_no_spread"]) == replaced
+    for step, count in replaced.items():
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"[rl-tpu] step {step}/2 "))
+        assert f"{count} groups without a reward spread replaced" in line, line
