@@ -321,15 +321,18 @@ def step_line(
 
 
 def job_line(config, backend: str, threads: int, out: Path) -> str:
-    """The job's settings in one line: algorithm, model, data, steps, batch, backend, where the full log is."""
+    """The job's settings in one line: algorithm, model, data, steps, batch (and whether DAPO's dynamic sampling keeps
+    only groups with a reward spread, ``algorithm.filter_groups.enable``), backend, where the full log is."""
     model = Path(str(config.actor_rollout_ref.model.path)).name
     from verl_backend.driver.data_prep import data_files
 
     files = data_files(config.data.get("train_files"))
     task = Path(str(files[0])).stem.removesuffix("_train") if files else "?"  # the built-in data: <task>_train
     prompts, n = int(config.data.train_batch_size), int(config.actor_rollout_ref.rollout.n)
+    filtered = (config.algorithm.get("filter_groups") or {}).get("enable", False)
     return (
         f"[rl-tpu] {str(config.algorithm.adv_estimator).upper()} on {model}, {task}: "
-        f"{config.trainer.total_training_steps or 'all'} steps of {prompts} prompts x {n} samples, {backend} backend, "
+        f"{config.trainer.total_training_steps or 'all'} steps of {prompts} prompts x {n} samples"
+        f"{' with a reward spread (DAPO dynamic sampling)' if filtered else ''}, {backend} backend, "
         f"{threads or 'default'} thread{'' if threads == 1 else 's'}; full log: {out / 'train.log'}"
     )

@@ -126,6 +126,9 @@ def test_default_config_composes_with_backend_defaults(tmp_path):
     # the default recipe (docs/recipe.md): 4 prompts x 8 samples at temperature 0.7
     assert cfg["actor_rollout_ref"]["rollout"]["n"] == 8 and cfg["data"]["train_batch_size"] == 4
     assert cfg["actor_rollout_ref"]["rollout"]["temperature"] == 0.7
+    # DAPO's dynamic sampling, bounded (docs/recipe.md, the sixth screen)
+    assert cfg["algorithm"]["filter_groups"]["enable"] is True
+    assert cfg["algorithm"]["filter_groups"]["max_num_gen_batches"] == 16
     assert cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
     assert (tmp_path / "data" / "basic_arithmetic_train.parquet").is_file()
 

@@ -261,6 +261,10 @@ def test_job_line_names_algorithm_model_data_steps_and_the_log(tmp_path):
         "[rl-tpu] GRPO on SmolLM2-135M-Instruct, basic_arithmetic: 12 steps of 4 prompts x 4 samples, cpu backend, "
         f"1 thread; full log: {tmp_path / 'train.log'}"
     )
+    config.algorithm.filter_groups = {"enable": True, "metric": "reward"}
+    assert "12 steps of 4 prompts x 4 samples with a reward spread (DAPO dynamic sampling), cpu backend" in job_line(
+        config, "cpu", 1, tmp_path
+    )
 
 
 def test_no_item_changed_gives_the_rule_of_three_not_a_zero_width_interval():
