@@ -213,6 +213,7 @@ def test_verl_train_cpu_job(jobs, tiny_model, tmp_path):
             "--output-dir",
             str(out),
             f"actor_rollout_ref.model.path={tiny_model}",
+            "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
             "trainer.total_training_steps=1",
             "rl_tpu.train_size=8",
             "rl_tpu.val_size=4",

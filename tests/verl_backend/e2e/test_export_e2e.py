@@ -43,6 +43,7 @@ def run(tmp_path_factory, tiny_model_dir):
         "--export",
         str(bundle),
         f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "trainer.total_training_steps=1",
         "trainer.test_freq=-1",
         "trainer.save_freq=1",

@@ -97,6 +97,7 @@ def test_killed_rollout_then_trainer_actor_resume_from_checkpoint(tmp_path, tiny
         "--max-restarts",
         "2",
         f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=1",
         "trainer.test_freq=-1",
@@ -168,6 +169,7 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_same_command_resumes(tmp
         "--output-dir",
         str(tmp_path),
         f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "trainer.total_training_steps=4",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
@@ -234,6 +236,7 @@ def test_dead_actor_with_no_restart_left_ends_on_a_line_naming_it(tmp_path, tiny
         "--max-restarts",
         "0",
         f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         "trainer.test_freq=-1",

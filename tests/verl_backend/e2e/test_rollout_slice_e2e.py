@@ -61,6 +61,7 @@ def test_trainer_and_rollout_each_reserve_a_slice_and_weights_cross_between_them
         "--max-restarts",
         "0",
         f"actor_rollout_ref.model.path={model}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         f"trainer.total_training_steps={STEPS}",

@@ -50,6 +50,7 @@ def test_separate_async_syncs_through_gloo_and_resumes_after_a_killed_rollout_re
         "--max-restarts",
         "1",
         f"actor_rollout_ref.model.path={model}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "trainer.v1.trainer_mode=separate_async",
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=1",

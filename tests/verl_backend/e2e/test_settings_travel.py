@@ -54,6 +54,7 @@ def _run(cluster, model: Path, out: Path, *settings: str) -> tuple[str, dict]:
         "--max-restarts",
         "0",
         f"actor_rollout_ref.model.path={model}",
+        "algorithm.filter_groups.enable=false",  # as e2e_helpers.TEST_JOB pins it
         "trainer.total_training_steps=1",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
