@@ -238,6 +238,22 @@ def test_ppo_with_a_critic_trains_on_cpu(tmp_path, tiny_model_dir):
         assert m["critic/grad_norm"] > 0
 
 
+def _one_step_no_restart(model_dir) -> tuple[str, ...]:
+    """A job of one step on ``model_dir`` without validation or checkpoints, its failure not retried: for the tests
+    of how a run ends."""
+    return (
+        "--max-restarts",
+        "0",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "rl_tpu.val_size=4",
+        "data.max_response_length=8",
+    )
+
+
 def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_model_dir):
     """VeRL 0.9.1's agent loop logs a failed reward and marks its prompt group failed; the driver then fails in
     the replay buffer ("no materializable trajectories"). ``verl train`` must end on the reward's own line."""
@@ -248,16 +264,8 @@ def test_reward_function_that_raises_in_a_worker_is_one_line(tmp_path, tiny_mode
     )
     proc = verl_train(
         tmp_path / "o",
-        "--max-restarts",
-        "0",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
+        *_one_step_no_restart(tiny_model_dir),
         "rl_tpu.train_size=8",
-        "rl_tpu.val_size=4",
-        "data.max_response_length=8",
         f"reward.custom_reward_function.path={reward}",
         "reward.custom_reward_function.name=compute_score",
         timeout=1200,
@@ -281,16 +289,8 @@ def test_dapo_step_past_max_num_gen_batches_is_one_line(tmp_path, tiny_model_dir
     run ends on one line naming the key."""
     proc = verl_train(
         tmp_path / "o",
-        "--max-restarts",
-        "0",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
+        *_one_step_no_restart(tiny_model_dir),
         "rl_tpu.train_size=16",
-        "rl_tpu.val_size=4",
-        "data.max_response_length=8",
         "algorithm.filter_groups.enable=true",
         "algorithm.filter_groups.metric=reward",
         "algorithm.filter_groups.max_num_gen_batches=2",

@@ -671,15 +671,16 @@ class _Trainer:
         return num_prompts
 
 
-def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
+def _dapo_buffer(trainer: _Trainer, init=None):
+    """VeRL's sync replay buffer with DAPO's filter on and ``trainer``'s refill, built by ``init`` (default: the
+    patched ``ReplayBuffer.__init__``)."""
     import verl  # noqa: F401
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    from verl_backend.errors import BadInputError
-
-    trainer = _Trainer(max_num_gen_batches=3)  # 3 batches of 4 prompts a step: the first and 8 refilled
-    buffer = ReplayBuffer(
+    buffer = ReplayBuffer.__new__(ReplayBuffer)
+    (init or ReplayBuffer.__init__)(
+        buffer,
         "sync",
         OmegaConf.create({}),
         None,
@@ -690,6 +691,16 @@ def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
         train_batch_size=4,
         gen_batch_size=1,
     )
+    return buffer
+
+
+def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from verl_backend.errors import BadInputError
+
+    trainer = _Trainer(max_num_gen_batches=3)  # 3 batches of 4 prompts a step: the first and 8 refilled
+    buffer = _dapo_buffer(trainer)
     assert buffer.refill_fn(4) == 4 and buffer.refill_fn(4) == 4
     with pytest.raises(BadInputError, match=r"max_num_gen_batches=3: step 1 .*algorithm.filter_groups.enable=false"):
         buffer.refill_fn(1)
@@ -698,29 +709,6 @@ def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
     assert buffer.refill_fn(8) == 8
 
     unbounded = _Trainer(max_num_gen_batches=0)  # VeRL's default: no bound, VeRL's own function
-    buffer = ReplayBuffer(
-        "sync",
-        OmegaConf.create({}),
-        None,
-        "drop",
-        OmegaConf.create({}),
-        refill_fn=unbounded._add_prompts_to_generate,
-        filter_groups_metric="reward",
-        train_batch_size=4,
-        gen_batch_size=1,
-    )
-    assert buffer.refill_fn == unbounded._add_prompts_to_generate
-    plain = ReplayBuffer.__new__(ReplayBuffer)  # negative control: VeRL's own __init__ leaves the refill unbounded
-    ReplayBuffer.__init__.__wrapped__(
-        plain,
-        "sync",
-        OmegaConf.create({}),
-        None,
-        "drop",
-        OmegaConf.create({}),
-        refill_fn=_Trainer(3)._add_prompts_to_generate,
-        filter_groups_metric="reward",
-        train_batch_size=4,
-        gen_batch_size=1,
-    )
-    assert plain.refill_fn(100) == 100
+    assert _dapo_buffer(unbounded).refill_fn == unbounded._add_prompts_to_generate
+    plain = _dapo_buffer(_Trainer(3), init=ReplayBuffer.__init__.__wrapped__)  # negative control: VeRL's own
+    assert plain.refill_fn(100) == 100  # __init__ leaves the refill unbounded
