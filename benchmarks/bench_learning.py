@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_grpo_step as step_bench  # noqa: E402  (the memory/CPU sampler and the TRL data conventions)
 import bench_recipe as recipe  # noqa: E402  (the judge and the report set)
 
+from verl_backend.driver.report import GROUPS_REPLACED_KEY  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "learning"
 RESULTS = OUT / "results.jsonl"
@@ -121,8 +123,12 @@ def run_ours(seed: int, timeout_s: float, variant: str = "", overrides: list[str
         data = json.loads(line).get("data", {})
         if "critic/score/mean" in data:
             rewards.append(float(data["critic/score/mean"]))
-    ckpts = {int(p.parts[-3].rsplit("_", 1)[1]): p for p in out.glob("checkpoints/global_step_*/actor/huggingface")}
-    return {"wall_s": wall, "memory": memory, "rewards": rewards}, ckpts
+    return {"wall_s": wall, "memory": memory, "rewards": rewards}, hf_checkpoints(out)
+
+
+def hf_checkpoints(out: Path) -> dict[int, Path]:
+    """A project run's Hugging Face checkpoints: step -> ``checkpoints/global_step_<step>/actor/huggingface``."""
+    return {int(p.parts[-3].rsplit("_", 1)[1]): p for p in out.glob("checkpoints/global_step_*/actor/huggingface")}
 
 
 def run_trl(
@@ -347,11 +353,7 @@ def cmd_judge(args) -> None:
         sys.exit(f"no recorded row of ours {args.variant or '(default)'} seed {args.seed}: use 'run' instead")
     known = {r["step"] for r in rows}
     out = run_dir(args.variant, args.seed)
-    ckpts = {
-        int(p.parts[-3].rsplit("_", 1)[1]): p
-        for p in out.glob("checkpoints/global_step_*/actor/huggingface")
-        if int(p.parts[-3].rsplit("_", 1)[1]) not in known
-    }
+    ckpts = {step: path for step, path in hf_checkpoints(out).items() if step not in known}
     if not ckpts:
         sys.exit(f"every checkpoint in {out}/checkpoints has a row already")
     last = rows[-1]
@@ -438,7 +440,7 @@ def groups_with_spread(run: Path) -> float:
     metrics = run / "metrics.jsonl"
     for line in metrics.read_text().splitlines() if metrics.exists() else []:
         data = json.loads(line).get("data", {})
-        evicted = int(data.get("training/filter_groups/evicted_samples", 0))
+        evicted = int(data.get(GROUPS_REPLACED_KEY, 0))
         surplus = int(data.get("training/filter_groups/discarded_surplus_samples", 0))
         spread += surplus
         total += evicted + surplus

@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from verl_backend.driver.report import RUNNING_MEAN_STEPS, lenient_correct, strict_correct
+from verl_backend.driver.report import GROUPS_REPLACED_KEY, RUNNING_MEAN_STEPS, lenient_correct, strict_correct
 
 MAX_LINES = 60  # what the default job may print when nothing fails
 ERROR_LOOKING = re.compile(r"(?i)error|fail|traceback|exception")
@@ -311,8 +311,8 @@ def step_line(
     parts = [f"step {step}/{total}" if total else f"step {step}", reward]
     if accuracy is not None:
         parts.append(f"accuracy strict {100 * accuracy[0]:.1f}% lenient {100 * accuracy[1]:.1f}%")
-    if isinstance(data.get("training/filter_groups/evicted_samples"), (int, float)):
-        parts.append(f"{int(data['training/filter_groups/evicted_samples'])} groups without a reward spread replaced")
+    if isinstance(data.get(GROUPS_REPLACED_KEY), (int, float)):
+        parts.append(f"{int(data[GROUPS_REPLACED_KEY])} groups without a reward spread replaced")
     if isinstance(data.get("response_length/mean"), (int, float)):
         parts.append(f"response {float(data['response_length/mean']):.0f} tokens")
     if isinstance(data.get("timing_s/step"), (int, float)):

@@ -51,6 +51,11 @@ def _val_strict(data: dict) -> float | None:
 RUNNING_MEAN_STEPS = 4
 
 
+#: VeRL 0.9.1's per-step count of the groups DAPO's dynamic sampling replaced for having no reward spread (a count
+#: of groups despite its name; ``verl/trainer/ppo/v1/replay_buffer.py``)
+GROUPS_REPLACED_KEY = "training/filter_groups/evicted_samples"
+
+
 def running_mean(values: list[float], window: int = RUNNING_MEAN_STEPS) -> list[float]:
     """The mean of each value with the ``window - 1`` before it (fewer at the start): the reward curve a person
     reads, where one step's mean over a few prompts is mostly which prompts were drawn."""
@@ -76,9 +81,9 @@ def summarize(rows: list[dict]) -> dict:
     ]
     smooth = running_mean([v for _, v in curve])
     replaced = [
-        (r["step"], int(r["data"]["training/filter_groups/evicted_samples"]))
+        (r["step"], int(r["data"][GROUPS_REPLACED_KEY]))
         for r in rows
-        if isinstance(r["data"].get("training/filter_groups/evicted_samples"), (int, float))
+        if isinstance(r["data"].get(GROUPS_REPLACED_KEY), (int, float))
     ]
     return {
         "val_accuracy_before": vals[0][1] if vals else None,
