@@ -24,7 +24,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from verl_backend.driver.report import GROUPS_REPLACED_KEY, RUNNING_MEAN_STEPS, lenient_correct, strict_correct
+from verl_backend.driver.report import (
+    GROUPS_REPLACED_KEY,
+    KEPT_GROUPS_KEY,
+    RUNNING_MEAN_STEPS,
+    graded_reward,
+    lenient_correct,
+    strict_correct,
+)
 
 MAX_LINES = 60  # what the default job may print when nothing fails
 ERROR_LOOKING = re.compile(r"(?i)error|fail|traceback|exception")
@@ -231,7 +238,7 @@ class StepLines:
         self._path, self._total, self._say, self._poll = Path(metrics), int(total_steps or 0), say, poll_s
         self._rollouts = Path(rollouts) if rollouts else None
         self._offset = self._path.stat().st_size if self._path.is_file() else 0  # a resumed run's earlier steps
-        self._rewards: dict[int, float] = {}  # step -> its mean reward, for the running mean
+        self._rewards: dict[int, float] = {}  # step -> its reward (all groups graded, under DAPO): the running mean
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rl-tpu-steps")
 
@@ -265,7 +272,9 @@ class StepLines:
             except ValueError:
                 continue
             step, data = int(row.get("step", 0)), row.get("data") or {}
-            if isinstance(data.get("critic/score/mean"), (int, float)):
+            if (graded := graded_reward(data)) is not None:
+                self._rewards[step] = graded[0]
+            elif isinstance(data.get("critic/score/mean"), (int, float)):
                 self._rewards[step] = float(data["critic/score/mean"])
             recent = [self._rewards[s] for s in sorted(self._rewards) if s <= step][-RUNNING_MEAN_STEPS:]
             line = step_line(
@@ -298,17 +307,26 @@ def step_line(
 ) -> str | None:
     """``[rl-tpu] step 3/12 | reward 0.312 (4-step mean 0.405) | accuracy strict 12.5% lenient 40.6% | response 41
     tokens | 38.2 s/step`` for a training step's metrics: ``accuracy`` is ``(strict, lenient)`` shares of the step's
-    samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps. With
-    DAPO's dynamic sampling (``algorithm.filter_groups.enable=true``) the reward and accuracy are those of the groups
-    trained on, so the line also gives how many groups VeRL replaced for having no reward spread
-    (``training/filter_groups/evicted_samples``, a count of groups despite its name). ``None`` for a row without
-    training metrics (a validation-only row)."""
+    samples, ``reward_mean`` the running mean of the reward over the last :data:`RUNNING_MEAN_STEPS` steps.
+
+    With DAPO's dynamic sampling (``algorithm.filter_groups.enable=true``) VeRL's reward and the accuracy are those of
+    the groups trained on, which have a reward spread by construction. On the reward
+    (``algorithm.filter_groups.metric=reward``) the line gives the reward of every group graded beside it, and
+    ``reward_mean`` is then that reward's running mean: ``reward 0.531 of 4 groups trained on | reward 0.688 of all 9
+    graded (4-step mean 0.602) | ... | 5 groups without a reward spread replaced`` (the count is VeRL's
+    ``training/filter_groups/evicted_samples``, groups despite its name). ``None`` for a row without training metrics
+    (a validation-only row)."""
     if "critic/score/mean" not in data:
         return None
     reward = f"reward {float(data['critic/score/mean']):.3f}"
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    if (graded := graded_reward(data)) is not None:
+        kept = int(data[KEPT_GROUPS_KEY])
+        parts.append(f"{reward} of {kept} group{'' if kept == 1 else 's'} trained on")
+        reward = f"reward {graded[0]:.3f} of all {graded[1]} graded"
     if reward_mean is not None:
         reward += f" ({RUNNING_MEAN_STEPS}-step mean {reward_mean:.3f})"
-    parts = [f"step {step}/{total}" if total else f"step {step}", reward]
+    parts.append(reward)
     if accuracy is not None:
         parts.append(f"accuracy strict {100 * accuracy[0]:.1f}% lenient {100 * accuracy[1]:.1f}%")
     if isinstance(data.get(GROUPS_REPLACED_KEY), (int, float)):

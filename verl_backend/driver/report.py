@@ -7,6 +7,8 @@ import math
 import re
 from pathlib import Path
 
+from verl_backend.patches.verl import KEPT_GROUPS_KEY, REPLACED_GROUPS_KEY, REPLACED_SCORE_SUM_KEY
+
 
 def read_metrics(path: Path) -> list[dict]:
     """Rows ``{"step": int, "data": {metric: value}}`` from VeRL's file logger (JSONL), one per step;
@@ -65,13 +67,29 @@ def running_mean(values: list[float], window: int = RUNNING_MEAN_STEPS) -> list[
     ]
 
 
+def graded_reward(data: dict) -> tuple[float, int] | None:
+    """``(reward, groups)``: the mean score of every group a DAPO step graded, the groups trained on (VeRL's
+    ``critic/score/mean`` over ``rl_tpu/filter_groups/kept_groups_total`` groups) and the groups replaced for having no
+    reward spread (their scores summed in ``rl_tpu/filter_groups/replaced_score_sum``;
+    :func:`verl_backend.patches.verl.graded_group_metrics`), each group weighted alike (every group has
+    ``rollout.n`` samples). The learning curve under DAPO's dynamic sampling, where the kept groups' reward stays near
+    the middle by construction. ``None`` for a step without those metrics (DAPO off, or filtering on another metric).
+    """
+    kept, replaced, total = (data.get(k) for k in (KEPT_GROUPS_KEY, REPLACED_GROUPS_KEY, REPLACED_SCORE_SUM_KEY))
+    score = data.get("critic/score/mean")
+    if not all(isinstance(v, (int, float)) for v in (kept, replaced, total, score)) or kept + replaced <= 0:
+        return None
+    return (float(score) * kept + float(total)) / (kept + replaced), int(kept + replaced)
+
+
 def summarize(rows: list[dict]) -> dict:
     """Validation accuracy before (first validation) and after (last), lenient (VeRL's core ``acc``, else the reward's
     mean) and strict where the reward function reports ``acc_strict``; the reward curve with its running mean
     (:data:`RUNNING_MEAN_STEPS` steps); the step count; and, under DAPO's dynamic sampling
     (``algorithm.filter_groups.enable=true``), each step's count of groups VeRL replaced for having no reward spread
     (``training/filter_groups/evicted_samples``): the curve is then the reward of the groups trained on, which a
-    rising share of all-right groups does not lift."""
+    rising share of all-right groups does not lift, so the reward of every group graded (:func:`graded_reward`) and
+    its running mean are given beside it."""
     vals = [(r["step"], _val_accuracy(r["data"])) for r in rows if _val_accuracy(r["data"]) is not None]
     strict = [(r["step"], _val_strict(r["data"])) for r in rows if _val_strict(r["data"]) is not None]
     curve = [
@@ -85,6 +103,7 @@ def summarize(rows: list[dict]) -> dict:
         for r in rows
         if isinstance(r["data"].get(GROUPS_REPLACED_KEY), (int, float))
     ]
+    graded = [(r["step"], g[0]) for r in rows if (g := graded_reward(r["data"])) is not None]
     return {
         "val_accuracy_before": vals[0][1] if vals else None,
         "val_accuracy_after": vals[-1][1] if len(vals) > 1 else None,
@@ -94,6 +113,8 @@ def summarize(rows: list[dict]) -> dict:
         "train_reward_running_mean": [(s, m) for (s, _), m in zip(curve, smooth)],
         "training_steps": max((s for s, _ in curve), default=0),
         "groups_replaced_no_spread": replaced,
+        "graded_reward_curve": graded,
+        "graded_reward_running_mean": [(s, m) for (s, _), m in zip(graded, running_mean([v for _, v in graded]))],
     }
 
 
@@ -109,9 +130,15 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     steps, rewards = zip(*summary["train_reward_curve"])
-    trained_on = " of the groups trained on" if summary.get("groups_replaced_no_spread") else ""
+    graded = summary.get("graded_reward_curve")
+    trained_on = " of the groups trained on" if graded or summary.get("groups_replaced_no_spread") else ""
     ax.plot(steps, rewards, marker="o", linestyle="none", alpha=0.4, label=f"train reward{trained_on}, each step")
-    if summary.get("train_reward_running_mean"):
+    if graded:  # under DAPO: the kept groups' reward sits near the middle; the learning shows in all groups graded
+        gs, gv = zip(*graded)
+        ax.plot(gs, gv, marker="x", linestyle="none", alpha=0.5, label="train reward of all groups graded, each step")
+        ms, mv = zip(*summary["graded_reward_running_mean"])
+        ax.plot(ms, mv, linewidth=2, label=f"train reward of all groups graded, mean of {RUNNING_MEAN_STEPS} steps")
+    elif summary.get("train_reward_running_mean"):
         ms, mv = zip(*summary["train_reward_running_mean"])
         ax.plot(ms, mv, linewidth=2, label=f"train reward{trained_on}, mean of {RUNNING_MEAN_STEPS} steps")
     if summary["val_points"]:
@@ -124,7 +151,7 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -267,6 +294,19 @@ def accuracy_lines(summary: dict) -> list[str]:
     ]
 
 
+def graded_reward_line(summary: dict) -> list[str]:
+    """Under DAPO's dynamic sampling on the reward, one line: the reward of every group graded (:func:`graded_reward`)
+    over the first :data:`RUNNING_MEAN_STEPS` steps against the last as many; none for a shorter run or without it."""
+    graded = [v for _, v in summary.get("graded_reward_curve") or []]
+    if len(graded) < 2 * RUNNING_MEAN_STEPS:
+        return []
+    first, last = graded[:RUNNING_MEAN_STEPS], graded[-RUNNING_MEAN_STEPS:]
+    return [
+        f"[rl-tpu] train reward of all groups graded (trained on or replaced): first {RUNNING_MEAN_STEPS} steps "
+        f"{sum(first) / len(first):.3f} -> last {RUNNING_MEAN_STEPS} steps {sum(last) / len(last):.3f}"
+    ]
+
+
 def write_report(out: Path, wall_s: float, validation_dir: Path | None = None) -> str:
     """Write ``summary.json`` and ``reward_curve.png`` into ``out``; return the text printed to the user.
     ``validation_dir``: VeRL's per-item validation dumps (``trainer.validation_data_dir``) for the paired
@@ -289,6 +329,7 @@ def write_report(out: Path, wall_s: float, validation_dir: Path | None = None) -
             if (replaced := sum(n for _, n in summary["groups_replaced_no_spread"]))
             else ""
         ),
+        *graded_reward_line(summary),
         *accuracy_lines(summary),
         f"[rl-tpu] output folder: {out}",
         f"[rl-tpu]   metrics:     {out / 'metrics.jsonl'}  (TensorBoard: {out / 'tensorboard'})",

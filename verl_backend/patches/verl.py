@@ -17,6 +17,16 @@ VERSIONS = "==0.9.1"  # the VeRL release these patches were written against and 
 NATIVE_ROLLOUT = "verl_backend.rollout.adapter.NativeServerAdapter"
 REPLAY_POLL_S = 0.2
 
+#: Per-step metrics this module adds under DAPO's dynamic sampling on the reward
+#: (``algorithm.filter_groups.metric=reward``, :func:`graded_group_metrics`): the groups trained on, the groups replaced
+#: for having no reward spread, and the sum of the replaced groups' scores (one score a group: its samples all score
+#: alike). With VeRL's ``critic/score/mean`` of the groups trained on they give the reward of every group the step
+#: graded (:func:`verl_backend.driver.report.graded_reward`). "total"/"sum" in the names make VeRL's
+#: ``MetricsAggregator`` add them up over a step's sampling rounds.
+KEPT_GROUPS_KEY = "rl_tpu/filter_groups/kept_groups_total"
+REPLACED_GROUPS_KEY = "rl_tpu/filter_groups/replaced_groups_total"
+REPLACED_SCORE_SUM_KEY = "rl_tpu/filter_groups/replaced_score_sum"
+
 #: rl-tpu features that two patched VeRL methods run, by name: ``resource_pools(manager)`` after
 #: ``ResourcePoolManager.create_resource_pool``, ``step_begin(trainer)`` in ``PPOTrainer.on_step_begin``. The plugin
 #: (:mod:`verl_backend.workers.plugin`, the floor above that owns them) hands them over through
@@ -124,8 +134,37 @@ def _replay_buffer_init(original):
         self.poll_interval = min(float(self.poll_interval), REPLAY_POLL_S)
         if self.filter_groups_metric is not None and self.refill_fn is not None:
             self.refill_fn = bounded_refill(self.refill_fn)
+        from verl.trainer.ppo.v1 import replay_buffer
+
+        if self.filter_groups_metric == replay_buffer.FILTER_GROUPS_REWARD_METRIC:
+            self.sample = graded_group_metrics(self.sample, replay_buffer.DAPO_FILTERED_REWARD_COUNTS_KEY)
 
     return __init__
+
+
+def graded_group_metrics(sample: Callable, counts_key: str) -> Callable:
+    """``sample`` (VeRL 0.9.1's ``ReplayBuffer.sample``, bound) whose training metrics also count the groups the step
+    graded, so the reward of all of them can be plotted: under DAPO's dynamic sampling ``critic/score/mean`` is the
+    mean over the groups kept for having a reward spread, which stays near the middle while the model learns; the
+    groups it replaced (all samples right, or all wrong) show the learning, and VeRL passes their scores only to a
+    wandb table (``DapoFilteredRewardTableLogger``; other loggers drop them).
+
+    Adds :data:`KEPT_GROUPS_KEY` (``batch_size``, groups), :data:`REPLACED_GROUPS_KEY` (groups) and
+    :data:`REPLACED_SCORE_SUM_KEY` (the sum of each replaced group's shared score) to the metrics of a ``"train"``
+    sample, from VeRL's ``{shared score: group count}`` diagnostic under ``counts_key``. Groups sampled beyond the
+    step's batch (VeRL's ``discarded_surplus_samples``) are graded by no one and counted nowhere here.
+    """
+
+    def sample_counting(global_steps: int, partition_id: str, batch_size: int):
+        batch, metrics = sample(global_steps=global_steps, partition_id=partition_id, batch_size=batch_size)
+        if partition_id != "val":
+            counts = metrics.get(counts_key) or {}
+            metrics[KEPT_GROUPS_KEY] = int(batch_size)
+            metrics[REPLACED_GROUPS_KEY] = int(sum(int(n) for n in counts.values()))
+            metrics[REPLACED_SCORE_SUM_KEY] = float(sum(float(v) * int(n) for v, n in counts.items()))
+        return batch, metrics
+
+    return sample_counting
 
 
 def bounded_refill(refill_fn: Callable[[int], int]) -> Callable[[int], int]:

@@ -80,6 +80,20 @@ def test_step_line():
     assert step_line(1, dapo, 2) == (
         "[rl-tpu] step 1/2 | reward 0.250 | 3 groups without a reward spread replaced | response 12 tokens | 3.1 s/step"
     )
+    # ... and on the reward, the reward of every group graded beside the kept groups': 4 kept at 0.25, 2 all right
+    # and 1 all wrong replaced: (4 * 0.25 + 2) / 7
+    graded = dict(
+        dapo,
+        **{
+            "rl_tpu/filter_groups/kept_groups_total": 4,
+            "rl_tpu/filter_groups/replaced_groups_total": 3,
+            "rl_tpu/filter_groups/replaced_score_sum": 2.0,
+        },
+    )
+    assert step_line(1, graded, 2, reward_mean=0.5) == (
+        "[rl-tpu] step 1/2 | reward 0.250 of 4 groups trained on | reward 0.429 of all 7 graded (4-step mean 0.500)"
+        " | 3 groups without a reward spread replaced | response 12 tokens | 3.1 s/step"
+    )
 
 
 def test_step_lines_read_strict_and_lenient_apart_from_the_reward_and_a_running_mean(tmp_path):
@@ -219,6 +233,38 @@ def test_summary_keeps_strict_apart_and_smooths_the_reward_curve():
     assert summary["groups_replaced_no_spread"] == []
     rows[2]["data"]["training/filter_groups/evicted_samples"] = 3.0  # DAPO's dynamic sampling replaced 3 groups
     assert summarize(rows)["groups_replaced_no_spread"] == [(2, 3)]
+    assert summarize(rows)["graded_reward_curve"] == []  # no counts of the groups graded: no curve of them
+
+
+def test_under_dapo_the_curve_and_last_lines_show_the_reward_of_all_groups_graded(tmp_path):
+    """DAPO keeps groups with a reward spread, so their reward stays near the middle while the share of all-right
+    groups it replaces grows: the summary, the plot and the run's last lines give the reward of all groups graded."""
+    from verl_backend.driver.report import graded_reward_line, plot_reward_curve, summarize
+
+    rows = []
+    for step in range(1, 9):  # 4 groups kept at 0.5 each step; step s also replaced s-1 all-right groups, 1 all-wrong
+        rows.append(
+            {
+                "step": step,
+                "data": {
+                    "critic/score/mean": 0.5,
+                    "training/filter_groups/evicted_samples": float(step),
+                    "rl_tpu/filter_groups/kept_groups_total": 4,
+                    "rl_tpu/filter_groups/replaced_groups_total": step,
+                    "rl_tpu/filter_groups/replaced_score_sum": float(step - 1),
+                },
+            }
+        )
+    summary = summarize(rows)
+    graded = [round(v, 3) for _, v in summary["graded_reward_curve"]]
+    assert graded == [round((2 + s - 1) / (4 + s), 3) for s in range(1, 9)] and graded[0] < graded[-1]
+    assert [v for _, v in summary["train_reward_curve"]] == [0.5] * 8  # flat: what DAPO keeps
+    assert len(summary["graded_reward_running_mean"]) == 8
+    line = graded_reward_line(summary)[0]
+    first, last = sum(graded[:4]) / 4, sum(graded[4:]) / 4
+    assert f"first 4 steps {first:.3f} -> last 4 steps {last:.3f}" in line, line
+    assert graded_reward_line(summarize(rows[:7])) == []  # too short for two windows apart
+    assert plot_reward_curve(summary, tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_paired_difference_matches_a_t_interval():

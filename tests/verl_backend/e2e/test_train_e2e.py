@@ -17,6 +17,9 @@ import torch
 import yaml
 from e2e_helpers import train_rows, verl_train, write_reward
 
+from verl_backend.driver.report import GROUPS_REPLACED_KEY
+from verl_backend.patches.verl import KEPT_GROUPS_KEY, REPLACED_GROUPS_KEY, REPLACED_SCORE_SUM_KEY
+
 pytestmark = pytest.mark.slow
 
 
@@ -303,12 +306,22 @@ def test_dapo_step_past_max_num_gen_batches_is_one_line(tmp_path, tiny_model_dir
     assert "algorithm.filter_groups.max_num_gen_batches=2: step 1 has generated 2 batches" in lines[0], lines[0]
 
 
+# a reward of 0 or 1 (an even length): with 2 samples a prompt about half the groups tie, all right or all wrong
+PARITY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    right = float(len(solution_str) % 2 == 0)
+    return {"score": right, "acc": right, "acc_strict": 0.0}
+"""
+
+
 def test_dapo_dynamic_sampling_trains_only_on_groups_with_a_spread(tmp_path, tiny_model_dir):
-    """``algorithm.filter_groups.enable=true`` on the CPU backend: VeRL's V1 replay buffer replaces each group whose
-    samples' ``acc`` are all equal (2 samples of the length reward's ``acc``, an even length: half the groups tie), so
-    every group in a step's rollout dump has both values, the step line says how many groups were replaced, and
-    ``summary.json`` counts them as ``metrics.jsonl`` does."""
+    """``algorithm.filter_groups.enable=true`` on the CPU backend, filtering on the reward as the default job does:
+    VeRL's V1 replay buffer replaces each group whose 2 samples score alike (the parity reward: half the groups tie),
+    so every group in a step's rollout dump has both scores; the step line says how many groups were replaced and the
+    reward of all groups graded; ``summary.json`` counts them as ``metrics.jsonl`` does."""
     out = tmp_path / "o"
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
     proc = verl_train(
         out,
         f"actor_rollout_ref.model.path={tiny_model_dir}",
@@ -321,9 +334,10 @@ def test_dapo_dynamic_sampling_trains_only_on_groups_with_a_spread(tmp_path, tin
         "data.max_response_length=16",
         "actor_rollout_ref.rollout.n=2",
         "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.metric=reward",
         "algorithm.filter_groups.max_num_gen_batches=16",
-        *write_reward(tmp_path, accuracy=True),
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
         default_console=True,
     )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
@@ -333,13 +347,22 @@ def test_dapo_dynamic_sampling_trains_only_on_groups_with_a_spread(tmp_path, tin
             row = json.loads(line)
             groups.setdefault(row["input"], set()).add(row["acc"])
         assert groups and all(accs == {0.0, 1.0} for accs in groups.values()), (step, groups)
-    replaced = {
-        r["step"]: int(r["data"]["training/filter_groups/evicted_samples"])
-        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if "training/filter_groups/evicted_samples" in r["data"]
-    }
+    rows = {r["step"]: r["data"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    replaced = {s: int(d[GROUPS_REPLACED_KEY]) for s, d in rows.items() if GROUPS_REPLACED_KEY in d}
     summary = json.loads((out / "summary.json").read_text())
     assert dict(summary["groups_replaced_no_spread"]) == replaced
-    for step, count in replaced.items():
+    for step in (1, 2):
+        data = rows[step]
+        kept, graded = int(data[KEPT_GROUPS_KEY]), int(data[REPLACED_GROUPS_KEY])
+        assert graded == replaced.get(step, 0)  # VeRL's count of the groups it replaced, and ours
+        assert 0 <= data[REPLACED_SCORE_SUM_KEY] <= graded and data[REPLACED_SCORE_SUM_KEY] == int(
+            data[REPLACED_SCORE_SUM_KEY]
+        )
+        # the groups trained on all have a spread of 0 and 1: their mean score is 0.5, what DAPO's filter keeps
+        assert data["critic/score/mean"] == 0.5
         line = next(l for l in proc.stdout.splitlines() if l.startswith(f"[rl-tpu] step {step}/2 "))
-        assert f"{count} groups without a reward spread replaced" in line, line
+        assert f"reward 0.500 of {kept} groups trained on | reward " in line, line
+        assert f" of all {kept + graded} graded" in line, line
+        if graded:
+            assert f"{graded} groups without a reward spread replaced" in line, line
+    assert [s for s, _ in summary["graded_reward_curve"]] == [1, 2]

@@ -671,7 +671,7 @@ class _Trainer:
         return num_prompts
 
 
-def _dapo_buffer(trainer: _Trainer, init=None):
+def _dapo_buffer(trainer: _Trainer, init=None, filter_metric: str = "reward"):
     """VeRL's sync replay buffer with DAPO's filter on and ``trainer``'s refill, built by ``init`` (default: the
     patched ``ReplayBuffer.__init__``)."""
     import verl  # noqa: F401
@@ -687,7 +687,7 @@ def _dapo_buffer(trainer: _Trainer, init=None):
         "drop",
         OmegaConf.create({}),
         refill_fn=trainer._add_prompts_to_generate,
-        filter_groups_metric="reward",
+        filter_groups_metric=filter_metric,
         train_batch_size=4,
         gen_batch_size=1,
     )
@@ -712,3 +712,39 @@ def test_dapo_refill_is_bounded_by_max_num_gen_batches_which_v1_ignores():
     assert _dapo_buffer(unbounded).refill_fn == unbounded._add_prompts_to_generate
     plain = _dapo_buffer(_Trainer(3), init=ReplayBuffer.__init__.__wrapped__)  # negative control: VeRL's own
     assert plain.refill_fn(100) == 100  # __init__ leaves the refill unbounded
+
+
+def test_dapo_sample_counts_every_group_graded_and_verls_aggregator_adds_them_up():
+    """Under DAPO on the reward the patched buffer's ``sample`` adds the groups trained on, the groups replaced and
+    their scores (which VeRL hands only to a wandb table); VeRL's own ``MetricsAggregator`` sums them over a step's
+    sampling rounds, by their names. Control: filtering on another metric leaves ``sample`` VeRL's own."""
+    from verl.trainer.ppo.v1.replay_buffer import DAPO_FILTERED_REWARD_COUNTS_KEY
+    from verl.trainer.ppo.v1.utils import MetricsAggregator
+
+    from verl_backend.driver.report import graded_reward
+    from verl_backend.patches import verl as verl_patches
+
+    rounds = iter([{DAPO_FILTERED_REWARD_COUNTS_KEY: {1.0: 3, 0.0: 2}}, {}, {}])  # 3 groups all right, 2 all wrong
+
+    def sample(global_steps, partition_id, batch_size):
+        return "batch", dict(next(rounds))
+
+    counting = verl_patches.graded_group_metrics(sample, DAPO_FILTERED_REWARD_COUNTS_KEY)
+    aggregator = MetricsAggregator()
+    for _ in range(2):  # two sampling rounds of 2 groups each (trainer.parameter_sync_step=2)
+        batch, metrics = counting(global_steps=1, partition_id="train", batch_size=2)
+        assert batch == "batch"
+        metrics.pop(DAPO_FILTERED_REWARD_COUNTS_KEY, None)
+        aggregator.add_step_metrics(metrics, sample_count=16)
+    step = aggregator.get_aggregated_metrics()
+    assert step[verl_patches.KEPT_GROUPS_KEY] == 4 and step[verl_patches.REPLACED_GROUPS_KEY] == 5
+    assert step[verl_patches.REPLACED_SCORE_SUM_KEY] == 3.0
+    # the 4 groups trained on averaged 0.5: (4 * 0.5 + 3) / 9 over all 9 groups graded
+    assert graded_reward(dict(step, **{"critic/score/mean": 0.5})) == (pytest.approx(5 / 9), 9)
+    assert graded_reward({"critic/score/mean": 0.5}) is None  # DAPO off
+    assert counting(global_steps=1, partition_id="val", batch_size=2) == ("batch", {})  # validation: nothing added
+
+    buffer = _dapo_buffer(_Trainer(3))
+    assert buffer.sample.__name__ == "sample_counting"
+    on_acc = _dapo_buffer(_Trainer(3), filter_metric="acc")  # control: the metric is not the reward
+    assert on_acc.sample.__func__.__qualname__.endswith("ReplayBuffer.sample")
