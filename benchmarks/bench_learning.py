@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_grpo_step as step_bench  # noqa: E402  (the memory/CPU sampler and the TRL data conventions)
 import bench_recipe as recipe  # noqa: E402  (the judge and the report set)
 
-from verl_backend.driver.report import GROUPS_REPLACED_KEY  # noqa: E402
+from verl_backend.driver.report import GROUPS_REPLACED_KEY, read_metrics, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "learning"
@@ -410,9 +410,13 @@ def cmd_table(_args) -> None:
         )
     print(
         "\nthe signal a run trained on: the share of its groups (a prompt's 8 samples) whose rewards differ, the only "
-        "ones GRPO learns from, and the train reward's least-squares slope over its steps"
+        "ones GRPO learns from, and the train reward's least-squares slope over its steps (under DAPO's dynamic "
+        "sampling: of the groups trained on, and of all groups graded, kept or replaced)"
     )
-    print(f"{'run':<14} {'seed':>4} {'Δ lenient, last':>15} {'groups with spread':>18} {'reward slope /step':>18}")
+    print(
+        f"{'run':<14} {'seed':>4} {'Δ lenient, last':>15} {'groups with spread':>18} {'reward slope /step':>18} "
+        f"{'all graded, slope':>17}"
+    )
     for r in sorted(
         (r for r in rows if r["framework"] == "ours" and r["step"] == STEPS),
         key=lambda r: (r.get("variant", ""), r["seed"]),
@@ -422,8 +426,11 @@ def cmd_table(_args) -> None:
         variant = r.get("variant", "")
         share = groups_with_spread(run_dir(variant, r["seed"]))
         slope = recipe.reward_slope([r])[0]
+        graded = summarize(read_metrics(run_dir(variant, r["seed"]) / "metrics.jsonl"))["graded_reward_curve"]
+        graded_slope = recipe.reward_slope([{"rewards": [v for _, v in graded]}])[0]
         label = f"ours {variant}" if variant else "ours"
-        print(f"{label:<14} {r['seed']:>4} {dl:+15.1f} {100 * share:17.1f}% {slope:+18.4f}")
+        all_graded = f"{graded_slope:+17.4f}" if math.isfinite(graded_slope) else f"{'n/a':>17}"
+        print(f"{label:<14} {r['seed']:>4} {dl:+15.1f} {100 * share:17.1f}% {slope:+18.4f} {all_graded}")
     plot([r for r in rows if not r.get("variant")], base)
 
 
