@@ -128,7 +128,7 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 5.2))
     steps, rewards = zip(*summary["train_reward_curve"])
     graded = summary.get("graded_reward_curve")
     trained_on = " of the groups trained on" if graded or summary.get("groups_replaced_no_spread") else ""
@@ -151,7 +151,8 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    # below the axes: inside them it covers the points of a curve that crosses the middle
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
