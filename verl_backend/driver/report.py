@@ -152,7 +152,7 @@ def plot_reward_curve(summary: dict, path: Path) -> Path | None:
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     # below the axes: inside them it covers the points of a curve that crosses the middle
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
